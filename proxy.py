@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 from fastapi import Depends, FastAPI, HTTPException, Query, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
@@ -166,6 +167,13 @@ async def lifespan(app: FastAPI):
 
 
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan)
+
+
+@app.exception_handler(RequestValidationError)
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # field path + message, without echoing the input (it may hold NaN, which JSON cannot carry)
+    return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]},
+                        status_code=422)
 
 
 @app.middleware("http")

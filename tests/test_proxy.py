@@ -153,10 +153,29 @@ BAD = [  # (what, body, expected status, text the answer must contain)
 ]
 
 
-@pytest.mark.parametrize("what,body,status,needle", BAD, ids=[b[0] for b in BAD])
-def test_bad_groups_get_4xx_and_change_nothing(start_proxy, what, body, status, needle):
-    p = start_proxy("--group-size", "4", "--max-prompt-tokens", "4096", use_bucket=False)
+@pytest.fixture(scope="module")
+def shared_proxy(s3_env, tmp_path_factory):
+    """One proxy for all the bad-input cases (each checks that /v1/stats did not move)."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+
+    from conftest import ROOT, ProxyProc, free_port, stop, wait_http
+    port, token = free_port(), secrets.token_urlsafe(16)
+    log = open(tmp_path_factory.mktemp("proxy") / "proxy.log", "w")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4",
+                             "--no-use-bucket"], env={**os.environ, "PROXY_TOKEN": token}, stdout=log, stderr=log)
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    p = ProxyProc(f"http://127.0.0.1:{port}", token, proc)
     p.http.post("/v1/groups", json=group())
+    yield p
+    stop(proc)
+
+
+@pytest.mark.parametrize("what,body,status,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_groups_get_4xx_and_change_nothing(shared_proxy, what, body, status, needle):
+    p = shared_proxy
     before = p.stats()
     if what == "NaN logprob":
         raw = '{"group_id":"%s","worker_id":"w","policy_version":0,"prompt_ids":[1],"completions":[%s],"meta":{}}'
