@@ -12,9 +12,13 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=()
+# local default: a buffer of two batches, so a worker that runs ahead waits (rollout/backpressure_s)
+# instead of filling the buffer with groups that would be 3 versions stale by the time they're trained
+EXTRA_PROXY=(--max-buffer 16)
 usage() { sed -n '2,11p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
+         --proxy-arg ARG (passed to proxy.py; local default --max-buffer 16)
 EOF
 }
 while [ $# -gt 0 ]; do
@@ -26,6 +30,7 @@ while [ $# -gt 0 ]; do
     --run) RUN="$2"; shift ;;
     --train-arg) EXTRA_TRAIN+=("$2"); shift ;;
     --rollout-arg) EXTRA_ROLLOUT+=("$2"); shift ;;
+    --proxy-arg) EXTRA_PROXY+=("$2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -84,7 +89,7 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
-"$PY" proxy.py --port "$P_PORT" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+"$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
 wait_http "$PROXY_URL/health" 30 "$!"
 for i in $(seq 1 "$WORKERS"); do
   "$PY" rollout.py --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
