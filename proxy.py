@@ -397,7 +397,8 @@ if __name__ == "__main__":
     import tyro
     import uvicorn
 
-    ARGS = tyro.cli(Args)
+    from common import script_args  # drops the common.py that HF Jobs ships in argv
+    ARGS = tyro.cli(Args, args=script_args())
     if not ARGS.token and not _is_loopback(ARGS.host):
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
     uvicorn.run(app, host=ARGS.host, port=ARGS.port, log_level="warning")

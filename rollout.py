@@ -2,7 +2,7 @@
 # requires-python = ">=3.10"
 # dependencies = [
 #   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
-#   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10",
+#   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
 # ]
 # ///
 """A rollout worker: pulls the newest LoRA adapter from the bucket, hot-loads it without
@@ -257,4 +257,5 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     import tyro
-    main(tyro.cli(Args))
+    from common import script_args  # drops the common.py that HF Jobs ships in argv
+    main(tyro.cli(Args, args=script_args()))

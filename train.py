@@ -219,4 +219,5 @@ def main(args: Args) -> None:
 
 if __name__ == "__main__":
     import tyro
-    main(tyro.cli(Args))
+    from common import script_args  # drops the common.py that HF Jobs ships in argv
+    main(tyro.cli(Args, args=script_args()))

@@ -1,0 +1,148 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
+#   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
+# ]
+# ///
+"""Greedy accuracy of published adapter versions on a task's held-out split, written to the bucket
+next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accuracy-per-version curve.
+
+    python evaluate.py --version 0                        # the base model (version 0) on addition's held-out sums
+    python evaluate.py --version 12 --task jsonl:my.jsonl # env: BUCKET, RUN_NAME, S3_ENDPOINT_URL, AWS_*
+    python evaluate.py --all                              # every version without a result yet, then the curve
+    hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
+        --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
+        -e S3_ENDPOINT_URL=https://s3.hf.co/<namespace> \
+        evaluate.py common.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
+
+Held-out split (common.load_task(name, "eval")): GSM8K's test split; for addition and jsonl:PATH a
+fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
+must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
+the mean of the task's `correct` reward component.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+import torch  # noqa: E402
+
+from common import (LOCAL_MODEL, AdapterError, Bucket, adapter_prefix, encode_prompt, fetch_adapter,  # noqa: E402
+                    load_base, load_task, pad_left, script_args)
+
+
+@dataclass
+class Args:
+    version: int = -1
+    """adapter version to evaluate; 0 = the base model, -1 = the latest published"""
+    all: bool = False
+    """evaluate every published version (and 0) that has no result for this task yet"""
+    model: str = LOCAL_MODEL
+    """the base model the run trains (a Hub id, a local dir, or the local SmolLM2)"""
+    task: str = "addition"
+    """addition, gsm8k or jsonl:PATH"""
+    limit: int = 0
+    """only the first N held-out prompts (0: all of them)"""
+    batch_size: int = 32
+    max_new_tokens: int = 256
+    threads: int = 0
+    """torch threads on CPU (0: torch's default)"""
+    overwrite: bool = False
+    """re-evaluate a version that already has a result"""
+
+
+def result_key(version: int, task_name: str) -> str:
+    return f"{adapter_prefix(version)}/eval_{re.sub(r'[^A-Za-z0-9_.-]', '-', task_name)}.json"
+
+
+def published_versions(bucket: Bucket) -> list[int]:
+    keys = bucket.list("adapters/")
+    return sorted({int(m.group(1)) for k in keys if (m := re.match(r"adapters/v(\d{6})/meta\.json$", k))})
+
+
+@torch.no_grad()
+def greedy(model, tok, prompts: list[str], max_new: int, batch_size: int, device) -> list[str]:
+    """Greedy completions, left-padded batches of the same chat-formatted ids the workers sample from."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = pad_left([encode_prompt(tok, p) for p in prompts[i:i + batch_size]], tok.pad_token_id)
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new, pad_token_id=tok.pad_token_id)
+        out += tok.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
+        print(f"  {len(out)}/{len(prompts)}", file=sys.stderr, flush=True)
+    return out
+
+
+def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) -> dict:
+    model = base
+    if version > 0:
+        from peft import PeftModel
+        with tempfile.TemporaryDirectory() as d:
+            meta = fetch_adapter(bucket, version, d)  # raises AdapterError unless every sha256 matches
+            if meta.get("base_model") not in (None, args.model):
+                raise AdapterError(f"version {version} was trained on {meta['base_model']!r}, not {args.model!r}")
+            model = PeftModel.from_pretrained(base, d, adapter_name=f"v{version}").to(device).eval()
+    n = len(task.prompts) if args.limit <= 0 else min(args.limit, len(task.prompts))
+    t0 = time.time()
+    completions = greedy(model, tok, task.prompts[:n], args.max_new_tokens, args.batch_size, device)
+    scored = [task.reward(c, i) for i, c in enumerate(completions)]
+    rewards, parts = [r for r, _ in scored], [p for _, p in scored]
+    if version > 0:
+        model.unload()  # take the LoRA layers out again: the next version starts from the clean base
+    return {"version": version, "task": task.name, "split": "eval", "n": n, "model": args.model,
+            "accuracy": sum(p["correct"] for p in parts) / n, "reward_mean": sum(rewards) / n,
+            "components": {k: sum(p[k] for p in parts) / n for k in parts[0]},
+            "max_new_tokens": args.max_new_tokens, "eval_s": round(time.time() - t0, 2), "created_at": time.time(),
+            "examples": [{"prompt": task.prompts[i], "answer": task.answers[i], "completion": completions[i]}
+                         for i in range(min(3, n))]}
+
+
+def main(args: Args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
+    bucket = Bucket()
+    task = load_task(args.task, "eval")
+    published = published_versions(bucket)
+    if args.all:
+        versions = [0, *published]
+    elif args.version < 0:
+        versions = [published[-1] if published else 0]
+    else:
+        if args.version and args.version not in published:
+            raise SystemExit(f"version {args.version} is not published in s3://{bucket.bucket}/{bucket.run}/ "
+                             f"(published: {published or 'none'})")
+        versions = [args.version]
+    todo = [v for v in versions if args.overwrite or not args.all or bucket.get(result_key(v, task.name)) is None]
+    for v in todo:  # cheap checks first: before a model download, not after
+        meta = bucket.get_json(f"{adapter_prefix(v)}/meta.json") if v else {}
+        if meta is None or meta.get("base_model") not in (None, args.model):
+            why = "no meta.json" if meta is None else f"trained on {meta['base_model']!r}, not {args.model!r}"
+            raise SystemExit(f"not evaluating version {v}: {why}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base, tok = load_base(args.model)
+    base.to(device)
+    for v in todo:
+        print(f"evaluating version {v} on {task.name} ({len(task.prompts)} held-out prompts)", file=sys.stderr)
+        try:
+            res = evaluate(args, bucket, base, tok, task, v, device)
+        except AdapterError as e:
+            raise SystemExit(f"not evaluating version {v}: {e}") from e
+        bucket.put_json(result_key(v, task.name), res)
+        print(json.dumps({k: res[k] for k in ("version", "task", "n", "accuracy", "reward_mean")}), flush=True)
+    # the curve: every result of this task in the run
+    curve = [(v, r["accuracy"]) for v in [0, *published] if (r := bucket.get_json(result_key(v, task.name)))]
+    print(f"accuracy per version ({task.name}): " + "  ".join(f"v{v}: {a:.3f}" for v, a in curve), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Args, args=script_args()))

@@ -1,0 +1,83 @@
+"""evaluate.py as a real process against the local S3 server, on the tiny random model: the base
+model (version 0) and published adapters on addition and on a local JSONL; results land next to
+each version; corrupt or unpublished versions give a clear error and write nothing."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+import common
+
+
+def run_eval(env, *flags, ok=True):
+    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *flags], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert (p.returncode == 0) == ok, p.stderr[-3000:]
+    return p
+
+
+def publish_random_adapter(bucket, tiny_model, tmp_path, version):
+    """A LoRA adapter whose B matrices are random (not the usual zeros), so it changes the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(version)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
+    d = tmp_path / f"adapter-v{version}"
+    peft.save_pretrained(d)
+    common.publish_adapter(bucket, d, version, step=version, base_model=tiny_model)
+
+
+def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
+    env = {**os.environ, "RUN_NAME": run_name, "OMP_NUM_THREADS": "1"}
+    base = ["--model", tiny_model, "--max-new-tokens", "4", "--batch-size", "8"]
+
+    # version 0 = the base model on addition's 20 held-out sums
+    p = run_eval(env, *base, "--version", "0")
+    res = bucket.get_json("adapters/v000000/eval_addition.json")
+    assert res["version"] == 0 and res["task"] == "addition" and res["n"] == 20
+    assert set(res["components"]) == {"correct", "diag_just_number"} and 0.0 <= res["accuracy"] <= 1.0
+    assert json.loads(p.stdout.strip().splitlines()[-1])["accuracy"] == res["accuracy"]
+    held_out = common.load_task("addition", "eval")
+    for ex in res["examples"]:   # the stored examples are held-out prompts, scored by the task's own reward
+        i = held_out.prompts.index(ex["prompt"])
+        assert ex["answer"] == held_out.answers[i]
+
+    # two published versions, a local JSONL, --all: every version gets a result next to it
+    publish_random_adapter(bucket, tiny_model, tmp_path, 1)
+    publish_random_adapter(bucket, tiny_model, tmp_path, 2)
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": 2 * i}) + "\n" for i in range(20)))
+    p = run_eval(env, *base, "--task", f"jsonl:{data}", "--all")
+    results = [bucket.get_json(f"adapters/v{v:06d}/eval_jsonl-sums.json") for v in (0, 1, 2)]
+    assert [r["version"] for r in results] == [0, 1, 2]
+    assert all(r["n"] == 2 and r["task"] == "jsonl-sums" for r in results)           # the last tenth of 20 rows
+    assert [ex["prompt"] for ex in results[0]["examples"]] == ["What is 18 + 18?", "What is 19 + 19?"]
+    assert set(results[1]["components"]) == {"correct", "format"}
+    # the adapters were really applied: greedy outputs differ from the base model's
+    assert [ex["completion"] for ex in results[1]["examples"]] != [ex["completion"] for ex in results[0]["examples"]]
+    assert "accuracy per version (jsonl-sums): v0:" in p.stderr and "v2:" in p.stderr
+
+    # --all again: nothing left to do, nothing rewritten
+    before = [r["created_at"] for r in results]
+    run_eval(env, *base, "--task", f"jsonl:{data}", "--all")
+    assert [bucket.get_json(f"adapters/v{v:06d}/eval_jsonl-sums.json")["created_at"] for v in (0, 1, 2)] == before
+
+
+def test_evaluate_refuses_corrupt_and_unpublished_versions(tiny_model, bucket, run_name, tmp_path):
+    env = {**os.environ, "RUN_NAME": run_name, "OMP_NUM_THREADS": "1"}
+    base = ["--model", tiny_model, "--max-new-tokens", "2", "--limit", "2"]
+    publish_random_adapter(bucket, tiny_model, tmp_path, 1)
+    data, _ = bucket.get("adapters/v000001/adapter_model.safetensors")
+    bucket.put("adapters/v000001/adapter_model.safetensors", data[:-8] + b"\0" * 8)   # same size, wrong bytes
+    p = run_eval(env, *base, "--version", "1", ok=False)
+    assert "not evaluating version 1" in p.stderr and "sha256" in p.stderr
+    assert bucket.get("adapters/v000001/eval_addition.json") is None
+    p = run_eval(env, *base, "--version", "7", ok=False)
+    assert "version 7 is not published" in p.stderr and "published: [1]" in p.stderr
+    other = str(tmp_path / "another-model")
+    p = run_eval(env, *base, "--model", other, "--version", "1", ok=False)  # the last --model wins
+    assert f"not evaluating version 1: trained on {tiny_model!r}, not {other!r}" in p.stderr

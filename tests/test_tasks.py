@@ -1,0 +1,158 @@
+"""Tasks and rewards (common.py section 5) on real GSM8K-style strings; no network: the GSM8K loader
+is fed local rows through `datasets` itself, the jsonl task reads files written here."""
+import json
+import os
+import sys
+
+import pytest
+
+import common
+from common import final_number, load_task, numbers, numeric_reward
+
+# two answers as they appear in openai/gsm8k (train split), calculator annotations included
+GSM8K_ROWS = [
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                 "How many clips did Natalia sell altogether in April and May?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+               "altogether in April and May.\n#### 72"},
+    {"question": "A company pays $1,200 a week in rent. How much does it pay in 52 weeks?",
+     "answer": "It pays 1,200*52 = $<<1200*52=62400>>62,400.\n#### 62,400"},
+    {"question": "The temperature was 5 degrees and fell by 12 degrees. What is it now?",
+     "answer": "5-12 = <<5-12=-7>>-7\n#### -7"},
+]
+
+
+@pytest.mark.parametrize("text,want", [
+    ("It pays 1,200*52 = $62,400.", [1200, 52, 62400]),
+    ("She has $18.50 left, i.e. 42% of 44 apples", [18.5, 42, 44]),
+    ("5-12 = -7", [5, 12, -7]),
+    ("x = \u22127", [-7]),                       # unicode minus
+    ("1,2,3", [1, 2, 3]),                       # not a thousands separator
+    ("pages 10-12.", [10, 12]),
+    ("no digits here", []),
+])
+def test_numbers(text, want):
+    assert numbers(text) == want
+
+
+@pytest.mark.parametrize("text,want", [
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", 72),
+    ("So the total is 62,400 dollars.\n#### 62,400 dollars", 62400),
+    ("The answer is $1,234.50 per month, not 12.", 1234.5),
+    ("It drops by 12 degrees: 5 - 12 = -7 degrees", -7),
+    ("First 3 boxes, then 4 more: 7 boxes.", 7),        # several numbers: the final one counts
+    ("#### 18 \n then I wrote 5 more", 18),              # the marker wins over a later number
+    ("\\boxed{-3} hmm 10", -3),
+    ("I do not know", None),
+])
+def test_final_number(text, want):
+    assert final_number(text) == want
+
+
+def test_gsm8k_rewards_keep_format_apart_from_correctness():
+    gold = "62,400"
+    right_fmt = numeric_reward("1200 * 52 = 62400\n#### 62,400", gold)
+    right_nofmt = numeric_reward("It pays $62,400 in a year.", gold)
+    wrong_fmt = numeric_reward("#### 62,000", gold)
+    assert right_fmt == {"correct": 1.0, "format": common.FORMAT_WEIGHT}
+    assert right_nofmt == {"correct": 1.0, "format": 0.0}
+    assert wrong_fmt == {"correct": 0.0, "format": common.FORMAT_WEIGHT}
+    assert numeric_reward("nothing", gold) == {"correct": 0.0, "format": 0.0}
+    assert numeric_reward("#### -7", "-7")["correct"] == 1.0
+    assert numeric_reward("#### 7", "-7")["correct"] == 0.0
+
+
+def test_gsm8k_task_from_datasets(monkeypatch):
+    """The real gsm8k_task code path, with `datasets.load_dataset` answering local rows instead of the Hub."""
+    import datasets
+    calls = []
+
+    def local_gsm8k(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", local_gsm8k)
+    train, test = load_task("gsm8k"), load_task("gsm8k", "eval")
+    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert train.name == "gsm8k" and train.answers == ["72", "62,400", "-7"]
+    assert train.prompts[0].startswith("Natalia sold clips") and "####" in train.prompts[0]
+    # the reference solutions themselves score full marks; a wrong final number does not
+    for i, row in enumerate(GSM8K_ROWS):
+        total, parts = train.reward(row["answer"], i)
+        assert parts == {"correct": 1.0, "format": common.FORMAT_WEIGHT} and total == pytest.approx(1.1)
+    assert test.reward("Natalia sold 24 in May, so 24 + 48 = 96.\n#### 96", 0) == (pytest.approx(0.1), {
+        "correct": 0.0, "format": common.FORMAT_WEIGHT})
+
+
+def test_task_reward_sums_components_but_not_diagnostics():
+    t = load_task("addition")
+    i = 0
+    answer = t.answers[i]
+    assert t.reward(answer, i) == (1.0, {"correct": 1.0, "diag_just_number": 1.0})
+    assert t.reward(f"The sum is {answer}, I think.", i) == (1.0, {"correct": 1.0, "diag_just_number": 0.0})
+    assert t.reward(f"{answer} or maybe {int(answer) + 1}", i)[0] == 0.0
+
+
+def test_addition_eval_is_held_out():
+    train, ev = load_task("addition"), load_task("addition", "eval")
+    assert len(train.prompts) == 80 and len(ev.prompts) == 20
+    assert not set(train.prompts) & set(ev.prompts)
+    assert load_task("addition", "eval").prompts == ev.prompts  # deterministic
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return f"jsonl:{path}"
+
+
+def test_jsonl_task_split_and_rewards(tmp_path):
+    rows = [{"prompt": f"What is {i} times 3?", "answer": i * 3} for i in range(18)]
+    rows += [{"prompt": "Capital of France?", "answer": "Paris"}, {"prompt": "Opposite of up?", "answer": "down"}]
+    name = write_jsonl(tmp_path / "mine.jsonl", rows[:10] + [""] + rows[10:])  # blank lines are skipped
+    train, ev = load_task(name), load_task(name, "eval")
+    assert train.name == ev.name == "jsonl-mine"
+    assert len(train.prompts) == 18 and len(ev.prompts) == 2       # the last tenth is held out
+    assert ev.prompts == ["Capital of France?", "Opposite of up?"]
+    assert train.reward("3 times 3 is 9.\n#### 9", 3) == (pytest.approx(1.1), {"correct": 1.0, "format": 0.1})
+    assert ev.reward("The capital is Paris.\n#### Paris.", 0)[1] == {"correct": 1.0, "format": 0.1}
+    assert ev.reward("It is\nDown", 1)[1] == {"correct": 1.0, "format": 0.0}   # last line, case-insensitive
+    assert ev.reward("#### up", 1)[1]["correct"] == 0.0
+
+
+@pytest.mark.parametrize("lines,msg", [
+    (['{"prompt": "a", "answer": 1}', "{not json"], ":2: not valid JSON"),
+    (['{"prompt": "a", "answer": 1}', '{"question": "b", "answer": 2}'], ':2: expected {"prompt"'),
+    (['{"prompt": "a", "answer": 1}', '{"prompt": "b", "answer": null}'], ':2: expected {"prompt"'),
+    (['{"prompt": "a", "answer": 1}', '["prompt", "answer"]'], ':2: expected {"prompt"'),
+    (['{"prompt": "a", "answer": 1}'], "need at least 2"),
+])
+def test_jsonl_bad_input(tmp_path, lines, msg):
+    name = write_jsonl(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(SystemExit, match=msg.replace("{", r"\{").replace("[", r"\[")):
+        load_task(name)
+
+
+def test_unknown_task_file_or_split(tmp_path):
+    with pytest.raises(SystemExit, match="unknown task 'gsm9k'"):
+        load_task("gsm9k")
+    with pytest.raises(SystemExit, match="no such file"):
+        load_task(f"jsonl:{tmp_path}/missing.jsonl")
+    with pytest.raises(SystemExit, match="unknown split 'test'"):
+        load_task("addition", "test")
+
+
+def test_script_args_drop_files_shipped_beside_the_script(tmp_path, monkeypatch):
+    """`hf jobs uv run rollout.py common.py --x 1` runs `uv run /data/rollout.py /data/common.py --x 1`."""
+    for f in ("rollout.py", "common.py", "data.jsonl"):
+        (tmp_path / f).write_text("")
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "rollout.py"), str(tmp_path / "common.py"),
+                                      str(tmp_path / "data.jsonl"), "--task", "jsonl:/data/data.jsonl"])
+    assert common.script_args() == ["--task", "jsonl:/data/data.jsonl"]
+    # a file elsewhere, or a shipped file after the first option, is an argument and stays
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "common.py").write_text("")
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "rollout.py"), str(other / "common.py"), "--x", "1"])
+    assert common.script_args() == [str(other / "common.py"), "--x", "1"]
+    assert common.script_args(["--out", str(tmp_path / "common.py")]) == ["--out", str(tmp_path / "common.py")]
+    assert os.path.isfile(tmp_path / "common.py")
