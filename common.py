@@ -656,7 +656,9 @@ class Metrics:
 
     def __init__(self, bucket: Bucket | None, name: str, flush_s: float = 10.0):
         self.bucket, self.name, self.flush_s = bucket, name, flush_s
-        self.lines: list[str] = []
+        # a restarted role continues its file instead of overwriting it
+        got = bucket.get(f"metrics/{name}.jsonl") if bucket is not None else None
+        self.lines: list[str] = got[0].decode().splitlines() if got else []
         self._last = 0.0
 
     def log(self, row: dict) -> None:

@@ -23,9 +23,15 @@ Departures from the GRPO paper, on purpose:
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import random
+import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,7 +39,7 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import (LOCAL_MODEL, Bucket, Metrics, ProxyClient, completion_logprobs, grpo_loss,  # noqa: E402
+from common import (LOCAL_MODEL, Bucket, ConflictError, Metrics, ProxyClient, completion_logprobs, grpo_loss,  # noqa: E402
                     group_advantages, load_base, pad_right, publish_adapter)
 
 
@@ -75,6 +81,14 @@ class Args:
     temperature: float = 1.0
     """sampling temperature, used only if a group does not say its own in meta"""
     publish_every: int = 1
+    checkpoint_every: int = 10
+    """steps between checkpoints (also written at the end and on SIGTERM)"""
+    fresh: bool = False
+    """ignore existing checkpoints and start from the base model"""
+    trainer_id: str = field(default_factory=lambda: os.environ.get("TRAINER_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    """identity in trainer/owner.json: a restart with the same id takes over at once (env TRAINER_ID)"""
+    owner_ttl_s: float = 120.0
+    """a different trainer may take over a run whose owner's heartbeat is older than this"""
     lease_wait_s: float = 30.0
     threads: int = 1
     seed: int = 0
@@ -145,31 +159,137 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     return stats
 
 
+# ---------------------------------------------------------------------------------------------
+# checkpoints: checkpoints/step_{S:08d}/{adapter files, trainer_state.pt, meta.json}, then the
+# checkpoints/latest.json pointer (written last, so a reader only ever sees complete checkpoints)
+
+
+def save_checkpoint(bucket: Bucket, model, opt, sched, state: dict) -> None:
+    prefix = f"checkpoints/step_{state['step']:08d}"
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), **state,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+                   os.path.join(d, "trainer_state.pt"))
+        files = {}
+        for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.pt"):
+            data = open(os.path.join(d, name), "rb").read()
+            files[name] = hashlib.sha256(data).hexdigest()
+            bucket.put(f"{prefix}/{name}", data)
+    bucket.put_json(f"{prefix}/meta.json", {"step": state["step"], "version": state["version"], "files": files})
+    bucket.put_json("checkpoints/latest.json", {"step": state["step"], "version": state["version"], "prefix": prefix})
+
+
+def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
+    """Restore the newest complete checkpoint into model/opt/sched; returns its state or None."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    ptr = bucket.get_json("checkpoints/latest.json")
+    if ptr is None:
+        return None
+    meta = bucket.get_json(f"{ptr['prefix']}/meta.json")
+    with tempfile.TemporaryDirectory() as d:
+        for name, digest in meta["files"].items():
+            data = bucket.get(f"{ptr['prefix']}/{name}")[0]
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise SystemExit(f"checkpoint {ptr['prefix']}/{name} does not match its sha256: refusing to resume")
+            open(os.path.join(d, name), "wb").write(data)
+        set_peft_model_state_dict(model, load_file(os.path.join(d, "adapter_model.safetensors")))
+        state = torch.load(os.path.join(d, "trainer_state.pt"), weights_only=False)
+    opt.load_state_dict(state.pop("optimizer"))
+    sched.load_state_dict(state.pop("scheduler"))
+    rng = state.pop("rng")
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return state
+
+
+def claim_run(bucket: Bucket, trainer_id: str, ttl: float) -> str:
+    """One trainer per run: trainer/owner.json holds an id and a heartbeat. Another id with a fresh
+    heartbeat means a second trainer: fail at once. Returns the ETag for later heartbeats."""
+    got = bucket.get("trainer/owner.json")
+    if got is not None:
+        owner = json.loads(got[0])
+        age = time.time() - owner["heartbeat"]
+        if owner["id"] != trainer_id and age < ttl:
+            raise SystemExit(f"another trainer ({owner['id']!r}, heartbeat {age:.0f}s ago) owns run "
+                             f"{bucket.run!r}; stop it, or wait {ttl - age:.0f}s if it is dead")
+    body = {"id": trainer_id, "heartbeat": time.time()}
+    try:
+        return bucket.put_json("trainer/owner.json", body, **({"if_match": got[1]} if got else {"if_none_match": True}))
+    except ConflictError:
+        raise SystemExit(f"another trainer claimed run {bucket.run!r} at the same moment") from None
+
+
+def heartbeat(bucket: Bucket, trainer_id: str, etag: str) -> str:
+    try:
+        return bucket.put_json("trainer/owner.json", {"id": trainer_id, "heartbeat": time.time()}, if_match=etag)
+    except ConflictError:
+        raise SystemExit(f"run {bucket.run!r} was claimed by another trainer: stopping") from None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def lease(client: ProxyClient, args: Args, bar, stop: threading.Event) -> dict | None:
+    """Wait for a batch; the time spent here is the trainer starving for rollouts."""
+    while not stop.is_set():
+        got = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
+        if got["batch_id"]:
+            return got
+        bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
+    return None
+
+
+def batch_metrics(groups: list[dict], latest: int) -> dict:
+    stale = [latest - g["policy_version"] for g in groups]
+    rewards = [c["reward"] for g in groups for c in g["completions"]]
+    comps: dict[str, list] = {}
+    for g in groups:
+        for k, v in g["meta"].get("reward_components", {}).items():
+            comps.setdefault(k, []).append(v)
+    timings = [g["meta"].get("timings", {}) for g in groups]
+    return {"reward/mean": sum(rewards) / len(rewards), **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
+            "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
+            "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
+            "sample/completion_len": sum(len(c["token_ids"]) for g in groups for c in g["completions"]) / len(rewards),
+            "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings)}
+
+
 def main(args: Args) -> None:
     from tqdm import tqdm
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, then exit
     bucket = Bucket()
+    etag = claim_run(bucket, args.trainer_id, args.owner_ttl_s)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
     metrics = Metrics(bucket, "train")
     model, tok = build_model(args)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    version = client.get("/v1/adapters/latest")["version"]
-    steps_since_publish = 0
-    t_start = time.time()
-    bar = tqdm(range(1, args.max_steps + 1), desc="train", dynamic_ncols=True)
+    state = None if args.fresh else load_checkpoint(bucket, model, opt, sched)
+    state = state or {"step": 0, "version": 0, "acked": []}
+    # versions only go up, across restarts too: continue after the newest published one even if
+    # the checkpoint is older (its weights win, its version number does not)
+    published = bucket.get_json("adapters/latest.json")
+    version = max(state["version"], published["version"] if published else 0, client.get("/v1/adapters/latest")["version"])
+    if state["step"]:
+        tqdm.write(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
+    steps_since_publish = 1 if version != state["version"] else 0  # the weights we hold are not `version`'s
+    t_start, last_ckpt = time.time(), state["step"]
+    bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
+               total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        # wait for a batch: time spent here is the trainer starving for rollouts
-        while True:
-            lease = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
-            if lease["batch_id"]:
-                break
-            bar.set_postfix_str(f"waiting for rollouts (buffer {lease['buffer_size']})")
+        got = lease(client, args, bar, stop)
+        if got is None:
+            break
         t1 = time.time()
-        groups = lease["groups"]
+        groups = got["groups"]
         opt.zero_grad(set_to_none=True)
         st = train_step(model, groups, args, version, steps_since_publish == 0)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
@@ -182,38 +302,35 @@ def main(args: Args) -> None:
             with tempfile.TemporaryDirectory() as d:
                 model.save_pretrained(d)
                 publish_adapter(bucket, d, version + 1, step, args.model)
-            published_at = time.time()
-            client.post("/v1/adapters", {"version": version + 1, "step": step, "published_at": published_at,
+            client.post("/v1/adapters", {"version": version + 1, "step": step, "published_at": time.time(),
                                          "final": step == args.max_steps})
             version, steps_since_publish = version + 1, 0
             row["perf/publish_s"] = time.time() - t2
-        client.post(f"/v1/batches/{lease['batch_id']}/ack")
-        stale = [lease["latest_version"] - g["policy_version"] for g in groups]
-        rewards = [c["reward"] for g in groups for c in g["completions"]]
-        comps: dict[str, list] = {}
-        for g in groups:
-            for k, v in g["meta"].get("reward_components", {}).items():
-                comps.setdefault(k, []).append(v)
-        timings = [g["meta"].get("timings", {}) for g in groups]
-        row.update({
-            "reward/mean": sum(rewards) / len(rewards),
-            **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
-            **st, "grad_norm": grad_norm, "lr": sched.get_last_lr()[0],
-            "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
-            "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
-            "sample/completion_len": sum(len(c["token_ids"]) for g in groups for c in g["completions"]) / len(rewards),
-            "buffer/size": lease["buffer_size"], "buffer/dropped_stale": lease["dropped_stale"],
-            "perf/rollout_wait_s": t1 - t0, "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
-            "perf/tokens_per_s": st["tokens"] / (t2 - t1),
-            "trained": bool(st["tokens"]), "wall_s": time.time() - t_start,
-            "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings),
-        })
+        client.post(f"/v1/batches/{got['batch_id']}/ack")
+        state = {"step": step, "version": version, "acked": state["acked"] + [
+            {"batch_id": got["batch_id"], "groups": [g["group_id"] for g in groups]}]}
+        if step % args.checkpoint_every == 0 or step == args.max_steps or stop.is_set():
+            t3 = time.time()
+            save_checkpoint(bucket, model, opt, sched, state)
+            row["perf/checkpoint_s"], last_ckpt = time.time() - t3, step
+        etag = heartbeat(bucket, args.trainer_id, etag)
+        row.update({**batch_metrics(groups, got["latest_version"]), **st, "grad_norm": grad_norm,
+                    "lr": sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
+                    "buffer/dropped_stale": got["dropped_stale"], "perf/rollout_wait_s": t1 - t0,
+                    "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
+                    "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t_start})
         metrics.log(row)
         bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
                         wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
         tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  staleness "
                    f"{row['sample/staleness_mean']:.2f}  ratio {st.get('ratio/mean', 1):.3f}  clip {st.get('clip/frac', 0):.3f}  "
                    f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
+        if stop.is_set():
+            break
+    if stop.is_set() and last_ckpt != state["step"]:  # SIGTERM while waiting for a batch
+        save_checkpoint(bucket, model, opt, sched, state)
+    if stop.is_set():
+        tqdm.write(f"SIGTERM: checkpoint at step {state['step']}, exiting")
     metrics.flush()
 
 

@@ -20,7 +20,8 @@ def test_end_to_end_tiny(tiny_model, start_proxy, bucket, run_name, tmp_path):
                               env=env, stdout=log, stderr=log)
     try:
         train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "4",
-                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5"],
+                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5",
+                                "--no-skip-zero-std"],
                                env=env, capture_output=True, text=True, timeout=600)
         assert train.returncode == 0, train.stderr[-3000:]
         worker.wait(timeout=120)  # exits by itself once the trainer registers its final version

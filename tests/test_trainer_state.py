@@ -1,0 +1,59 @@
+"""Trainer checkpoints (round trip through the real S3 server) and the one-trainer-per-run claim."""
+import pytest
+import torch
+
+import train
+
+
+def _model(tiny_model):
+    args = train.Args(model=tiny_model, lora_r=4, lora_alpha=8)
+    model, _ = train.build_model(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched, params
+
+
+def test_checkpoint_round_trip(tiny_model, bucket):
+    model, opt, sched, params = _model(tiny_model)
+    for _ in range(2):  # non-trivial optimizer state and LoRA B != 0
+        opt.zero_grad()
+        model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    state = {"step": 7, "version": 7, "acked": [{"batch_id": "b1", "groups": ["g1", "g2"]}]}
+    train.save_checkpoint(bucket, model, opt, sched, state)
+    rng_next = torch.rand(3)
+
+    model2, opt2, sched2, params2 = _model(tiny_model)
+    assert not all(torch.equal(a, b) for a, b in zip(params, params2))
+    torch.manual_seed(123)
+    got = train.load_checkpoint(bucket, model2, opt2, sched2)
+    assert got == state
+    assert all(torch.equal(a, b) for a, b in zip(params, params2))
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+    assert sched2.last_epoch == sched.last_epoch == 2
+    assert torch.equal(torch.rand(3), rng_next)  # RNG continues where the checkpoint left it
+
+
+def test_corrupt_checkpoint_refused(tiny_model, bucket):
+    model, opt, sched, _ = _model(tiny_model)
+    train.save_checkpoint(bucket, model, opt, sched, {"step": 1, "version": 1, "acked": []})
+    key = "checkpoints/step_00000001/trainer_state.pt"
+    data = bytearray(bucket.get(key)[0])
+    data[-5] ^= 0xFF
+    bucket.put(key, bytes(data))
+    with pytest.raises(SystemExit, match="sha256"):
+        train.load_checkpoint(bucket, model, opt, sched)
+
+
+def test_second_trainer_fails_at_once(bucket):
+    etag = train.claim_run(bucket, "trainer-a", ttl=60)
+    with pytest.raises(SystemExit, match="another trainer .'trainer-a'"):
+        train.claim_run(bucket, "trainer-b", ttl=60)
+    etag = train.heartbeat(bucket, "trainer-a", etag)
+    train.claim_run(bucket, "trainer-a", ttl=60)  # the same trainer restarted takes over
+    with pytest.raises(SystemExit, match="claimed by another trainer"):
+        train.heartbeat(bucket, "trainer-a", etag)  # our old ETag is gone: someone else wrote it
+    train.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
