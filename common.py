@@ -386,7 +386,7 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
     ids, mask = pad_left(prompts, pad)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     out = lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache = out.past_key_values
+    cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
     cache.batch_repeat_interleave(repeats)
     h_last = out.last_hidden_state[:, -1].repeat_interleave(repeats, dim=0)
     return cache, h_last, mask.repeat_interleave(repeats, dim=0), mask.sum(1).repeat_interleave(repeats)
@@ -663,6 +663,8 @@ class Metrics:
 
     def log(self, row: dict) -> None:
         row = {"time": time.time(), **row, "mem/peak_rss_mb": round(peak_rss_mb(), 1)}
+        # a NaN (say, a diverged grad norm) is logged as null rather than killing the run
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.lines.append(json.dumps(row, allow_nan=False, default=float))
         if time.time() - self._last > self.flush_s:
             self.flush()
