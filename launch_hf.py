@@ -125,7 +125,9 @@ def plan(args: Args, namespace: str, proxy_url: str) -> list[JobSpec]:
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
     jobs.append(JobSpec("trainer", "train.py", ["common.py"], ["--model", args.model, "--max-steps", str(args.steps),
                                                               *args.train_arg],
-                        args.trainer_flavor, caller_secrets, {**env, "PROXY_URL": proxy_url}))
+                        args.trainer_flavor, caller_secrets,
+                        # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
+                        {**env, "PROXY_URL": proxy_url, "TRAINER_ID": f"{args.run}-trainer"}))
     return jobs
 
 

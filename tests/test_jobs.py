@@ -129,7 +129,7 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
                       {**base_env, "PROXY_URL": proxy_url}, None),
         "trainer": (["/data/train.py", "/data/common.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
-                    {**base_env, "PROXY_URL": proxy_url}, None),
+                    {**base_env, "PROXY_URL": proxy_url, "TRAINER_ID": "gsm-1-trainer"}, None),
     }
     uploads = {}  # the job's folder in jobs-artifacts -> (bucket, {name: local file uploaded})
     for bucket, files in fake.uploads:
