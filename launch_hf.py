@@ -264,14 +264,21 @@ def launch(args: Args) -> None:
                      "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
                      "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]}
     proxy_spec = plan(args, namespace, proxy_url="")[0]
-    proxy = submit(api, proxy_spec, args, namespace, secret_values)
+    try:
+        proxy = submit(api, proxy_spec, args, namespace, secret_values)
+    except Exception as e:
+        raise SystemExit(f"submitting the proxy job failed: {e}") from e
     print(f"proxy   {proxy.id}  {proxy_spec.flavor:12s} {proxy.url}\n  waiting for it to answer (up to "
           f"{args.proxy_wait_s:.0f} s)...", flush=True)
     proxy_url = wait_for_proxy(api, proxy, args.run, namespace, token, args.proxy_wait_s)
     print(f"  proxy answers at {proxy_url}")
     started = [(proxy_spec, proxy)]
     for spec in plan(args, namespace, proxy_url)[1:]:
-        job = submit(api, spec, args, namespace, secret_values)
+        try:
+            job = submit(api, spec, args, namespace, secret_values)
+        except Exception as e:  # quota, credits, a bad flavor: say so, and what is already running
+            raise SystemExit(f"submitting the {spec.role} job failed: {e}\n{len(started)} job(s) of run {args.run} "
+                             f"already started; stop them with `bash launch_jobs.sh --cancel {args.run}`") from e
         started.append((spec, job))
         print(f"{spec.role:9s} {job.id}  {spec.flavor:12s} {job.url}", flush=True)
     print(f"\n{len(started)} jobs started (about ${cost_per_hour(args):.2f}/hour while they run). Follow them:")

@@ -32,7 +32,7 @@ OWNER = {"id": "u1", "name": "alice", "type": "user"}
 class FakeHub:
     """Answers the Hub's job and bucket API the way huggingface.co does, and records every request."""
 
-    def __init__(self, proxy_fails: bool = False, listed: list[dict] | None = None):
+    def __init__(self, proxy_fails: bool = False, listed: list[dict] | None = None, refuse_role: str = ""):
         self.requests: list[httpx2.Request] = []
         self.jobs: dict[str, dict] = {}      # id -> submitted spec (the JSON body huggingface_hub sent)
         self.uploads: list[tuple[str, list]] = []
@@ -40,6 +40,7 @@ class FakeHub:
         self.health_calls = 0
         self.proxy_fails = proxy_fails
         self.listed = listed or []
+        self.refuse_role = refuse_role
 
     def job_json(self, jid: str, stage: str, **status) -> dict:
         spec = self.jobs[jid]
@@ -61,6 +62,8 @@ class FakeHub:
             assert method == "POST"
             return httpx2.Response(200, json={"url": f"https://huggingface.co/buckets/{m[1]}/{m[2]}"})
         if path == "/api/jobs/alice" and method == "POST":
+            if json.loads(request.content)["labels"]["role"] == self.refuse_role:
+                return httpx2.Response(402, json={"error": "Payment required: not enough credits"})
             jid = f"{len(self.jobs) + 1:024x}"
             self.jobs[jid] = json.loads(request.content)
             return httpx2.Response(200, json=self.job_json(jid, "SCHEDULING"))
@@ -188,6 +191,14 @@ def test_proxy_that_dies_stops_the_launch(hub, capsys):
     with pytest.raises(SystemExit, match=r"proxy job \w+ ended \(ERROR: exit code 1\).*hf jobs logs"):
         launch_hf.main(["--run", "dies", "--workers", "2"])
     assert [j["labels"]["role"] for j in fake.jobs.values()] == ["proxy"]   # no worker was started
+
+
+def test_a_refused_submission_says_what_already_runs(hub, capsys):
+    fake = hub(refuse_role="trainer")
+    with pytest.raises(SystemExit, match=r"(?s)submitting the trainer job failed: .*credits.*3 job\(s\) of run "
+                                         r"pay already started.*bash launch_jobs.sh --cancel pay"):
+        launch_hf.main(["--run", "pay", "--workers", "2"])
+    assert [j["labels"]["role"] for j in fake.jobs.values()] == ["proxy", "rollout-1", "rollout-2"]
 
 
 def listed_job(jid: str, run: str, role: str, stage: str) -> dict:
