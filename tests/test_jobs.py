@@ -275,3 +275,28 @@ def test_early_clear_failures(tmp_path):
     assert p.returncode == 1 and "--run 'has space'" in p.stderr
     p = run_launcher("--dry-run", "--task", "jsonl:/nonexistent.jsonl", env_extra={"HF_HOME": str(tmp_path)})
     assert p.returncode == 1 and "no such file" in p.stderr
+
+
+def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
+    """Feed each printed line to `hf jobs uv run --dry-run` (the CLI's own parser and config summary,
+    offline): it must accept every flag and see the same script, args, flavor, secrets and env."""
+    env_extra = {**SECRETS, "PROXY_HF_TOKEN": SECRETS["HF_TOKEN"], "HF_HOME": str(tmp_path)}
+    p = run_launcher("--dry-run", "--run", "cli1", "--workers", "1", "--namespace", "my-org", env_extra=dict(env_extra))
+    lines = [shlex.split(x) for x in p.stdout.splitlines() if x.startswith("hf jobs uv run")]
+    assert len(lines) == 3
+    env = {**os.environ, **env_extra, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+           "HF_ENDPOINT": "http://127.0.0.1:9"}
+    for cmd in lines:
+        got = subprocess.run([cmd[0], *cmd[1:4], "--dry-run", *cmd[4:]], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0 and "(dry run) Job not submitted." in got.stdout, got.stdout + got.stderr
+        script = next(a for a in cmd if a.endswith(".py"))
+        summary = got.stdout
+        assert re.search(rf"script\s+{script}\n\s+args\s+common.py ", summary)
+        assert re.search(r"flavor\s+" + cmd[cmd.index("--flavor") + 1], summary) and re.search(r"timeout\s+6h", summary)
+        assert "namespace  my-org" in summary and "async-grpo-run=cli1" in summary
+        for name in (c for i, c in enumerate(cmd) if i and cmd[i - 1] == "--secrets"):
+            assert f"{name}=***" in summary                       # the CLI masks them too
+        assert ("expose     8000" in summary) == (script == "proxy.py")
+        for v in SECRETS.values():
+            assert v not in summary + got.stderr
