@@ -226,7 +226,7 @@ def submit(api, job: JobSpec, args: Args, namespace: str, secret_values: dict[st
 def wait_for_proxy(api, job, run: str, namespace: str, token: str, wait_s: float) -> str:
     """Poll the proxy job until its exposed URL answers /health; return that URL."""
     from huggingface_hub.utils import get_session
-    t0, last = time.time(), None
+    t0, shown, why = time.time(), None, "not running yet"
     while time.time() - t0 < wait_s:
         info = api.inspect_job(job_id=job.id, namespace=namespace)
         stage = str(getattr(info.status.stage, "value", info.status.stage))
@@ -240,14 +240,14 @@ def wait_for_proxy(api, job, run: str, namespace: str, token: str, wait_s: float
                                       headers={"Authorization": f"Bearer {token}"})
                 if r.status_code == 200:
                     return urls[0].rstrip("/")
-                last = f"/health answered {r.status_code}"
+                why = f"/health answered {r.status_code}"
             except Exception as e:  # the gateway may refuse connections until the server listens
-                last = f"{type(e).__name__}: {e}"
-        if stage != last:
-            print(f"  proxy job {job.id}: {stage}{' (' + last + ')' if last and stage == 'RUNNING' else ''}", flush=True)
-            last = stage
+                why = f"{type(e).__name__}: {e}"
+        if stage != shown:
+            print(f"  proxy job {job.id}: {stage}", flush=True)
+            shown = stage
         time.sleep(POLL_S)
-    raise SystemExit(f"the proxy job {job.id} did not answer within {wait_s:.0f} s ({last}); "
+    raise SystemExit(f"the proxy job {job.id} did not answer within {wait_s:.0f} s ({why}); "
                      f"see `hf jobs logs {job.id}`, stop it with `bash launch_jobs.sh --cancel {run}`")
 
 

@@ -32,7 +32,8 @@ OWNER = {"id": "u1", "name": "alice", "type": "user"}
 class FakeHub:
     """Answers the Hub's job and bucket API the way huggingface.co does, and records every request."""
 
-    def __init__(self, proxy_fails: bool = False, listed: list[dict] | None = None, refuse_role: str = ""):
+    def __init__(self, proxy_fails: bool = False, listed: list[dict] | None = None, refuse_role: str = "",
+                 health_ok: bool = True):
         self.requests: list[httpx2.Request] = []
         self.jobs: dict[str, dict] = {}      # id -> submitted spec (the JSON body huggingface_hub sent)
         self.uploads: list[tuple[str, list]] = []
@@ -41,6 +42,7 @@ class FakeHub:
         self.proxy_fails = proxy_fails
         self.listed = listed or []
         self.refuse_role = refuse_role
+        self.health_ok = health_ok
 
     def job_json(self, jid: str, stage: str, **status) -> dict:
         spec = self.jobs[jid]
@@ -55,7 +57,7 @@ class FakeHub:
         if request.url.host.endswith(".hf.jobs"):            # the proxy behind the --expose gateway
             assert request.headers["authorization"] == f"Bearer {SECRETS['HF_TOKEN']}"
             self.health_calls += 1
-            return httpx2.Response(502 if self.health_calls == 1 else 200, json={"ok": True})
+            return httpx2.Response(200 if self.health_ok and self.health_calls > 1 else 502, json={"ok": True})
         if path == "/api/whoami-v2":
             return httpx2.Response(200, json={"name": "alice", "type": "user", "orgs": []})
         if m := re.fullmatch(r"/api/buckets/(\w+)/([\w.-]+)", path):
@@ -191,6 +193,13 @@ def test_proxy_that_dies_stops_the_launch(hub, capsys):
     with pytest.raises(SystemExit, match=r"proxy job \w+ ended \(ERROR: exit code 1\).*hf jobs logs"):
         launch_hf.main(["--run", "dies", "--workers", "2"])
     assert [j["labels"]["role"] for j in fake.jobs.values()] == ["proxy"]   # no worker was started
+
+
+def test_a_proxy_that_never_answers_times_out_clearly(hub, capsys):
+    fake = hub(health_ok=False)
+    with pytest.raises(SystemExit, match=r"did not answer within 0 s \(/health answered 502\).*--cancel slow"):
+        launch_hf.main(["--run", "slow", "--proxy-wait-s", "0.3"])
+    assert fake.health_calls >= 1 and len(fake.jobs) == 1
 
 
 def test_a_refused_submission_says_what_already_runs(hub, capsys):
