@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.10"
 # dependencies = [
-#   "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7", "tyro>=0.9", "boto3>=1.36", "httpx>=0.27",
+#   "fastapi>=0.115", "uvicorn[standard]>=0.30", "pydantic>=2.7", "tyro>=0.9", "boto3>=1.36", "httpx>=0.27",
 #   "tenacity>=8.2", "torch>=2.4", "prometheus-client>=0.20",
 # ]
 # ///
@@ -13,32 +13,42 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --secrets PROXY_TOKEN \
         proxy.py common.py --host 0.0.0.0            # on Hugging Face Jobs (README)
 
-API (v1, see README and /openapi.json): GET /health, POST /v1/groups, POST /v1/batches/lease,
-POST /v1/batches/{id}/ack, POST /v1/adapters, GET /v1/adapters/latest, POST /v1/prompts/lease,
-GET /v1/stats. Every endpoint but /health needs the proxy token (X-Proxy-Token or Bearer).
+API (v1): see the README and /openapi.json. Every endpoint but /health needs the proxy token
+(X-Proxy-Token, or Authorization: Bearer when no gateway needs that header).
+
+Durability: the bucket is my only disk. Every change an answer depends on is in an append-only
+journal in the bucket before the answer goes out: rollouts/{incarnation:06d}-{seq:08d}.jsonl holds
+accepted groups (one canonical JSON per line), proxy/log/<same name> leases, acks, expiries, versions,
+prompt cursors and counters. Writes are group-committed (one put for everything queued meanwhile, each
+answer waits for its own write). On start the proxy replays both logs, so `kill -9` at any moment is fine.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import ipaddress
+import json
 import os
 import random
+import re
 import sys
 import time
 import uuid
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
-from fastapi import Depends, FastAPI, HTTPException, Query, Request  # noqa: E402
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+from fastapi.responses import JSONResponse, Response  # noqa: E402
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest  # noqa: E402
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
-from common import Bucket, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
-
+from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
 
 @dataclass
 class Args:
@@ -62,70 +72,94 @@ class Args:
     seed: int = 0
     """seed of the per-epoch prompt shuffle"""
     use_bucket: bool = True
-    """verify registered versions in the bucket and write metrics there (needs BUCKET in env)"""
-
+    """journal to the bucket and replay it on start, verify registered versions, write metrics (needs BUCKET)"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
-
+MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
 # ---------------------------------------------------------------------------------------------
 # state
 
+@dataclass(slots=True)
+class Entry:
+    """An accepted group, held as the canonical JSON we logged: cheap to keep and to lease."""
+    gid: str
+    version: int
+    raw: bytes
 
 @dataclass
 class Lease:
     batch_id: str
-    groups: list[dict]
-    expires_at: float
-
+    entries: list[Entry]
+    expires_at: float  # wall clock: it must mean the same thing after a restart
 
 @dataclass
 class State:
-    buffer: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)  # group_id -> group (FIFO)
+    buffer: "OrderedDict[str, Entry]" = field(default_factory=OrderedDict)  # group_id -> entry (FIFO)
     seen: set = field(default_factory=set)          # every group_id ever accepted (idempotency)
+    pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
     leases: dict = field(default_factory=dict)      # batch_id -> Lease
     acked: set = field(default_factory=set)         # batch ids acked
     expired: set = field(default_factory=set)       # batch ids whose lease ran out
     versions: list = field(default_factory=lambda: [{"version": 0, "step": 0, "published_at": None}])
     done: bool = False                              # the trainer registered its final version
     cursors: dict = field(default_factory=dict)     # dataset -> {size, epoch, pos}
-    workers: dict = field(default_factory=dict)     # worker_id -> {last_seen, groups}
+    workers: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)  # worker_id -> {last_seen, groups, recent}
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ["groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_rejected_full",
          "groups_leased", "groups_acked", "batches_leased", "batches_acked", "leases_expired"], 0))
     staleness_hist: dict = field(default_factory=dict)  # staleness at lease -> groups
+    incarnation: int = 0
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
     def latest(self) -> int:
         return self.versions[-1]["version"]
 
-
 S = State()
 BUCKET: Bucket | None = None
 METRICS: Metrics | None = None
+REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 
-
-def drop_stale() -> int:
+def drop_stale(count: bool = True) -> int:
     """Remove groups staler than max_staleness from the buffer; returns how many."""
-    stale = [gid for gid, g in S.buffer.items() if S.latest - g["policy_version"] > ARGS.max_staleness]
+    stale = [gid for gid, e in S.buffer.items() if S.latest - e.version > ARGS.max_staleness]
     for gid in stale:
         del S.buffer[gid]
-    S.counters["groups_dropped_stale"] += len(stale)
+    S.counters["groups_dropped_stale"] += len(stale) * count
     return len(stale)
 
+def return_lease(bid: str) -> None:
+    """A lease ran out: its groups go back to the front of the buffer (they are the oldest)."""
+    lease = S.leases.pop(bid)
+    S.expired.add(bid)
+    S.counters["leases_expired"] += 1
+    to_front(lease.entries)
+
+def to_front(entries: list[Entry]) -> None:
+    for e in reversed(entries):
+        S.buffer[e.gid] = e
+        S.buffer.move_to_end(e.gid, last=False)
 
 def expire_leases(now: float) -> None:
-    """Leases not acked in time give their groups back (to the front: they are the oldest)."""
     for bid in [b for b, lease in S.leases.items() if lease.expires_at <= now]:
-        lease = S.leases.pop(bid)
-        S.expired.add(bid)
-        S.counters["leases_expired"] += 1
-        for g in reversed(lease.groups):
-            S.buffer[g["group_id"]] = g
-            S.buffer.move_to_end(g["group_id"], last=False)
+        return_lease(bid)
+        # not awaited: if this write is lost, replay still expires the lease (by time, or because a
+        # later lease took its groups), so an expiry never needs to be durable before anything else
+        JOURNAL.append({"t": "expire", "batch_id": bid})
     drop_stale()
 
+async def wait_until(ready, wait_s: float) -> bool:
+    """Under S.cond: wait up to wait_s for ready() (re-checked on every notify, at least once a second)."""
+    deadline = time.monotonic() + wait_s
+    while not ready():
+        if (left := deadline - time.monotonic()) <= 0:
+            return False
+        try:
+            await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
+        except asyncio.TimeoutError:
+            pass
+    return True
 
 def stats() -> dict:
     now = time.time()
@@ -135,12 +169,157 @@ def stats() -> dict:
             "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
             "workers": {w: {"last_seen_s_ago": round(now - d["last_seen"], 1), "groups": d["groups"]}
                         for w, d in S.workers.items()},
-            "cursors": S.cursors, "peak_rss_mb": round(peak_rss_mb(), 1)}
+            "cursors": S.cursors, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
 
+# ---------------------------------------------------------------------------------------------
+# journal: group commit to the bucket, and replay on start
+
+def unavailable(e: Exception) -> HTTPException:
+    return HTTPException(503, f"could not write to the bucket, nothing changed; retry: {e}", headers={"Retry-After": "2"})
+
+class Journal:
+    """Callers append a record and await the future it returns; one writer task puts everything queued
+    since its last put (one put in flight at a time keeps objects in the order of the changes)."""
+
+    def __init__(self, bucket: Bucket | None, incarnation: int):
+        self.bucket, self.inc, self.seq = bucket, incarnation, 0
+        self.queue: list[tuple[bytes | dict, asyncio.Future]] = []
+        self.wake = asyncio.Event()
+
+    def append(self, rec: bytes | dict) -> asyncio.Future:
+        """bytes: an accepted group's canonical JSON; dict: an event."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.bucket is None:  # --no-use-bucket: in-memory only
+            fut.set_result(None)
+            return fut
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may be waiting (expiry)
+        self.queue.append((rec, fut))
+        self.wake.set()
+        return fut
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            batch, self.queue = self.queue, []
+            if not batch:
+                continue
+            name, self.seq = f"{self.inc:06d}-{self.seq:08d}.jsonl", self.seq + 1
+            groups = [r for r, _ in batch if isinstance(r, bytes)]
+            events = [json.dumps(r).encode() for r, _ in batch if isinstance(r, dict)]
+            if events:  # counters the log does not imply (duplicates, drops) ride along with events
+                events.append(json.dumps({"t": "counters", "counters": S.counters,
+                                          "staleness_hist": S.staleness_hist}).encode())
+            puts = [asyncio.to_thread(self.bucket.put, f"{kind}/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
+                    for kind, lines in (("rollouts", groups), ("proxy/log", events)) if lines]
+            t0 = time.perf_counter()
+            err = next((r for r in await asyncio.gather(*puts, return_exceptions=True) if isinstance(r, Exception)), None)
+            COMMIT.observe(time.perf_counter() - t0)
+            if isinstance(err, ConflictError):  # someone else wrote our key: two proxies on one run
+                print(f"FATAL: {err}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
+                os._exit(3)
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(unavailable(err)) if err else fut.set_result(None)
+
+_HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"[^"]*","policy_version":(\d+)')
+
+def replay(bucket: Bucket) -> None:
+    """Rebuild the state from the bucket's logs (runs before the server accepts requests)."""
+    t0 = time.time()
+    gkeys, ekeys = sorted(bucket.list("rollouts/")), sorted(bucket.list("proxy/log/"))
+    names = [k.rsplit("/", 1)[1] for k in gkeys + ekeys]
+    S.incarnation = max((int(n.split("-")[0]) for n in names), default=-1) + 1
+    with ThreadPoolExecutor(16) as pool:
+        fetch = lambda k: (bucket.get(k) or (b"", ""))[0]  # noqa: E731
+        events = [json.loads(line) for blob in pool.map(fetch, ekeys) for line in blob.splitlines() if line]
+        # pass 1: groups in an acked batch are consumed for good; of those we keep only the id
+        lease_ids = {e["batch_id"]: e["group_ids"] for e in events if e["t"] == "lease"}
+        acked = {e["batch_id"] for e in events if e["t"] == "ack"}
+        consumed = {g for b in acked for g in lease_ids.get(b, ())}
+        for blob in pool.map(fetch, gkeys):
+            for line in blob.splitlines():
+                m = _HEAD.match(line)  # we wrote these lines ourselves: id and version lead, no full parse
+                d = {"group_id": m[1].decode(), "policy_version": int(m[2])} if m else json.loads(line)
+                gid, ver = d["group_id"], d["policy_version"]
+                S.seen.add(gid)
+                if gid not in consumed:
+                    S.buffer[gid] = Entry(gid, ver, line)
+    # pass 2: the events, in the order they happened
+    holder: dict[str, str] = {}  # group_id -> open lease holding it
+    counters = {}
+    for e in events:
+        t = e["t"]
+        if t == "lease":
+            # a later lease of the same group means the earlier one ran out (its expiry write was lost)
+            for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
+                return_lease(b)
+            entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
+            S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, e["expires_at"])
+            holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
+        elif t == "ack" and e["batch_id"] not in S.acked:
+            S.leases.pop(e["batch_id"], None)
+            S.acked.add(e["batch_id"])
+        elif t == "expire" and e["batch_id"] in S.leases:
+            return_lease(e["batch_id"])
+        elif t == "version" and e["version"] > S.latest:
+            S.versions.append({k: e[k] for k in ("version", "step", "published_at")})
+            S.done = e["final"]
+        elif t == "cursor":
+            S.cursors[e["dataset"]] = {k: e[k] for k in ("size", "epoch", "pos")}
+        elif t == "counters":
+            counters = e["counters"]
+            S.staleness_hist = {int(k): v for k, v in e["staleness_hist"].items()}
+    # what the log implies exactly is recounted; the rest comes from the last snapshot
+    S.counters.update(counters)
+    S.counters.update(groups_accepted=len(S.seen), batches_leased=len(lease_ids),
+                      groups_leased=sum(map(len, lease_ids.values())), batches_acked=len(acked),
+                      groups_acked=sum(len(lease_ids.get(b, ())) for b in acked), leases_expired=len(S.expired))
+    drop_stale(count=False)  # dropped (and counted) before the crash already
+    print(f"proxy: incarnation {S.incarnation}, replayed {len(gkeys) + len(ekeys)} objects in {time.time() - t0:.1f}s: "
+          f"{len(S.seen)} groups, buffer {len(S.buffer)}, {len(S.leases)} leases, version {S.latest}", file=sys.stderr)
+
+JOURNAL = Journal(None, 0)
+
+# ---------------------------------------------------------------------------------------------
+# metrics: request latency and staleness as histograms; the state's numbers read at scrape time
+
+REGISTRY = CollectorRegistry()
+LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["method", "route"], registry=REGISTRY,
+                    buckets=(.001, .0025, .005, .01, .025, .05, .1, .15, .25, .5, 1, 2.5, 5, 10, 30, 60))
+COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY,
+                   buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+STALENESS = Histogram("proxy_lease_staleness_versions", "staleness of leased groups (latest - policy_version)",
+                      registry=REGISTRY, buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+
+class StateCollector:
+    def collect(self):
+        yield from (CounterMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v) for k, v in S.counters.items())
+        for k, v in (("buffer_size", len(S.buffer)), ("open_leases", len(S.leases)), ("latest_version", S.latest),
+                     ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
+            yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
+        seen = GaugeMetricFamily("proxy_worker_last_seen_timestamp", "unix time of a worker's last group", labels=["worker"])
+        rate = GaugeMetricFamily("proxy_worker_groups_per_second", "a worker's groups over the last 60 s", labels=["worker"])
+        for w, d in S.workers.items():
+            while d["recent"] and d["recent"][0] < time.time() - 60:
+                d["recent"].popleft()
+            seen.add_metric([w], d["last_seen"])
+            rate.add_metric([w], len(d["recent"]) / 60.0)
+        yield from (seen, rate)
+
+REGISTRY.register(StateCollector())
+
+def touch_worker(worker: str) -> dict:
+    d = S.workers.pop(worker, None) or {"last_seen": 0.0, "groups": 0, "recent": deque(maxlen=100_000)}
+    S.workers[worker] = d  # most recent last, so the least recently seen is evicted first
+    if len(S.workers) > MAX_WORKERS:
+        S.workers.popitem(last=False)
+    d["last_seen"] = time.time()
+    return d
 
 # ---------------------------------------------------------------------------------------------
 # app
-
 
 async def _housekeeping() -> None:
     while True:
@@ -152,22 +331,31 @@ async def _housekeeping() -> None:
             METRICS.log({"buffer/size": st["buffer_size"], "version": st["latest_version"],
                          **{f"proxy/{k}": st[k] for k in S.counters}})
 
+async def adopt_published_version() -> None:
+    """A version the trainer published while the proxy was down is in adapters/latest.json only."""
+    latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
+    if latest and latest["version"] > S.latest:
+        await register_adapter(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
+                                               published_at=latest.get("created_at", time.time())))
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    global BUCKET, METRICS
+    global BUCKET, METRICS, JOURNAL
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket()
+        await asyncio.to_thread(replay, BUCKET)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-    task = asyncio.create_task(_housekeeping())
+    JOURNAL = Journal(BUCKET, S.incarnation)
+    tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
+    if BUCKET is not None:
+        await adopt_published_version()
     yield
-    task.cancel()
+    for t in tasks:
+        t.cancel()
     if METRICS is not None:
         METRICS.flush()
 
-
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan)
-
 
 @app.exception_handler(RequestValidationError)
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -175,16 +363,38 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
     return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]},
                         status_code=422)
 
+def guard(app):
+    """Pure ASGI middleware: refuse oversized bodies (declared, or chunked and read here up to the
+    cap) with 413 before any endpoint reads them, and time every request by route."""
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        t0, cap = time.perf_counter(), int(ARGS.max_body_mb * 2**20)
+        too_big = JSONResponse({"detail": f"request body over max_body_mb={ARGS.max_body_mb}"}, status_code=413)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return await too_big(scope, receive, send)
+        if declared is None and b"transfer-encoding" in headers:
+            chunks, size, more = [], 0, True
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunks.append(msg.get("body", b""))
+                size, more = size + len(chunks[-1]), msg.get("more_body", False)
+                if size > cap:
+                    return await too_big(scope, receive, send)
+            body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            async def receive(orig=receive):  # noqa: F811 - hand the buffered body to the app once
+                return body.pop() if body else await orig()
+        try:
+            await app(scope, receive, send)
+        finally:
+            LATENCY.labels(scope["method"], getattr(scope.get("route"), "path", "other")).observe(time.perf_counter() - t0)
+    return asgi
 
-@app.middleware("http")
-async def limit_body(request: Request, call_next):
-    # refuse oversized bodies before reading them (a declared length) or while reading (chunked)
-    cap = int(ARGS.max_body_mb * 1024 * 1024)
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > cap):
-        return JSONResponse({"detail": f"request body over {ARGS.max_body_mb} MB"}, status_code=413)
-    return await call_next(request)
-
+app.add_middleware(guard)
 
 def require_token(request: Request) -> None:
     if not ARGS.token:
@@ -197,102 +407,122 @@ def require_token(request: Request) -> None:
         raise HTTPException(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)",
                             headers={"WWW-Authenticate": "Bearer"})
 
-
 AUTH = [Depends(require_token)]
-
 
 @app.get("/health")
 async def health() -> dict:
     return {"ok": True, "latest_version": S.latest}
-
 
 class SubmitResponse(BaseModel):
     status: str  # accepted | duplicate | stale
     duplicate: bool
     buffer_size: int
 
+# the body is parsed by pydantic-core straight from bytes (3x cheaper than json.loads + validate on a
+# 50 kB group); this keeps TrajectoryGroup in /openapi.json all the same
+_GROUP_SCHEMA = TrajectoryGroup.model_json_schema(ref_template="#/components/schemas/{model}")
+_GROUP_DEFS = _GROUP_SCHEMA.pop("$defs", {})
+_GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": _GROUP_SCHEMA}}}}
 
-@app.post("/v1/groups", dependencies=AUTH, response_model=SubmitResponse)
-async def submit_group(group: TrajectoryGroup) -> SubmitResponse:
-    """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full."""
+@app.post("/v1/groups", dependencies=AUTH, response_model=SubmitResponse, openapi_extra=_GROUP_BODY)
+async def submit_group(request: Request) -> SubmitResponse:
+    """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full.
+    A 200 `accepted` means the group is in the bucket."""
+    try:
+        group = TrajectoryGroup.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors()]) from None
     if len(group.completions) != ARGS.group_size:
         raise HTTPException(422, f"completions: {len(group.completions)} given, this run's group_size is {ARGS.group_size}")
     if len(group.prompt_ids) > ARGS.max_prompt_tokens:
         raise HTTPException(422, f"prompt_ids: {len(group.prompt_ids)} tokens > max_prompt_tokens {ARGS.max_prompt_tokens}")
     for i, c in enumerate(group.completions):
         if len(c.token_ids) > ARGS.max_completion_tokens:
-            raise HTTPException(422, f"completions[{i}].token_ids: {len(c.token_ids)} tokens > {ARGS.max_completion_tokens}")
+            raise HTTPException(422, f"completions[{i}].token_ids: {len(c.token_ids)} tokens > max_completion_tokens {ARGS.max_completion_tokens}")
+    gid = group.group_id
+    if gid in S.pending:  # the same group is being written: answer once that write is done
+        await asyncio.shield(S.pending[gid])
+    if gid in S.seen:
+        S.counters["groups_duplicate"] += 1
+        return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(S.buffer))
+    if group.policy_version > S.latest:
+        raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest "
+                                 f"registered version {S.latest}")
+    w = touch_worker(group.worker_id)
+    if S.latest - group.policy_version > ARGS.max_staleness:
+        S.seen.add(gid)
+        S.counters["groups_dropped_stale"] += 1
+        return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
+    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer and drop_stale() == 0:
+        S.counters["groups_rejected_full"] += 1
+        raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
+    entry = Entry(gid, group.policy_version, group.model_dump_json().encode())
+    S.pending[gid] = fut = JOURNAL.append(entry.raw)
+    try:
+        await fut
+        S.seen.add(gid)  # before anything else runs: a duplicate waiting on `fut` must see it
+    finally:
+        del S.pending[gid]
     async with S.cond:
-        if group.group_id in S.seen:
-            S.counters["groups_duplicate"] += 1
-            return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(S.buffer))
-        if group.policy_version > S.latest:
-            raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest "
-                                     f"registered version {S.latest}")
-        w = S.workers.setdefault(group.worker_id, {"last_seen": 0.0, "groups": 0})
-        w["last_seen"] = time.time()
-        if S.latest - group.policy_version > ARGS.max_staleness:
-            S.seen.add(group.group_id)
-            S.counters["groups_dropped_stale"] += 1
-            return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
-        if len(S.buffer) >= ARGS.max_buffer and drop_stale() == 0:
-            S.counters["groups_rejected_full"] += 1
-            raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
-        S.seen.add(group.group_id)
-        S.buffer[group.group_id] = group.model_dump()
+        S.buffer[gid] = entry
         S.counters["groups_accepted"] += 1
         w["groups"] += 1
+        w["recent"].append(time.time())
         S.cond.notify_all()
-        return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(S.buffer))
-
+    return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(S.buffer))
 
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     num_groups: int = Field(ge=1, le=1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
 
-
 class LeaseResponse(BaseModel):
     batch_id: str | None
-    groups: list[dict]
+    groups: list[TrajectoryGroup]
     latest_version: int
     buffer_size: int
     dropped_stale: int
 
+def lease_answer(bid: str | None, entries: list[Entry], dropped: int) -> Response:
+    # the groups go out as the bytes we logged: no parse, no re-serialisation of 50 kB per group
+    head = json.dumps({"batch_id": bid, "latest_version": S.latest, "buffer_size": len(S.buffer), "dropped_stale": dropped},
+                      separators=(",", ":"))
+    return Response(head[:-1].encode() + b',"groups":[' + b",".join(e.raw for e in entries) + b"]}",
+                    media_type="application/json")
 
 @app.post("/v1/batches/lease", dependencies=AUTH, response_model=LeaseResponse)
-async def lease_batch(req: LeaseRequest) -> LeaseResponse:
+async def lease_batch(req: LeaseRequest) -> Response:
     """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive;
     an empty answer (batch_id null) if they did not."""
-    deadline = time.monotonic() + req.wait_s
     async with S.cond:
         before = S.counters["groups_dropped_stale"]
-        while True:
-            expire_leases(time.time())
-            if len(S.buffer) >= req.num_groups:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return LeaseResponse(batch_id=None, groups=[], latest_version=S.latest, buffer_size=len(S.buffer),
-                                     dropped_stale=S.counters["groups_dropped_stale"] - before)
-            try:
-                await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
-            except asyncio.TimeoutError:
-                pass
-        groups = [S.buffer.popitem(last=False)[1] for _ in range(req.num_groups)]
+        if not await wait_until(lambda: expire_leases(time.time()) or len(S.buffer) >= req.num_groups, req.wait_s):
+            return lease_answer(None, [], S.counters["groups_dropped_stale"] - before)
+        entries = [S.buffer.popitem(last=False)[1] for _ in range(req.num_groups)]
         bid = uuid.uuid4().hex
-        S.leases[bid] = Lease(bid, groups, time.time() + ARGS.lease_s)
-        S.counters["groups_leased"] += len(groups)
-        S.counters["batches_leased"] += 1
-        for g in groups:
-            s = S.latest - g["policy_version"]
-            S.staleness_hist[s] = S.staleness_hist.get(s, 0) + 1
-        return LeaseResponse(batch_id=bid, groups=groups, latest_version=S.latest, buffer_size=len(S.buffer),
-                             dropped_stale=S.counters["groups_dropped_stale"] - before)
+        S.leases[bid] = Lease(bid, entries, time.time() + ARGS.lease_s)
+        fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries],
+                              "expires_at": S.leases[bid].expires_at})
+    try:
+        await fut  # the trainer must be able to ack this batch after a restart
+    except HTTPException:  # the write failed: undo, so that nothing changed
+        async with S.cond:
+            if S.leases.pop(bid, None) is not None:
+                to_front(entries)
+                S.cond.notify_all()
+        raise
+    S.counters["groups_leased"] += len(entries)
+    S.counters["batches_leased"] += 1
+    for e in entries:
+        s = S.latest - e.version
+        S.staleness_hist[s] = S.staleness_hist.get(s, 0) + 1
+        STALENESS.observe(s)
+    return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before)
 
+BATCH_ID = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 
 @app.post("/v1/batches/{batch_id}/ack", dependencies=AUTH)
-async def ack_batch(batch_id: str) -> dict:
+async def ack_batch(batch_id: str = BATCH_ID) -> dict:
     """The trainer took its optimizer step on this batch: its groups are consumed for good."""
     async with S.cond:
         if batch_id in S.acked:
@@ -303,10 +533,16 @@ async def ack_batch(batch_id: str) -> dict:
         if lease is None:
             raise HTTPException(404, f"no open lease with batch_id {batch_id}")
         S.acked.add(batch_id)
-        S.counters["groups_acked"] += len(lease.groups)
-        S.counters["batches_acked"] += 1
-        return {"acked": len(lease.groups)}
-
+        fut = JOURNAL.append({"t": "ack", "batch_id": batch_id})
+    try:
+        await fut
+    except HTTPException:
+        S.acked.discard(batch_id)
+        S.leases[batch_id] = lease
+        raise
+    S.counters["groups_acked"] += len(lease.entries)
+    S.counters["batches_acked"] += 1
+    return {"acked": len(lease.entries)}
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -316,82 +552,90 @@ class RegisterRequest(BaseModel):
     final: bool = False
     """the trainer is done: workers stop after this version"""
 
-
 @app.post("/v1/adapters", dependencies=AUTH)
 async def register_adapter(req: RegisterRequest) -> dict:
     """Register a version the trainer has published to the bucket (monotonic, else 409)."""
-    async with S.cond:
+    async with REGISTER_LOCK:  # check, verify, journal, then apply: no one sees a version that may not stick
         if req.version <= S.latest:
             raise HTTPException(409, f"version {req.version} is not newer than the latest {S.latest}")
-    if BUCKET is not None:
-        meta = await asyncio.to_thread(BUCKET.get_json, f"adapters/v{req.version:06d}/meta.json")
-        if meta is None:
-            raise HTTPException(422, f"version {req.version} has no meta.json in the bucket: publish it first")
-    async with S.cond:
-        if req.version <= S.latest:  # re-check: another registration may have won meanwhile
-            raise HTTPException(409, f"version {req.version} is not newer than the latest {S.latest}")
-        S.versions.append({"version": req.version, "step": req.step, "published_at": req.published_at})
-        S.done = req.final
-        dropped = drop_stale()
-        S.cond.notify_all()
-        return {"latest_version": S.latest, "dropped_stale": dropped}
-
+        if BUCKET is not None:
+            meta = await asyncio.to_thread(BUCKET.get_json, f"adapters/v{req.version:06d}/meta.json")
+            if meta is None:
+                raise HTTPException(422, f"version {req.version} has no meta.json in the bucket: publish it first")
+        v = {"version": req.version, "step": req.step, "published_at": req.published_at}
+        await JOURNAL.append({"t": "version", **v, "final": req.final})
+        async with S.cond:
+            S.versions.append(v)
+            S.done = req.final
+            dropped = drop_stale()
+            S.cond.notify_all()
+            return {"latest_version": S.latest, "dropped_stale": dropped}
 
 @app.get("/v1/adapters/latest", dependencies=AUTH)
 async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float = Query(0.0, ge=0.0, le=300.0)) -> dict:
     """The newest version; long-polls up to `wait_s` for one newer than `after`."""
-    deadline = time.monotonic() + wait_s
     async with S.cond:
-        while S.latest <= after and not S.done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                await asyncio.wait_for(S.cond.wait(), timeout=left)
-            except asyncio.TimeoutError:
-                break
+        await wait_until(lambda: S.latest > after or S.done, wait_s)
         return {**S.versions[-1], "done": S.done, "max_staleness": ARGS.max_staleness}
-
 
 class PromptLeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    dataset: str = Field(min_length=1, max_length=200)
-    size: int = Field(ge=1, le=10**8)
+    dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    size: int = Field(ge=1, le=1 << 22)
     n: int = Field(ge=1, le=4096)
 
+@lru_cache(maxsize=8)
+def permutation(dataset: str, size: int, epoch: int) -> list[int]:
+    perm = list(range(size))
+    random.Random(f"{ARGS.seed}:{dataset}:{epoch}").shuffle(perm)
+    return perm
 
 @app.post("/v1/prompts/lease", dependencies=AUTH)
 async def lease_prompts(req: PromptLeaseRequest) -> dict:
-    """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch."""
+    """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
+    across restarts too (the cursor is journaled before the indices are handed out)."""
     async with S.cond:
+        if req.dataset not in S.cursors and len(S.cursors) >= MAX_DATASETS:
+            raise HTTPException(409, f"this run already has {MAX_DATASETS} datasets")
         cur = S.cursors.setdefault(req.dataset, {"size": req.size, "epoch": 0, "pos": 0})
         if cur["size"] != req.size:
             raise HTTPException(409, f"dataset {req.dataset!r} has size {cur['size']} in this run, not {req.size}")
         out, epochs = [], []
         while len(out) < req.n:
-            perm = list(range(req.size))
-            random.Random(f"{ARGS.seed}:{req.dataset}:{cur['epoch']}").shuffle(perm)
-            take = perm[cur["pos"]:cur["pos"] + req.n - len(out)]
+            take = permutation(req.dataset, req.size, cur["epoch"])[cur["pos"]:cur["pos"] + req.n - len(out)]
             out += take
             epochs += [cur["epoch"]] * len(take)
             cur["pos"] += len(take)
             if cur["pos"] >= req.size:
                 cur["epoch"], cur["pos"] = cur["epoch"] + 1, 0
-        return {"indices": out, "epochs": epochs}
-
+        # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
+        fut = JOURNAL.append({"t": "cursor", "dataset": req.dataset, **cur})
+    await fut
+    return {"indices": out, "epochs": epochs}
 
 @app.get("/v1/stats", dependencies=AUTH)
 async def get_stats() -> dict:
     async with S.cond:
         return stats()
 
+@app.get("/metrics", dependencies=AUTH, response_class=Response)
+async def metrics() -> Response:
+    """Prometheus text exposition (scrape with the proxy token as a bearer token)."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+def openapi() -> dict:
+    # the group body is declared by hand above (openapi_extra); its nested models go in components
+    if not app.openapi_schema:
+        FastAPI.openapi(app)["components"]["schemas"].update(_GROUP_DEFS)
+    return app.openapi_schema
+
+app.openapi = openapi
 
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
 
 if __name__ == "__main__":
     import tyro

@@ -1,0 +1,144 @@
+"""Hostile and malformed requests against the real proxy process (with the real local S3 server):
+each gets its documented 4xx naming the problem, never a 5xx, and /v1/stats does not move.
+Then schemathesis fuzzes every operation of /openapi.json: no 5xx."""
+import time
+import uuid
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from test_proxy import group, publish
+
+
+def raw_group(completion: str, G: int = 4) -> bytes:
+    """A group as raw JSON text, for what json.dumps will not write (NaN, Infinity)."""
+    return ('{"group_id":"%s","worker_id":"w","policy_version":0,"prompt_ids":[1],"completions":[%s],"meta":{}}'
+            % (uuid.uuid4().hex, ",".join([completion] * G))).encode()
+
+
+def comp(**over):
+    return [{"token_ids": [1, 2], "logprobs": [-1.0, -2.0], "reward": 0.0, "finish_reason": "stop", **over}] * 4
+
+
+def chunked(n: int):
+    for _ in range(n):
+        yield b"x" * (1 << 20)
+
+
+# (what, method, path, request kwargs, expected status, text the answer must contain)
+CASES = [
+    ("no token", "POST", "/v1/groups", {"json": group(), "headers": {}}, 401, "token"),
+    ("wrong token", "POST", "/v1/groups", {"json": group(), "headers": {"Authorization": "Bearer nope"}}, 401, "token"),
+    ("token with the wrong scheme", "GET", "/v1/stats", {"headers": {"Authorization": "Basic {token}"}}, 401, "token"),
+    ("not JSON", "POST", "/v1/groups", {"content": b"{", "headers": {"Content-Type": "application/json", "X-Proxy-Token": "{token}"}}, 422, "json"),
+    ("a JSON array", "POST", "/v1/groups", {"json": [group()]}, 422, "object"),
+    ("empty object", "POST", "/v1/groups", {"json": {}}, 422, "group_id"),
+    ("version of the wrong type", "POST", "/v1/groups", {"json": group(policy_version="one")}, 422, "policy_version"),
+    ("negative version", "POST", "/v1/groups", {"json": group(version=-1)}, 422, "policy_version"),
+    ("version from the future", "POST", "/v1/groups", {"json": group(version=99)}, 409, "newer than the latest"),
+    ("wrong G", "POST", "/v1/groups", {"json": group(G=3)}, 422, "group_size"),
+    ("mismatched lengths", "POST", "/v1/groups", {"json": group(completions=comp(logprobs=[-1.0]))}, 422, "logprobs"),
+    ("NaN logprob", "POST", "/v1/groups", {"content": raw_group('{"token_ids":[1],"logprobs":[NaN],"reward":0,"finish_reason":"stop"}')}, 422, "logprobs"),
+    ("Infinity reward", "POST", "/v1/groups", {"content": raw_group('{"token_ids":[1],"logprobs":[-1],"reward":Infinity,"finish_reason":"stop"}')}, 422, "reward"),
+    ("huge reward", "POST", "/v1/groups", {"json": group(completions=comp(reward=1e300))}, 422, "reward"),
+    ("positive logprob", "POST", "/v1/groups", {"json": group(completions=comp(logprobs=[0.5, -1.0]))}, 422, "logprobs"),
+    ("negative token id", "POST", "/v1/groups", {"json": group(prompt_ids=[1, -2])}, 422, "prompt_ids"),
+    ("token id beyond any vocabulary", "POST", "/v1/groups", {"json": group(completions=comp(token_ids=[1, 2**40]))}, 422, "token_ids"),
+    ("unknown top-level field", "POST", "/v1/groups", {"json": group(admin=True)}, 422, "admin"),
+    ("unknown completion field", "POST", "/v1/groups", {"json": group(completions=comp(text="hi"))}, 422, "text"),
+    ("bad finish_reason", "POST", "/v1/groups", {"json": group(completions=comp(finish_reason="eos"))}, 422, "finish_reason"),
+    ("empty prompt", "POST", "/v1/groups", {"json": group(prompt_ids=[])}, 422, "prompt_ids"),
+    ("path in group_id", "POST", "/v1/groups", {"json": group(gid="../../etc/passwd")}, 422, "group_id"),
+    ("group_id too long", "POST", "/v1/groups", {"json": group(gid="a" * 65)}, 422, "group_id"),
+    ("meta too large", "POST", "/v1/groups", {"json": group(meta={"x": "y" * 20000})}, 422, "meta"),
+    ("meta nested 5000 deep", "POST", "/v1/groups", {"content": raw_group('{"token_ids":[1],"logprobs":[-1],"reward":0,"finish_reason":"stop"}').replace(b'"meta":{}', b'"meta":{"a":' + b"[" * 5000 + b"]" * 5000 + b"}")}, 422, "recursion limit"),
+    ("completion over max_completion_tokens", "POST", "/v1/groups", {"json": group(completions=comp(token_ids=[1] * 5000, logprobs=[-1.0] * 5000))}, 422, "max_completion"),
+    ("10 MB body", "POST", "/v1/groups", {"content": b"x" * (10 << 20), "headers": {"X-Proxy-Token": "{token}"}}, 413, "body"),
+    ("10 MB chunked body", "POST", "/v1/batches/lease", {"content": chunked(10)}, 413, "body"),
+    ("lease of 0 groups", "POST", "/v1/batches/lease", {"json": {"num_groups": 0}}, 422, "num_groups"),
+    ("lease of a billion groups", "POST", "/v1/batches/lease", {"json": {"num_groups": 10**9}}, 422, "num_groups"),
+    ("negative lease wait", "POST", "/v1/batches/lease", {"json": {"num_groups": 1, "wait_s": -1}}, 422, "wait_s"),
+    ("unknown lease field", "POST", "/v1/batches/lease", {"json": {"num_groups": 1, "all": True}}, 422, "all"),
+    ("ack of an unknown batch", "POST", "/v1/batches/0123456789abcdef/ack", {}, 404, "no open lease"),
+    ("ack with a hostile batch id", "POST", "/v1/batches/bad!id;drop/ack", {}, 422, "batch_id"),
+    ("ack with a 100-char batch id", "POST", "/v1/batches/" + "a" * 100 + "/ack", {}, 422, "batch_id"),
+    ("double ack", "POST", "/v1/batches/{acked}/ack", {}, 409, "already acked"),
+    ("ack of an expired lease", "POST", "/v1/batches/{expired}/ack", {}, 410, "expired"),
+    ("register version 0", "POST", "/v1/adapters", {"json": {"version": 0, "step": 0, "published_at": 1}}, 422, "version"),
+    ("register without published_at", "POST", "/v1/adapters", {"json": {"version": 2, "step": 0}}, 422, "published_at"),
+    ("register an unpublished version", "POST", "/v1/adapters", {"json": {"version": 7, "step": 7, "published_at": 1}}, 422, "meta.json"),
+    ("register a version that is not newer", "POST", "/v1/adapters", {"json": {"version": 1, "step": 9, "published_at": 1}}, 409, "not newer"),
+    ("latest with after=-5", "GET", "/v1/adapters/latest", {"params": {"after": -5}}, 422, "after"),
+    ("latest with a huge wait", "GET", "/v1/adapters/latest", {"params": {"wait_s": 1e9}}, 422, "wait_s"),
+    ("prompts of another dataset size", "POST", "/v1/prompts/lease", {"json": {"dataset": "d", "size": 11, "n": 1}}, 409, "size"),
+    ("prompts n=0", "POST", "/v1/prompts/lease", {"json": {"dataset": "d", "size": 10, "n": 0}}, 422, "n"),
+    ("prompts of a hostile dataset name", "POST", "/v1/prompts/lease", {"json": {"dataset": "d\n$(rm -rf /)", "size": 10, "n": 1}}, 422, "dataset"),
+    ("prompts of a huge dataset", "POST", "/v1/prompts/lease", {"json": {"dataset": "e", "size": 10**12, "n": 1}}, 422, "size"),
+    ("GET on a POST endpoint", "GET", "/v1/groups", {}, 405, "method"),
+]
+
+
+def comparable(stats: dict) -> dict:
+    out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers")}
+    out["workers"] = {w: d["groups"] for w, d in stats["workers"].items()}  # last_seen_s_ago moves with the clock
+    return out
+
+
+def test_bad_inputs_get_their_4xx_and_change_nothing(bucket, start_proxy):
+    p = start_proxy("--group-size", "4", "--lease-s", "1", "--max-body-mb", "8")
+    # setup: a version, an acked batch, an expired lease, a prompt cursor (the hostile requests need them)
+    publish(bucket, p, 1)
+    for _ in range(2):
+        assert p.http.post("/v1/groups", json=group(version=1)).status_code == 200
+    acked = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+    assert p.http.post(f"/v1/batches/{acked}/ack").status_code == 200
+    expired = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+    time.sleep(2.5)  # lease_s=1; the proxy's housekeeping runs every second
+    assert p.stats()["leases_expired"] == 1
+    assert p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 10, "n": 3}).status_code == 200
+    before = comparable(p.stats())
+
+    assert len(CASES) >= 25
+    wrong = []
+    for what, method, path, kw, status, needle in CASES:
+        kw = {"headers": {"X-Proxy-Token": p.token}, **kw}  # cases with their own headers replace the token
+        kw["headers"] = {k: v.format(token=p.token) for k, v in kw["headers"].items()}
+        r = httpx.request(method, p.url + path.format(acked=acked, expired=expired), **kw, timeout=30)
+        if r.status_code != status or needle.lower() not in r.text.lower():
+            wrong.append(f"{what}: {r.status_code} {r.text[:200]}")
+    assert not wrong, "\n".join(wrong)
+    assert comparable(p.stats()) == before
+    # and the proxy still works
+    assert p.http.post("/v1/groups", json=group(version=1)).json()["status"] == "accepted"
+
+
+# ---------------------------------------------------------------------------------------------
+# schemathesis: property-based requests from /openapi.json against the live proxy, no 5xx
+
+
+def test_openapi_fuzz_no_5xx(bucket, start_proxy):
+    """Every operation of /openapi.json, 25 generated requests each (schemathesis' strategies driven by
+    hypothesis here, not its pytest plugin)."""
+    p = start_proxy("--group-size", "4", "--lease-s", "2")
+    publish(bucket, p, 1)
+    schema = schemathesis.openapi.from_url(f"{p.url}/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/v1/groups", "/v1/batches/lease", "/v1/batches/{batch_id}/ack", "/v1/adapters",
+                                       "/v1/adapters/latest", "/v1/prompts/lease", "/v1/stats", "/metrics"}
+    calls = []
+    for op in ops:
+        @given(case=op.as_strategy())
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def run(case):
+            # long-poll waits are valid up to 300 s; cap them so that fuzzing takes a minute, not hours
+            for part in (case.query, case.body):
+                if isinstance(part, dict) and isinstance(part.get("wait_s"), (int, float)) and part["wait_s"] > 0.2:
+                    part["wait_s"] = 0.2
+            r = case.call(headers={"X-Proxy-Token": p.token}, timeout=30)
+            calls.append(r.status_code)
+            assert r.status_code < 500, f"{case.method} {case.path}: {r.status_code} {r.text[:300]}"
+        run()
+    assert len(calls) >= 5 * len(ops) and any(c == 200 for c in calls)
+    assert p.http.get("/health").status_code == 200
