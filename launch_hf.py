@@ -61,8 +61,8 @@ class Args:
     trainer_flavor: str = "a10g-small"
     timeout: str = "6h"
     """per job (HF Jobs' default is 30 minutes)"""
-    rollout_with: str = "vllm"
-    """extra packages for the rollout jobs (`uv run --with`): vLLM on GPU; "" for the hf backend"""
+    rollout_with: str = ""
+    """extra packages for the rollout jobs, comma-separated (`uv run --with`); rollout.py's header has vllm"""
     bucket: str = field(default_factory=lambda: os.environ.get("BUCKET", "async-grpo"))
     """bucket name (env BUCKET); a Hugging Face Storage Bucket <namespace>/<bucket> unless S3_ENDPOINT_URL is set"""
     namespace: str | None = None

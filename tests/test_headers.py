@@ -18,8 +18,8 @@ from conftest import ROOT
 
 SCRIPTS = ["proxy.py", "rollout.py", "train.py", "evaluate.py", "launch_hf.py"]
 GPU_ONLY = {"vllm": {"rollout.py"}}     # package -> the scripts whose header may carry it
-# imports that belong to another declared distribution, or are GPU-only extras
-IMPORT_ALIASES = {"botocore": "boto3", "vllm": "vllm"}
+# imports that belong to another declared distribution
+IMPORT_ALIASES = {"botocore": "boto3"}
 PEP723 = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)$\s)+)^# ///$")
 
 
@@ -95,8 +95,6 @@ def test_header_declares_what_the_script_imports(script):
     for m in sorted(mods):
         if m in IMPORT_ALIASES:
             wanted = {IMPORT_ALIASES[m]}
-            if m in GPU_ONLY and script in GPU_ONLY[m]:
-                continue   # an extra on GPU jobs (launch_hf.py passes `--with vllm`), imported only there
         else:
             wanted = {canonicalize_name(d) for d in dists.get(m, [m])}
         assert wanted & declared, f"{script} imports {m} (from {sorted(wanted)}), not in its header"

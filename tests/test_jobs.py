@@ -128,7 +128,7 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
     expected = {
         "proxy": (["/data/proxy.py", "/data/common.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env, []),
-        "rollout-1": (["--with", "vllm", "/data/rollout.py", "/data/common.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "rollout-1": (["/data/rollout.py", "/data/common.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                       {**base_env, "PROXY_URL": proxy_url}, None),
@@ -180,9 +180,10 @@ def test_jsonl_task_file_is_shipped_and_read_from_data(hub, tmp_path, capsys):
     fake = hub()
     data = tmp_path / "my_tasks.jsonl"
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
-    launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", ""])
+    launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:5] == ["uv", "run", "/data/rollout.py", "/data/common.py", "/data/my_tasks.jsonl"]
+    assert roll["command"][:9] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+                                   "/data/common.py", "/data/my_tasks.jsonl"]
     assert roll["command"][roll["command"].index("--task") + 1] == "jsonl:/data/my_tasks.jsonl"
     shipped = [dict((d.split("/")[1], s) for s, d in files) for _, files in fake.uploads]
     assert {"rollout.py": ROOT / "rollout.py", "common.py": ROOT / "common.py", "my_tasks.jsonl": data} in shipped
