@@ -383,7 +383,7 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
     mask [N, Lp], next_pos [N]) already repeated to N = len(prompts) * repeats rows.
     """
     lm = _causal_lm(model)
-    ids, mask = pad_left(prompts, pad)
+    ids, mask = (t.to(lm.device) for t in pad_left(prompts, pad))
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     out = lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
@@ -400,12 +400,12 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     G = len(completions) // len(prompts)
     lm = _causal_lm(model)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
-    cids, cmask = pad_right(completions, pad)
+    cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
     hidden = h_last[:, None]
     if cids.shape[1] > 1:
         # feed all but the last token: its output would predict beyond the completion
         inp, m = cids[:, :-1], cmask[:, :-1]
-        pos = next_pos[:, None] + torch.arange(inp.shape[1])[None]
+        pos = next_pos[:, None] + torch.arange(inp.shape[1], device=lm.device)[None]
         out = lm.get_decoder()(input_ids=inp, attention_mask=torch.cat([pmask, m], 1), position_ids=pos,
                                use_cache=True, **cache_kw(lm.get_decoder(), cache))
         hidden = torch.cat([hidden, out.last_hidden_state], 1)
@@ -413,7 +413,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     # lm_head only on completion positions: the vocab projection is a large share of the FLOPs
     logits = lm.get_output_embeddings()(hidden[sel]).float() / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, cids[sel][:, None]).squeeze(-1)
-    logp = torch.zeros(cids.shape, dtype=lp.dtype).masked_scatter(sel, lp)
+    logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 
 
@@ -584,12 +584,13 @@ def local_smollm2(cache_dir: str | None = None) -> str:
 
 
 def load_base(name: str):
-    """(model, tokenizer) in float32 eval mode; `name` is LOCAL_MODEL, a local dir or a Hub id."""
+    """(model, tokenizer) in float32 eval mode, on the GPU when there is one; `name` is
+    LOCAL_MODEL, a local dir or a Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = local_smollm2() if name == LOCAL_MODEL else name
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok

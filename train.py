@@ -90,7 +90,8 @@ class Args:
     owner_ttl_s: float = 120.0
     """a different trainer may take over a run whose owner's heartbeat is older than this"""
     lease_wait_s: float = 30.0
-    threads: int = 1
+    threads: int = 0
+    """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
 
 
@@ -122,8 +123,8 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         comps = [c for i in mb for c in groups[i]["completions"]]
         T = groups[mb[0]]["meta"].get("temperature", args.temperature)
         logp, mask = completion_logprobs(model, prompts, [c["token_ids"] for c in comps], T, pad=0)
-        behav, _ = pad_right([c["logprobs"] for c in comps], 0.0, dtype=torch.float32)
-        a = adv[mb].reshape(-1)                                                    # [N]
+        behav = pad_right([c["logprobs"] for c in comps], 0.0, dtype=torch.float32)[0].to(logp.device)
+        a = adv[mb].reshape(-1).to(logp.device)                                    # [N]
         ref = None
         if args.beta > 0:
             with torch.no_grad(), model.disable_adapter():
@@ -258,7 +259,8 @@ def batch_metrics(groups: list[dict], latest: int) -> dict:
 
 def main(args: Args) -> None:
     from tqdm import tqdm
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     stop = threading.Event()
