@@ -13,18 +13,15 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --secrets PROXY_TOKEN \
         proxy.py common.py --host 0.0.0.0            # on Hugging Face Jobs (README)
 
-API (v1): see the README and /openapi.json. Every endpoint but /health needs the proxy token
-(X-Proxy-Token, or Authorization: Bearer when no gateway needs that header).
-
-Durability: the bucket is my only disk. Every change an answer depends on is in an append-only
-journal in the bucket before the answer goes out: rollouts/{incarnation:06d}-{seq:08d}.jsonl holds
-accepted groups (one canonical JSON per line), proxy/log/<same name> leases, acks, expiries, versions,
-prompt cursors and counters. Writes are group-committed (one put for everything queued meanwhile, each
-answer waits for its own write). On start the proxy replays both logs, so `kill -9` at any moment is fine.
+Durability: the bucket is my only disk. Every change an answer depends on is in an append-only journal
+in the bucket before the answer goes out: rollouts/{incarnation:06d}-{seq:08d}.jsonl holds accepted groups
+(canonical JSON, one per line), proxy/log/<same name> leases, acks, expiries, versions, prompt cursors and
+counters, group-committed. On start the proxy replays both logs, so `kill -9` at any moment is fine.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -34,7 +31,7 @@ import re
 import sys
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict, deque, namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -79,19 +76,10 @@ MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep st
 
 # ---------------------------------------------------------------------------------------------
 # state
-
-@dataclass(slots=True)
-class Entry:
-    """An accepted group, held as the canonical JSON we logged: cheap to keep and to lease."""
-    gid: str
-    version: int
-    raw: bytes
-
-@dataclass
-class Lease:
-    batch_id: str
-    entries: list[Entry]
-    expires_at: float  # wall clock: it must mean the same thing after a restart
+# a group is held as the canonical JSON we logged (cheap to keep, leased without re-encoding); expires_at is
+# wall-clock time: it must mean the same thing after a restart
+Entry = namedtuple("Entry", "gid version raw")
+Lease = namedtuple("Lease", "batch_id entries expires_at")
 
 @dataclass
 class State:
@@ -155,73 +143,69 @@ async def wait_until(ready, wait_s: float) -> bool:
     while not ready():
         if (left := deadline - time.monotonic()) <= 0:
             return False
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
-        except asyncio.TimeoutError:
-            pass
     return True
 
 def stats() -> dict:
-    now = time.time()
-    return {"buffer_size": len(S.buffer), "latest_version": S.latest, "done": S.done,
-            "open_leases": len(S.leases), "max_staleness": ARGS.max_staleness,
-            "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
+    return {"buffer_size": len(S.buffer), "latest_version": S.latest, "done": S.done, "open_leases": len(S.leases),
+            "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
             "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
-            "workers": {w: {"last_seen_s_ago": round(now - d["last_seen"], 1), "groups": d["groups"]}
-                        for w, d in S.workers.items()},
+            "workers": {w: {"last_seen_s_ago": round(time.time() - d["last_seen"], 1), "groups": d["groups"]} for w, d in S.workers.items()},
             "cursors": S.cursors, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 # ---------------------------------------------------------------------------------------------
 # journal: group commit to the bucket, and replay on start
-
 def unavailable(e: Exception) -> HTTPException:
     return HTTPException(503, f"could not write to the bucket, nothing changed; retry: {e}", headers={"Retry-After": "2"})
 
 class Journal:
-    """Callers append a record and await the future it returns; one writer task puts everything queued
-    since its last put (one put in flight at a time keeps objects in the order of the changes)."""
+    """Callers append a record (group bytes or event dict) and await the future it returns. The writer puts
+    all queued since its last put as one object per kind; up to `depth` puts fly at once (latency, not
+    bandwidth, is the limit), but answers go out in log order: nothing answered depends on a lost write."""
 
-    def __init__(self, bucket: Bucket | None, incarnation: int):
-        self.bucket, self.inc, self.seq = bucket, incarnation, 0
+    def __init__(self, bucket: Bucket | None, incarnation: int, depth: int = 3):
+        self.bucket, self.inc, self.seq, self.slots = bucket, incarnation, 0, asyncio.Semaphore(depth)
         self.queue: list[tuple[bytes | dict, asyncio.Future]] = []
         self.wake = asyncio.Event()
 
     def append(self, rec: bytes | dict) -> asyncio.Future:
-        """bytes: an accepted group's canonical JSON; dict: an event."""
         fut = asyncio.get_running_loop().create_future()
-        if self.bucket is None:  # --no-use-bucket: in-memory only
-            fut.set_result(None)
-            return fut
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may be waiting (expiry)
         self.queue.append((rec, fut))
         self.wake.set()
         return fut
 
     async def run(self) -> None:
+        prev = None
         while True:
             await self.wake.wait()
+            await self.slots.acquire()  # while all slots are busy, the next batch grows
             self.wake.clear()
             batch, self.queue = self.queue, []
-            if not batch:
-                continue
             name, self.seq = f"{self.inc:06d}-{self.seq:08d}.jsonl", self.seq + 1
-            groups = [r for r, _ in batch if isinstance(r, bytes)]
-            events = [json.dumps(r).encode() for r, _ in batch if isinstance(r, dict)]
-            if events:  # counters the log does not imply (duplicates, drops) ride along with events
-                events.append(json.dumps({"t": "counters", "counters": S.counters,
-                                          "staleness_hist": S.staleness_hist}).encode())
-            puts = [asyncio.to_thread(self.bucket.put, f"{kind}/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
-                    for kind, lines in (("rollouts", groups), ("proxy/log", events)) if lines]
-            t0 = time.perf_counter()
-            err = next((r for r in await asyncio.gather(*puts, return_exceptions=True) if isinstance(r, Exception)), None)
-            COMMIT.observe(time.perf_counter() - t0)
-            if isinstance(err, ConflictError):  # someone else wrote our key: two proxies on one run
-                print(f"FATAL: {err}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
-                os._exit(3)
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(unavailable(err)) if err else fut.set_result(None)
+            prev = asyncio.create_task(self.commit(name, batch, prev))
+
+    async def commit(self, name: str, batch: list, prev: asyncio.Task | None) -> None:
+        groups = [r for r, _ in batch if isinstance(r, bytes)]
+        events = [json.dumps(r).encode() for r, _ in batch if isinstance(r, dict)]
+        if events:  # counters the log does not imply (duplicates, drops) ride along with events
+            events.append(json.dumps({"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}).encode())
+        puts = [asyncio.to_thread(self.bucket.put, f"{kind}/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
+                for kind, lines in (("rollouts", groups), ("proxy/log", events)) if lines and self.bucket]
+        t0 = time.perf_counter()
+        err = next((r for r in await asyncio.gather(*puts, return_exceptions=True) if isinstance(r, Exception)), None)
+        COMMIT.observe(time.perf_counter() - t0)
+        self.slots.release()
+        if isinstance(err, ConflictError):  # someone else wrote our key: two proxies on one run
+            print(f"FATAL: {err}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
+            os._exit(3)
+        if prev is not None:
+            await prev
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_exception(unavailable(err)) if err else fut.set_result(None)
 
 _HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"[^"]*","policy_version":(\d+)')
 
@@ -284,12 +268,9 @@ JOURNAL = Journal(None, 0)
 
 # ---------------------------------------------------------------------------------------------
 # metrics: request latency and staleness as histograms; the state's numbers read at scrape time
-
 REGISTRY = CollectorRegistry()
-LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["method", "route"], registry=REGISTRY,
-                    buckets=(.001, .0025, .005, .01, .025, .05, .1, .15, .25, .5, 1, 2.5, 5, 10, 30, 60))
-COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY,
-                   buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["method", "route"], registry=REGISTRY)
+COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY)
 STALENESS = Histogram("proxy_lease_staleness_versions", "staleness of leased groups (latest - policy_version)",
                       registry=REGISTRY, buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 
@@ -320,23 +301,13 @@ def touch_worker(worker: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # app
-
 async def _housekeeping() -> None:
     while True:
         await asyncio.sleep(1.0)
         async with S.cond:
             expire_leases(time.time())
         if METRICS is not None:
-            st = stats()
-            METRICS.log({"buffer/size": st["buffer_size"], "version": st["latest_version"],
-                         **{f"proxy/{k}": st[k] for k in S.counters}})
-
-async def adopt_published_version() -> None:
-    """A version the trainer published while the proxy was down is in adapters/latest.json only."""
-    latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
-    if latest and latest["version"] > S.latest:
-        await register_adapter(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
-                                               published_at=latest.get("created_at", time.time())))
+            METRICS.log({"buffer/size": len(S.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}})
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
@@ -347,8 +318,11 @@ async def lifespan(app: FastAPI):
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
     JOURNAL = Journal(BUCKET, S.incarnation)
     tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
-    if BUCKET is not None:
-        await adopt_published_version()
+    if BUCKET is not None:  # a version published while the proxy was down is only in adapters/latest.json
+        latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
+        if latest and latest["version"] > S.latest:
+            await register_adapter(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
+                                                   published_at=latest.get("created_at", time.time())))
     yield
     for t in tasks:
         t.cancel()
@@ -375,19 +349,16 @@ def guard(app):
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > cap):
             return await too_big(scope, receive, send)
-        if declared is None and b"transfer-encoding" in headers:
-            chunks, size, more = [], 0, True
+        if declared is None and b"transfer-encoding" in headers:  # chunked: read it here, up to the cap
+            body, more = bytearray(), True
             while more:
                 msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-                chunks.append(msg.get("body", b""))
-                size, more = size + len(chunks[-1]), msg.get("more_body", False)
-                if size > cap:
+                body, more = body + msg.get("body", b""), msg.get("more_body", False)
+                if len(body) > cap:
                     return await too_big(scope, receive, send)
-            body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            msgs = [{"type": "http.request", "body": bytes(body), "more_body": False}]
             async def receive(orig=receive):  # noqa: F811 - hand the buffered body to the app once
-                return body.pop() if body else await orig()
+                return msgs.pop() if msgs else await orig()
         try:
             await app(scope, receive, send)
         finally:
@@ -399,10 +370,8 @@ app.add_middleware(guard)
 def require_token(request: Request) -> None:
     if not ARGS.token:
         return
-    got = request.headers.get("x-proxy-token")
-    if got is None:
-        auth = request.headers.get("authorization", "")
-        got = auth[7:] if auth.lower().startswith("bearer ") else None
+    auth = request.headers.get("authorization", "")
+    got = request.headers.get("x-proxy-token") or (auth[7:] if auth.lower().startswith("bearer ") else None)
     if got is None or not hmac.compare_digest(got.encode(), ARGS.token.encode()):
         raise HTTPException(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)",
                             headers={"WWW-Authenticate": "Bearer"})
@@ -419,10 +388,8 @@ class SubmitResponse(BaseModel):
     buffer_size: int
 
 # the body is parsed by pydantic-core straight from bytes (3x cheaper than json.loads + validate on a
-# 50 kB group); this keeps TrajectoryGroup in /openapi.json all the same
-_GROUP_SCHEMA = TrajectoryGroup.model_json_schema(ref_template="#/components/schemas/{model}")
-_GROUP_DEFS = _GROUP_SCHEMA.pop("$defs", {})
-_GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": _GROUP_SCHEMA}}}}
+# 50 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
+_GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
 @app.post("/v1/groups", dependencies=AUTH, response_model=SubmitResponse, openapi_extra=_GROUP_BODY)
 async def submit_group(request: Request) -> SubmitResponse:
@@ -434,11 +401,10 @@ async def submit_group(request: Request) -> SubmitResponse:
         raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors()]) from None
     if len(group.completions) != ARGS.group_size:
         raise HTTPException(422, f"completions: {len(group.completions)} given, this run's group_size is {ARGS.group_size}")
-    if len(group.prompt_ids) > ARGS.max_prompt_tokens:
-        raise HTTPException(422, f"prompt_ids: {len(group.prompt_ids)} tokens > max_prompt_tokens {ARGS.max_prompt_tokens}")
-    for i, c in enumerate(group.completions):
-        if len(c.token_ids) > ARGS.max_completion_tokens:
-            raise HTTPException(422, f"completions[{i}].token_ids: {len(c.token_ids)} tokens > max_completion_tokens {ARGS.max_completion_tokens}")
+    for what, n, limit in [("prompt_ids", len(group.prompt_ids), "max_prompt_tokens")] + [
+            (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
+        if n > getattr(ARGS, limit):
+            raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
     gid = group.group_id
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
@@ -446,8 +412,7 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.counters["groups_duplicate"] += 1
         return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(S.buffer))
     if group.policy_version > S.latest:
-        raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest "
-                                 f"registered version {S.latest}")
+        raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest registered {S.latest}")
     w = touch_worker(group.worker_id)
     if S.latest - group.policy_version > ARGS.max_staleness:
         S.seen.add(gid)
@@ -471,8 +436,10 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.cond.notify_all()
     return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(S.buffer))
 
-class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake worth a 422
+
+class LeaseRequest(Strict):
     num_groups: int = Field(ge=1, le=1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
 
@@ -485,10 +452,8 @@ class LeaseResponse(BaseModel):
 
 def lease_answer(bid: str | None, entries: list[Entry], dropped: int) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 50 kB per group
-    head = json.dumps({"batch_id": bid, "latest_version": S.latest, "buffer_size": len(S.buffer), "dropped_stale": dropped},
-                      separators=(",", ":"))
-    return Response(head[:-1].encode() + b',"groups":[' + b",".join(e.raw for e in entries) + b"]}",
-                    media_type="application/json")
+    head = json.dumps({"batch_id": bid, "latest_version": S.latest, "buffer_size": len(S.buffer), "dropped_stale": dropped})
+    return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
 @app.post("/v1/batches/lease", dependencies=AUTH, response_model=LeaseResponse)
 async def lease_batch(req: LeaseRequest) -> Response:
@@ -519,10 +484,8 @@ async def lease_batch(req: LeaseRequest) -> Response:
         STALENESS.observe(s)
     return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before)
 
-BATCH_ID = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-
 @app.post("/v1/batches/{batch_id}/ack", dependencies=AUTH)
-async def ack_batch(batch_id: str = BATCH_ID) -> dict:
+async def ack_batch(batch_id: str = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")) -> dict:
     """The trainer took its optimizer step on this batch: its groups are consumed for good."""
     async with S.cond:
         if batch_id in S.acked:
@@ -544,8 +507,7 @@ async def ack_batch(batch_id: str = BATCH_ID) -> dict:
     S.counters["batches_acked"] += 1
     return {"acked": len(lease.entries)}
 
-class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RegisterRequest(Strict):
     version: int = Field(ge=1, le=10**9)
     step: int = Field(ge=0, le=10**12)
     published_at: float = Field(ge=0, le=1e11)
@@ -578,8 +540,7 @@ async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float 
         await wait_until(lambda: S.latest > after or S.done, wait_s)
         return {**S.versions[-1], "done": S.done, "max_staleness": ARGS.max_staleness}
 
-class PromptLeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PromptLeaseRequest(Strict):
     dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
     size: int = Field(ge=1, le=1 << 22)
     n: int = Field(ge=1, le=4096)
@@ -615,21 +576,12 @@ async def lease_prompts(req: PromptLeaseRequest) -> dict:
 
 @app.get("/v1/stats", dependencies=AUTH)
 async def get_stats() -> dict:
-    async with S.cond:
-        return stats()
+    return stats()
 
 @app.get("/metrics", dependencies=AUTH, response_class=Response)
 async def metrics() -> Response:
     """Prometheus text exposition (scrape with the proxy token as a bearer token)."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-def openapi() -> dict:
-    # the group body is declared by hand above (openapi_extra); its nested models go in components
-    if not app.openapi_schema:
-        FastAPI.openapi(app)["components"]["schemas"].update(_GROUP_DEFS)
-    return app.openapi_schema
-
-app.openapi = openapi
 
 def _is_loopback(host: str) -> bool:
     try:

@@ -5,7 +5,6 @@ import time
 import uuid
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
