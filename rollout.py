@@ -241,9 +241,11 @@ class VLLMSampler:
         self.next_id += 1
         req = LoRARequest(f"v{new['version']:06d}-{self.next_id}", self.next_id, new["dir"])
         try:
-            self.llm.llm_engine.add_lora(req)  # loads now, not in the middle of the next round
+            ok = self.llm.llm_engine.add_lora(req)  # loads now, not in the middle of the next round
         except Exception as e:
             raise AdapterError(f"vLLM could not load version {new['version']}: {e}") from e
+        if not ok:
+            raise AdapterError(f"vLLM refused to load version {new['version']} ({new['dir']})")
         old, self.lora = self.lora, req
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
