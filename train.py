@@ -39,7 +39,7 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import (LOCAL_MODEL, Bucket, ConflictError, Metrics, ProxyClient, completion_logprobs, grpo_loss,  # noqa: E402
+from common import (LOCAL_MODEL, Bucket, ConflictError, Metrics, ProxyClient, ProxyError, completion_logprobs, grpo_loss,  # noqa: E402
                     group_advantages, load_base, pad_right, publish_adapter)
 
 
@@ -242,6 +242,26 @@ def lease(client: ProxyClient, args: Args, bar, stop: threading.Event) -> dict |
     return None
 
 
+# The proxy journals an ack or a registration before answering; if it dies between the two, our
+# retry meets "already acked" / "not newer" (409). That answer to our own retry means success.
+
+
+def ack(client: ProxyClient, batch_id: str) -> None:
+    try:
+        client.post(f"/v1/batches/{batch_id}/ack")
+    except ProxyError as e:
+        if "409" not in str(e) or "already acked" not in str(e):
+            raise
+
+
+def register(client: ProxyClient, body: dict) -> None:
+    try:
+        client.post("/v1/adapters", body)
+    except ProxyError as e:
+        if "409" not in str(e) or client.get("/v1/adapters/latest")["version"] != body["version"]:
+            raise
+
+
 def batch_metrics(groups: list[dict], latest: int) -> dict:
     stale = [latest - g["policy_version"] for g in groups]
     rewards = [c["reward"] for g in groups for c in g["completions"]]
@@ -304,11 +324,11 @@ def main(args: Args) -> None:
             with tempfile.TemporaryDirectory() as d:
                 model.save_pretrained(d)
                 publish_adapter(bucket, d, version + 1, step, args.model)
-            client.post("/v1/adapters", {"version": version + 1, "step": step, "published_at": time.time(),
-                                         "final": step == args.max_steps})
+            register(client, {"version": version + 1, "step": step, "published_at": time.time(),
+                              "final": step == args.max_steps})
             version, steps_since_publish = version + 1, 0
             row["perf/publish_s"] = time.time() - t2
-        client.post(f"/v1/batches/{got['batch_id']}/ack")
+        ack(client, got["batch_id"])
         state = {"step": step, "version": version, "acked": state["acked"] + [
             {"batch_id": got["batch_id"], "groups": [g["group_id"] for g in groups]}]}
         if step % args.checkpoint_every == 0 or step == args.max_steps or stop.is_set():
