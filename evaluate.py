@@ -16,7 +16,7 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
         -e S3_ENDPOINT_URL=https://s3.hf.co/<namespace> \
         evaluate.py common.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
 
-Held-out split (common.load_task(name, "eval")): GSM8K's test split; for addition and jsonl:PATH a
+Held-out split (tasks.load_task(name, "eval")): GSM8K's test split; for addition and jsonl:PATH a
 fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
 must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
 the mean of the task's `correct` reward component.
@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import torch  # noqa: E402
 
 from common import (LOCAL_MODEL, AdapterError, Bucket, adapter_prefix, encode_prompt, fetch_adapter,  # noqa: E402
-                    load_base, load_task, pad_left, script_args)
+                    load_base, pad_left, script_args)
+from tasks import load_task  # noqa: E402
 
 
 @dataclass

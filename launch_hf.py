@@ -16,9 +16,9 @@ proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket cre
 keys of the Storage Buckets S3 gateway, or your S3 provider's) exported. Secrets travel to the jobs
 as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py ARGS`: huggingface_hub uploads every script
+Each job runs `uv run /data/SCRIPT /data/common.py /data/tasks.py ARGS`: huggingface_hub uploads every script
 argument that is a local file to the private bucket <namespace>/jobs-artifacts and mounts the job's
-folder at /data, so common.py lands beside the script (the scripts drop it from their argv).
+folder at /data, so common.py and tasks.py land beside the script (the scripts drop them from their argv).
 """
 from __future__ import annotations
 
@@ -98,6 +98,9 @@ class JobSpec:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
+SHIPPED = ("common.py", "tasks.py")  # the modules every script imports, uploaded beside it
+
+
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:
     """Where the jobs find the run: an HF Storage Bucket through its S3 gateway, or any S3."""
     endpoint = os.environ.get("S3_ENDPOINT_URL") or f"{HF_S3_GATEWAY}/{namespace}"
@@ -106,7 +109,7 @@ def bucket_env(args: Args, namespace: str) -> dict[str, str]:
 
 
 def plan(args: Args, namespace: str, proxy_url: str) -> list[JobSpec]:
-    files, task = ["common.py"], args.task
+    files, task = list(SHIPPED), args.task
     if task.startswith("jsonl:"):  # ship the user's file too; the jobs read it from /data
         files.append(task[len("jsonl:"):])
         task = f"jsonl:/data/{os.path.basename(files[-1])}"
@@ -123,7 +126,7 @@ def plan(args: Args, namespace: str, proxy_url: str) -> list[JobSpec]:
                              "--worker-id", f"{args.run}-w{i}", "--seed", str(i), *args.rollout_arg],
                             args.rollout_flavor, caller_secrets, {**env, "PROXY_URL": proxy_url},
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
-    jobs.append(JobSpec("trainer", "train.py", ["common.py"], ["--model", args.model, "--max-steps", str(args.steps),
+    jobs.append(JobSpec("trainer", "train.py", list(SHIPPED), ["--model", args.model, "--max-steps", str(args.steps),
                                                               *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes

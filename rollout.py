@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import torch  # noqa: E402
 
 from common import (LOCAL_MODEL, AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError,  # noqa: E402
-                    _causal_lm, cache_kw, encode_prompt, fetch_adapter, load_base, load_task, local_smollm2,
+                    _causal_lm, cache_kw, encode_prompt, fetch_adapter, load_base, local_smollm2,
                     new_group_id, prefill)
+from tasks import load_task  # noqa: E402
 
 
 @dataclass

@@ -9,6 +9,7 @@ import sys
 from conftest import ROOT
 
 import common
+import tasks
 
 
 def run_eval(env, *flags, ok=True):
@@ -41,7 +42,7 @@ def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     assert res["version"] == 0 and res["task"] == "addition" and res["n"] == 20
     assert set(res["components"]) == {"correct", "diag_just_number"} and 0.0 <= res["accuracy"] <= 1.0
     assert json.loads(p.stdout.strip().splitlines()[-1])["accuracy"] == res["accuracy"]
-    held_out = common.load_task("addition", "eval")
+    held_out = tasks.load_task("addition", "eval")
     for ex in res["examples"]:   # the stored examples are held-out prompts, scored by the task's own reward
         i = held_out.prompts.index(ex["prompt"])
         assert ex["answer"] == held_out.answers[i]

