@@ -29,11 +29,23 @@ from typing import Any, Literal
 
 import boto3
 import httpx
-import torch
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+
+class _LazyTorch:
+    """torch, imported on first use. The proxy needs none of it: without torch it starts in a
+    second and stays far smaller (and its HF job need not install it); the other roles load it anyway."""
+
+    def __getattr__(self, name: str):
+        import torch as real
+        globals()["torch"] = real  # from now on the module itself
+        return getattr(real, name)
+
+
+torch = _LazyTorch()
 
 # ----------------------------------------------------------------------------------------------
 # 1. bucket
@@ -58,8 +70,9 @@ class Bucket:
             raise SystemExit("no bucket: set BUCKET (and S3_ENDPOINT_URL for a non-AWS endpoint)")
         hf_gateway = bool(self.endpoint and "s3.hf.co" in self.endpoint)
         cfg = Config(
-            # botocore's own retry loop: exponential backoff with jitter on throttling, 5xx, resets
-            retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "6"))},
+            # botocore's own retry loop: exponential backoff with jitter (capped at 20 s) on throttling,
+            # 5xx, resets, refused connections; 10 attempts ride out a ~1 minute outage
+            retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "10"))},
             connect_timeout=5, read_timeout=60, max_pool_connections=32,
             # the HF gateway wants path addressing and no default CRC checksums (DESIGN section 8)
             s3={"addressing_style": "path"},
@@ -353,7 +366,8 @@ def pad_left(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask
 
 
-def pad_right(seqs: list[list[Any]], pad: float, dtype=torch.long) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_right(seqs: list[list[Any]], pad: float, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = dtype or torch.long
     L = max(len(s) for s in seqs)
     out = torch.full((len(seqs), L), pad, dtype=dtype)
     mask = torch.zeros((len(seqs), L), dtype=torch.long)

@@ -2,7 +2,7 @@
 # requires-python = ">=3.10"
 # dependencies = [
 #   "fastapi>=0.115", "uvicorn[standard]>=0.30", "pydantic>=2.7", "tyro>=0.9", "boto3>=1.36", "httpx>=0.27",
-#   "tenacity>=8.2", "torch>=2.4", "prometheus-client>=0.20",
+#   "tenacity>=8.2", "prometheus-client>=0.20",
 # ]
 # ///
 """The coordinator of an async GRPO run: trajectory buffer with a staleness filter, batch leases,
