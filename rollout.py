@@ -177,7 +177,9 @@ def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
     if meta["lora"]["r"] > args.max_lora_rank:
         raise AdapterError(f"rank {meta['lora']['r']} above the limit {args.max_lora_rank}")
     targets = meta["lora"]["target_modules"]
-    unknown = set([targets] if isinstance(targets, str) else targets) - (module_names or set()) - {"all-linear"}
+    # peft stores either short names ("q_proj") or, for "all-linear", full paths of the modules
+    unknown = {t for t in ([targets] if isinstance(targets, str) else targets) if t != "all-linear"
+               and t not in (module_names or ()) and not any(n.endswith("." + t) for n in module_names or ())}
     if module_names is not None and unknown:
         raise AdapterError(f"target modules {sorted(unknown)} do not exist in {args.model!r}")
     if meta.get("base_model") not in (None, args.model):
@@ -285,8 +287,8 @@ class VLLMSampler:
 
 
 class Spool:
-    def __init__(self, root: str, worker_id: str):
-        self.dir = os.path.join(root, worker_id)
+    def __init__(self, root: str, run: str, worker_id: str):
+        self.dir = os.path.join(root, run, worker_id)  # per run: never resubmit into another run
         os.makedirs(os.path.join(self.dir, "refused"), exist_ok=True)
 
     def add(self, group: dict) -> None:
@@ -338,9 +340,9 @@ def main(args: Args) -> None:
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
     sync = AdapterSync(args, client, bucket, metrics)
-    sync.module_names = {n.split(".")[-1] for n, _ in model.named_modules()} if model is not None else None
+    sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
-    spool = Spool(args.spool_dir, args.worker_id)
+    spool = Spool(args.spool_dir, bucket.run, args.worker_id)
     log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if spool.pending():
         log(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
@@ -388,7 +390,7 @@ def main(args: Args) -> None:
             samples = sample(model, prompts, args.group_size, args.max_new_tokens, args.temperature, eos,
                              tok.pad_token_id)
         gen_s = time.time() - t_gen
-        bp0, rewards, statuses = client.backpressure_s, [], []
+        bp0, rewards, gids = client.backpressure_s, [], []
         for j, (i, p) in enumerate(zip(idx, prompts)):
             comps, parts = [], []
             for ids, lps, fin in samples[j * args.group_size:(j + 1) * args.group_size]:
@@ -405,13 +407,14 @@ def main(args: Args) -> None:
                                           **{k: row[k] for k in ("perf/weight_sync_s", "rollout/version_lag_s")
                                              if k in row}}}}
             spool.add(group)
+            gids.append(group["group_id"])
         statuses = spool.flush(client, log)
         ntok = sum(len(s[0]) for s in samples)
         row.update({"version": version, "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
                     "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
-                    "rollout/groups_stale": statuses.count("stale")})
+                    "rollout/groups_stale": statuses.count("stale"), "group_ids": gids})
         metrics.log(row)
         rounds, bp_prev = rounds + 1, row["rollout/backpressure_s"]
         print(f"[{args.worker_id}] round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, "

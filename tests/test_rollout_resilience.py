@@ -11,7 +11,7 @@ from test_proxy import group
 
 
 def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp_path):
-    spool, said = rollout.Spool(str(tmp_path), "w1"), []
+    spool, said = rollout.Spool(str(tmp_path), "run1", "w1"), []
     groups = [group() for _ in range(3)]
     for g in groups:
         spool.add(g)
@@ -28,14 +28,16 @@ def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp
     bad = group(G=3)  # wrong group size: the proxy refuses it; it is kept aside, not retried forever
     spool.add(bad)
     assert spool.flush(up, said.append) == ["refused"]
-    assert os.listdir(tmp_path / "w1" / "refused") == [f"{bad['group_id']}.json"]
-    assert json.loads((tmp_path / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
+    assert os.listdir(tmp_path / "run1" / "w1" / "refused") == [f"{bad['group_id']}.json"]
+    assert json.loads((tmp_path / "run1" / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
 
 
 def test_adapter_that_does_not_fit_is_refused():
     args = rollout.Args(model="m", max_lora_rank=16)
-    names = {"q_proj", "v_proj", "mlp"}
+    names = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp"}
     rollout.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}, args, names)
+    # "all-linear" is saved as the full module paths
+    rollout.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": sorted(names)}}, args, names)
     with pytest.raises(common.AdapterError, match="rank 32 above the limit 16"):
         rollout.check_fits({"base_model": "m", "lora": {"r": 32, "target_modules": ["q_proj"]}}, args, names)
     with pytest.raises(common.AdapterError, match=r"target modules \['wq'\] do not exist"):
