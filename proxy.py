@@ -324,10 +324,10 @@ async def lifespan(app: FastAPI):
             await register_adapter(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
                                                    published_at=latest.get("created_at", time.time())))
     yield
-    for t in tasks:
-        t.cancel()
+    [t.cancel() for t in tasks]
     if METRICS is not None:
         METRICS.flush()
+    print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
 
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan)
 

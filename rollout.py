@@ -301,21 +301,21 @@ class Spool:
         names = [n for n in os.listdir(self.dir) if n.endswith(".json")]
         return sorted(names, key=lambda n: os.path.getmtime(os.path.join(self.dir, n)))
 
-    def flush(self, client: ProxyClient, log) -> list[str]:
+    def flush(self, client: ProxyClient, log) -> list[tuple[str, str]]:
         """Send every spooled group, oldest first; stop at the first transport failure (the proxy is
-        down: keep the rest for later). Returns the proxy's status per group sent."""
+        down: keep the rest for later). Returns (group_id, the proxy's status) per group sent."""
         statuses = []
         for name in self.pending():
             path = os.path.join(self.dir, name)
             with open(path) as f:
                 group = json.load(f)
             try:
-                statuses.append(client.post("/v1/groups", group)["status"])
+                statuses.append((group["group_id"], client.post("/v1/groups", group)["status"]))
                 os.remove(path)
             except ProxyError as e:  # 4xx: resending cannot help; keep it aside for inspection
                 log(f"group {group['group_id']} refused, kept in {self.dir}/refused: {e}")
                 os.replace(path, os.path.join(self.dir, "refused", name))
-                statuses.append("refused")
+                statuses.append((group["group_id"], "refused"))
             except httpx.HTTPError as e:
                 log(f"proxy unreachable ({type(e).__name__}); {len(self.pending())} group(s) stay spooled")
                 break
@@ -390,7 +390,7 @@ def main(args: Args) -> None:
             samples = sample(model, prompts, args.group_size, args.max_new_tokens, args.temperature, eos,
                              tok.pad_token_id)
         gen_s = time.time() - t_gen
-        bp0, rewards, gids = client.backpressure_s, [], []
+        bp0, rewards = client.backpressure_s, []
         for j, (i, p) in enumerate(zip(idx, prompts)):
             comps, parts = [], []
             for ids, lps, fin in samples[j * args.group_size:(j + 1) * args.group_size]:
@@ -407,14 +407,14 @@ def main(args: Args) -> None:
                                           **{k: row[k] for k in ("perf/weight_sync_s", "rollout/version_lag_s")
                                              if k in row}}}}
             spool.add(group)
-            gids.append(group["group_id"])
-        statuses = spool.flush(client, log)
+        sent = dict(spool.flush(client, log))  # this round's groups, and any left from before
+        statuses = list(sent.values())
         ntok = sum(len(s[0]) for s in samples)
         row.update({"version": version, "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
                     "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
-                    "rollout/groups_stale": statuses.count("stale"), "group_ids": gids})
+                    "rollout/groups_stale": statuses.count("stale"), "group_status": sent})
         metrics.log(row)
         rounds, bp_prev = rounds + 1, row["rollout/backpressure_s"]
         print(f"[{args.worker_id}] round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, "

@@ -117,7 +117,8 @@ def test_chaos(tiny_model, s3_env, tmp_path, run_name):
         assert trainer.proc.wait(timeout=600) == 0, trainer.text()[-3000:]
         assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]   # exits after the final version
         proxy.proc.send_signal(signal.SIGTERM)
-        assert proxy.proc.wait(timeout=30) == 0, proxy.text()[-3000:]
+        # uvicorn shuts down gracefully, then re-raises SIGTERM, so -15 with our last line is clean
+        assert proxy.proc.wait(timeout=30) in (0, -signal.SIGTERM) and "proxy: stopped cleanly" in proxy.text()
     finally:
         for r in (trainer, worker, proxy, s3):
             if r.proc is not None:
@@ -146,9 +147,10 @@ def test_chaos(tiny_model, s3_env, tmp_path, run_name):
     spool = tmp_path / "spool" / run_name / "w1"
     assert [p.name for p in spool.iterdir() if p.suffix == ".json"] == [] and list((spool / "refused").iterdir()) == []
     accepted = {json.loads(line)["group_id"] for k in direct.list("rollouts/") for line in direct.get(k)[0].splitlines() if line}
-    generated = {g for x in direct.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()
-                 for g in json.loads(x).get("group_ids", [])}
-    assert generated and generated <= accepted
+    answered = {g: st for x in direct.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()
+                for g, st in json.loads(x).get("group_status", {}).items()}
+    held = {g for g, st in answered.items() if st in ("accepted", "duplicate")}  # the rest: "stale" on arrival
+    assert held and held <= accepted and "refused" not in answered.values()
 
 
 def _up(url: str) -> bool:

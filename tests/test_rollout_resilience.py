@@ -22,12 +22,12 @@ def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp
     proxy = start_proxy("--group-size", "4")
     up = common.ProxyClient(proxy.url, proxy.token)
     spool.add(groups[0])  # the same group again (a worker restarted mid-send): idempotent
-    assert sorted(spool.flush(up, said.append)) == ["accepted", "accepted", "accepted"]
+    assert sorted(spool.flush(up, said.append)) == sorted((g["group_id"], "accepted") for g in groups)
     assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 3
 
     bad = group(G=3)  # wrong group size: the proxy refuses it; it is kept aside, not retried forever
     spool.add(bad)
-    assert spool.flush(up, said.append) == ["refused"]
+    assert spool.flush(up, said.append) == [(bad["group_id"], "refused")]
     assert os.listdir(tmp_path / "run1" / "w1" / "refused") == [f"{bad['group_id']}.json"]
     assert json.loads((tmp_path / "run1" / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
 
