@@ -1,5 +1,6 @@
-"""Rollout-side resilience: the spool keeps finished groups across a proxy outage and a worker
-restart; adapters that do not fit the served model are refused."""
+"""Resilience of the adapter path and the rollout side: the spool keeps finished groups across a
+proxy outage and a worker restart; adapters that do not fit, or do not verify, are never loaded;
+a publisher killed at any moment never leaves latest.json on an incomplete version."""
 import json
 import os
 
@@ -44,3 +45,87 @@ def test_adapter_that_does_not_fit_is_refused():
         rollout.check_fits({"base_model": "m", "lora": {"r": 8, "target_modules": ["q_proj", "wq"]}}, args, names)
     with pytest.raises(common.AdapterError, match="trained on 'other'"):
         rollout.check_fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}}, args, names)
+
+
+def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model, start_proxy, bucket, run_name,
+                                                                     tmp_path):
+    """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import train
+    from conftest import ROOT, stop
+    proxy = start_proxy("--group-size", "4")
+    model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
+
+    def publish(v: int, corrupt: bool = False) -> None:
+        model.save_pretrained(tmp_path / f"v{v}")
+        common.publish_adapter(bucket, tmp_path / f"v{v}", v, v, tiny_model)
+        if corrupt:  # flip one byte of the weights after their sha256 went into meta.json
+            key = f"adapters/v{v:06d}/adapter_model.safetensors"
+            data = bytearray(bucket.get(key)[0])
+            data[len(data) // 2] ^= 0x01
+            bucket.put(key, bytes(data))
+        assert proxy.http.post("/v1/adapters", json={"version": v, "step": v, "published_at": time.time()}).is_success
+
+    publish(1)
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "w1",
+                               "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    rounds = lambda: re.findall(r"round \d+ v(\d+):", log.read_text())  # noqa: E731
+    try:
+        t0 = time.time()
+        while "1" not in rounds():
+            assert time.time() - t0 < 180 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        publish(2, corrupt=True)
+        while log.read_text().count("not loading version 2") < 2 or len(rounds()) < rounds().index("1") + 6:
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+    finally:
+        stop(worker)
+    text = log.read_text()
+    assert re.search(r"not loading version 2: .*sha256", text), text[-2000:]
+    after = rounds()[rounds().index("1"):]
+    assert len(after) >= 6 and set(after) == {"1"}  # it kept generating, with v1 only
+
+
+def test_killing_a_publisher_never_leaves_the_pointer_on_an_incomplete_version(bucket, run_name, tmp_path):
+    """kill -9 a process that keeps publishing adapter versions, at random moments (mid-upload
+    included): adapters/latest.json always names a version whose files all verify."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "publisher.py"
+    script.write_text(f'''
+import json, os, sys, pathlib
+sys.path.insert(0, {str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
+import common
+b = common.Bucket(run={run_name!r})
+d = pathlib.Path({str(tmp_path / "adapter")!r}); d.mkdir(exist_ok=True)
+(d / "adapter_config.json").write_text(json.dumps({{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}))
+latest = b.get_json("adapters/latest.json")
+v = latest["version"] if latest else 0
+while True:
+    v += 1
+    (d / "adapter_model.safetensors").write_bytes(os.urandom(2_000_000))  # 2 MB: uploads take a while
+    common.publish_adapter(b, d, v, v, "m")
+''')
+    rng = random.Random()
+    for _ in range(6):
+        p = subprocess.Popen([sys.executable, str(script)], env=os.environ)
+        time.sleep(rng.uniform(1.5, 4.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        latest = bucket.get_json("adapters/latest.json")
+        assert latest is not None
+        common.fetch_adapter(bucket, latest["version"], tmp_path / f"check-{latest['version']}")  # verifies sha256
+    versions = sorted(int(k.split("/v")[1][:6]) for k in bucket.list("adapters/v") if k.endswith("meta.json"))
+    assert versions == list(range(1, len(versions) + 1))  # a killed publisher's successor never reused a number
