@@ -53,6 +53,8 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
         "staleness_max": max((r["sample/staleness_max"] for r in train), default=None),
         "groups_dropped_stale": last_proxy.get("proxy/groups_dropped_stale"),
         "ratio_onpolicy_mean": med([r["ratio/onpolicy_mean"] for r in train if "ratio/onpolicy_mean" in r]),
+        "ratio_onpolicy_range": [round(f(r["ratio/onpolicy_mean"] for r in train if r.get("ratio/onpolicy_mean")), 4)
+                                 for f in (min, max)] if any("ratio/onpolicy_mean" in r for r in train) else None,
         "median_rollout_wait_s": med([r["perf/rollout_wait_s"] for r in train]),
         "median_backpressure_s": med([r["rollout/backpressure_s"] for r in train]),
         "median_step_s": med([r["perf/step_s"] for r in train]),
@@ -70,10 +72,13 @@ def plot(train: list[dict], rollouts: dict[str, list[dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.plot([r["wall_s"] / 60 for r in train], [r["reward/mean"] for r in train], "o-", ms=3, label="trainer batch")
-    a1.set_xlabel("wall time (min)"); a1.set_ylabel("reward"); a1.set_ylim(-0.02, 1.02); a1.grid(alpha=.3)
-    ax = a1.twiny(); ax.plot([r["step"] for r in train], [r["reward/mean"] for r in train], alpha=0)
-    ax.set_xlabel("step")
+    import numpy as np
+    steps, wall = [r["step"] for r in train], [r["wall_s"] / 60 for r in train]
+    a1.plot(steps, [r["reward/mean"] for r in train], "o-", ms=3, label="trainer batch")
+    a1.set_xlabel("step"); a1.set_ylabel("reward"); a1.set_ylim(-0.02, 1.02); a1.grid(alpha=.3)
+    # wall time on the top axis, mapped from the steps (monotonic both ways)
+    top = a1.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, wall), lambda w: np.interp(w, wall, steps)))
+    top.set_xlabel("wall time (min)")
     for name, rows in rollouts.items():
         rows = [r for r in rows if "rollout/reward_mean" in r]
         a2.plot([r["version"] for r in rows], [r["rollout/reward_mean"] for r in rows], ".", alpha=.5, label=name)

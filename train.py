@@ -339,7 +339,7 @@ def main(args: Args) -> None:
             save_checkpoint(bucket, model, opt, sched, state)
             row["perf/checkpoint_s"], last_ckpt = time.time() - t3, step
         etag = heartbeat(bucket, args.trainer_id, etag)
-        row.update({**batch_metrics(groups, got["latest_version"]), **st, "grad_norm": grad_norm,
+        row.update({**batch_metrics(groups, got["latest_version"]), **st, "grad_norm": grad_norm, "version": version,
                     "lr": sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
                     "buffer/dropped_stale": got["dropped_stale"], "perf/rollout_wait_s": t1 - t0,
                     "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
