@@ -506,6 +506,10 @@ class ProxyError(RuntimeError):
     """The proxy answered 4xx: our request was wrong; retrying will not help."""
 
 
+class ProxyBusy(httpx.HTTPError):
+    """Still 429 when the caller asked to stop waiting (not retried: the spool keeps the group)."""
+
+
 def _retryable(e: BaseException) -> bool:
     if isinstance(e, httpx.TransportError):
         return True
@@ -525,6 +529,7 @@ class ProxyClient:
             headers["Authorization"] = f"Bearer {auth}"
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
         self.backpressure_s = 0.0  # total time spent waiting on 429 answers
+        self.should_stop = lambda: False  # checked while waiting on 429: a stopping worker gives up
         self._call = retry(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts),
                            wait=wait_exponential_jitter(initial=0.2, max=10), reraise=True)(self._once)
 
@@ -534,6 +539,8 @@ class ProxyClient:
             if r.status_code != 429:
                 break
             # backpressure: the proxy's buffer is full; wait as told and count the time
+            if self.should_stop():
+                raise ProxyBusy(f"{method} {path}: buffer full and we are stopping")
             wait = float(r.headers.get("Retry-After", "1"))
             self.backpressure_s += wait
             time.sleep(wait)

@@ -343,6 +343,7 @@ def main(args: Args) -> None:
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
     spool = Spool(args.spool_dir, bucket.run, args.worker_id)
+    client.should_stop = lambda: stop.is_set() or sync.done  # the run is over: stop waiting on a full buffer
     log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if spool.pending():
         log(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
