@@ -125,9 +125,9 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
 
 
 class AdapterSync(threading.Thread):
-    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket, metrics: Metrics):
+    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket):
         super().__init__(daemon=True)
-        self.args, self.client, self.bucket, self.metrics = args, client, bucket, metrics
+        self.args, self.client, self.bucket = args, client, bucket
         self.seen = 0      # newest version downloaded and verified
         self.latest = 0    # newest version the proxy announced
         self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
@@ -339,7 +339,7 @@ def main(args: Args) -> None:
     model, tok = (None, engine.tok) if engine else load_base(args.model)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
-    sync = AdapterSync(args, client, bucket, metrics)
+    sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
     spool = Spool(args.spool_dir, bucket.run, args.worker_id)

@@ -100,7 +100,7 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     assert base_mean < MEAN_TOL and base_max < MAX_TOL
 
     # the worker's own sync thread against the real proxy and S3 bucket
-    sync = rollout.AdapterSync(args, common.ProxyClient(proxy.url, proxy.token), bucket, common.Metrics(None, "lane"))
+    sync = rollout.AdapterSync(args, common.ProxyClient(proxy.url, proxy.token), bucket)
     sync.start()
     d1, d2 = tmp_path / "v1", tmp_path / "v2"
     m1 = make_adapter(base, d1, seed=1)
