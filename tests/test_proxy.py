@@ -143,7 +143,9 @@ BAD = [  # (what, body, expected status, text the answer must contain)
     ("Infinity reward", None, 422, "reward"),
     ("positive logprob", group(completions=[{"token_ids": [1], "logprobs": [0.5], "reward": 0.0,
                                              "finish_reason": "stop"}] * 4), 422, "logprobs"),
-    ("negative token id", group(prompt_ids=[1, -2]), 422, "token ids"),
+    ("negative token id", group(prompt_ids=[1, -2]), 422, '"prompt_ids",1'),
+    ("version sent as a string", group(policy_version="0"), 422, "policy_version"),  # strict: no coercion
+    ("token id sent as a float", group(prompt_ids=[1.0, 2]), 422, '"prompt_ids",0'),
     ("unknown field", group(extra=1), 422, "extra"),
     ("bad finish_reason", group(completions=[{"token_ids": [1], "logprobs": [-1.0], "reward": 0.0,
                                               "finish_reason": "eos"}] * 4), 422, "finish_reason"),
