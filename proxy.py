@@ -14,16 +14,16 @@ make outbound HTTP calls to it; it never calls them.
         proxy.py common.py --host 0.0.0.0            # on Hugging Face Jobs (README)
 
 Durability: the bucket is my only disk. Every change an answer depends on is in an append-only journal
-in the bucket before the answer goes out: rollouts/{incarnation:06d}-{seq:08d}.jsonl holds accepted groups
-(canonical JSON, one per line), proxy/log/<same name> leases, acks, expiries, versions, prompt cursors and
-counters, group-committed. On start the proxy replays both logs, so `kill -9` at any moment is fine.
+in the bucket before the answer goes out: each group commit is one object rollouts/{incarnation:06d}-{seq:08d}.jsonl
+with one JSON line per accepted group (canonical) or event (lease, ack, expiry, version, prompt cursor,
+counters), in order. On start the proxy replays that log, so `kill -9` at any moment is fine.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
-import ipaddress
 import json
 import os
 import random
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request  # noqa: E402
+from fastapi import FastAPI, HTTPException, Path, Query, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, Response  # noqa: E402
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest  # noqa: E402
@@ -66,6 +66,8 @@ class Args:
     max_completion_tokens: int = 4096
     max_body_mb: float = 8.0
     """request bodies above this get 413"""
+    commit_depth: int = 1
+    """journal writes in flight; requests arriving meanwhile share the next (1: fewest puts; more: hides latency)"""
     seed: int = 0
     """seed of the per-epoch prompt shuffle"""
     use_bucket: bool = True
@@ -74,9 +76,8 @@ class Args:
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
-# ---------------------------------------------------------------------------------------------
-# state
-# a group is held as the canonical JSON we logged (cheap to keep, leased without re-encoding); expires_at is
+# ---- state ----------------------------------------------------------------------------------------
+# a group is held as the JSON line we logged (cheap to keep, leased without re-encoding); expires_at is
 # wall-clock time: it must mean the same thing after a restart
 Entry = namedtuple("Entry", "gid version raw")
 Lease = namedtuple("Lease", "batch_id entries expires_at")
@@ -128,6 +129,7 @@ def to_front(entries: list[Entry]) -> None:
     for e in reversed(entries):
         S.buffer[e.gid] = e
         S.buffer.move_to_end(e.gid, last=False)
+    drop_stale()  # the buffer never holds a stale group: a full one has nothing stale to give up
 
 def expire_leases(now: float) -> None:
     for bid in [b for b, lease in S.leases.items() if lease.expires_at <= now]:
@@ -135,7 +137,6 @@ def expire_leases(now: float) -> None:
         # not awaited: if this write is lost, replay still expires the lease (by time, or because a
         # later lease took its groups), so an expiry never needs to be durable before anything else
         JOURNAL.append({"t": "expire", "batch_id": bid})
-    drop_stale()
 
 async def wait_until(ready, wait_s: float) -> bool:
     """Under S.cond: wait up to wait_s for ready() (re-checked on every notify, at least once a second)."""
@@ -155,17 +156,13 @@ def stats() -> dict:
             "cursors": S.cursors, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
-# ---------------------------------------------------------------------------------------------
-# journal: group commit to the bucket, and replay on start
-def unavailable(e: Exception) -> HTTPException:
-    return HTTPException(503, f"could not write to the bucket, nothing changed; retry: {e}", headers={"Retry-After": "2"})
-
+# ---- journal: group commit to the bucket, and replay on start -------------------------------------
 class Journal:
     """Callers append a record (group bytes or event dict) and await the future it returns. The writer puts
-    all queued since its last put as one object per kind; up to `depth` puts fly at once (latency, not
-    bandwidth, is the limit), but answers go out in log order: nothing answered depends on a lost write."""
+    all queued since its last put as one object; up to `depth` puts fly at once, but answers go out in
+    log order: nothing answered depends on a lost write."""
 
-    def __init__(self, bucket: Bucket | None, incarnation: int, depth: int = 3):
+    def __init__(self, bucket: Bucket | None, incarnation: int, depth: int = 1):
         self.bucket, self.inc, self.seq, self.slots = bucket, incarnation, 0, asyncio.Semaphore(depth)
         self.queue: list[tuple[bytes | dict, asyncio.Future]] = []
         self.wake = asyncio.Event()
@@ -188,14 +185,15 @@ class Journal:
             prev = asyncio.create_task(self.commit(name, batch, prev))
 
     async def commit(self, name: str, batch: list, prev: asyncio.Task | None) -> None:
-        groups = [r for r, _ in batch if isinstance(r, bytes)]
-        events = [json.dumps(r).encode() for r, _ in batch if isinstance(r, dict)]
-        if events:  # counters the log does not imply (duplicates, drops) ride along with events
-            events.append(json.dumps({"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}).encode())
-        puts = [asyncio.to_thread(self.bucket.put, f"{kind}/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
-                for kind, lines in (("rollouts", groups), ("proxy/log", events)) if lines and self.bucket]
-        t0 = time.perf_counter()
-        err = next((r for r in await asyncio.gather(*puts, return_exceptions=True) if isinstance(r, Exception)), None)
+        lines = [r if isinstance(r, bytes) else json.dumps(r).encode() for r, _ in batch]
+        if len(lines) > sum(isinstance(r, bytes) for r, _ in batch):  # counters the log does not imply
+            lines.append(json.dumps({"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}).encode())
+        t0, err = time.perf_counter(), None
+        try:  # one object per commit, groups and events in the order they were appended
+            if self.bucket:
+                await asyncio.to_thread(self.bucket.put, f"rollouts/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
+        except Exception as e:  # noqa: BLE001 - every waiting answer gets it as a 503
+            err = e
         COMMIT.observe(time.perf_counter() - t0)
         self.slots.release()
         if isinstance(err, ConflictError):  # someone else wrote our key: two proxies on one run
@@ -203,71 +201,66 @@ class Journal:
             os._exit(3)
         if prev is not None:
             await prev
+        failed = err and HTTPException(503, f"could not write to the bucket, nothing changed; retry: {err}", headers={"Retry-After": "2"})
         for _, fut in batch:
             if not fut.done():
-                fut.set_exception(unavailable(err)) if err else fut.set_result(None)
+                fut.set_exception(failed) if failed else fut.set_result(None)
 
-_HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"[^"]*","policy_version":(\d+)')
+_HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
 
 def replay(bucket: Bucket) -> None:
-    """Rebuild the state from the bucket's logs (runs before the server accepts requests)."""
+    """Rebuild the state from the bucket's log (runs before the server accepts requests): one pass in log
+    order; a group is always logged before any event that names it."""
     t0 = time.time()
-    gkeys, ekeys = sorted(bucket.list("rollouts/")), sorted(bucket.list("proxy/log/"))
-    names = [k.rsplit("/", 1)[1] for k in gkeys + ekeys]
-    S.incarnation = max((int(n.split("-")[0]) for n in names), default=-1) + 1
-    with ThreadPoolExecutor(16) as pool:
-        fetch = lambda k: (bucket.get(k) or (b"", ""))[0]  # noqa: E731
-        events = [json.loads(line) for blob in pool.map(fetch, ekeys) for line in blob.splitlines() if line]
-        # pass 1: groups in an acked batch are consumed for good; of those we keep only the id
-        lease_ids = {e["batch_id"]: e["group_ids"] for e in events if e["t"] == "lease"}
-        acked = {e["batch_id"] for e in events if e["t"] == "ack"}
-        consumed = {g for b in acked for g in lease_ids.get(b, ())}
-        for blob in pool.map(fetch, gkeys):
-            for line in blob.splitlines():
-                m = _HEAD.match(line)  # we wrote these lines ourselves: id and version lead, no full parse
-                d = {"group_id": m[1].decode(), "policy_version": int(m[2])} if m else json.loads(line)
-                gid, ver = d["group_id"], d["policy_version"]
-                S.seen.add(gid)
-                if gid not in consumed:
-                    S.buffer[gid] = Entry(gid, ver, line)
-    # pass 2: the events, in the order they happened
-    holder: dict[str, str] = {}  # group_id -> open lease holding it
+    keys = sorted(bucket.list("rollouts/") + bucket.list("proxy/log/"),  # proxy/log/: events of runs before 2026-11-29
+                  key=lambda k: (k.rsplit("/", 1)[1], k.startswith("proxy/")))
+    S.incarnation = max((int(k.rsplit("/", 1)[1].split("-")[0]) for k in keys), default=-1) + 1
+    holder: dict[str, str] = {}  # group_id -> the lease that last took it
+    leased: dict[str, int] = {}  # batch_id -> number of groups
     counters = {}
-    for e in events:
-        t = e["t"]
-        if t == "lease":
-            # a later lease of the same group means the earlier one ran out (its expiry write was lost)
-            for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
-                return_lease(b)
-            entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
-            S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, e["expires_at"])
-            holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
-        elif t == "ack" and e["batch_id"] not in S.acked:
-            S.leases.pop(e["batch_id"], None)
-            S.acked.add(e["batch_id"])
-        elif t == "expire" and e["batch_id"] in S.leases:
-            return_lease(e["batch_id"])
-        elif t == "version" and e["version"] > S.latest:
-            S.versions.append({k: e[k] for k in ("version", "step", "published_at")})
-            S.done = e["final"]
-        elif t == "cursor":
-            S.cursors[e["dataset"]] = {k: e[k] for k in ("size", "epoch", "pos")}
-        elif t == "counters":
-            counters = e["counters"]
-            S.staleness_hist = {int(k): v for k, v in e["staleness_hist"].items()}
+    with ThreadPoolExecutor(16) as pool:
+        for blob in pool.map(lambda k: (bucket.get(k) or (b"", ""))[0], keys):
+            for line in blob.splitlines():
+                if line.startswith(b'{"group_id"'):  # one we wrote: id and version lead, no full parse
+                    m = _HEAD.match(line)
+                    gid = m[1].decode()
+                    S.seen.add(gid)
+                    S.buffer[gid] = Entry(gid, int(m[3]), line)
+                    continue
+                e = json.loads(line)
+                t = e["t"]
+                if t == "lease":
+                    # a later lease of the same group means the earlier one ran out (its expiry write was lost)
+                    for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
+                        return_lease(b)
+                    entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
+                    S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, e["expires_at"])
+                    holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
+                    leased[e["batch_id"]] = len(e["group_ids"])
+                elif t == "ack" and e["batch_id"] not in S.acked:  # its groups are consumed for good
+                    S.leases.pop(e["batch_id"], None)
+                    S.acked.add(e["batch_id"])
+                elif t == "expire" and e["batch_id"] in S.leases:
+                    return_lease(e["batch_id"])
+                elif t == "version" and e["version"] > S.latest:
+                    S.versions.append({k: e[k] for k in ("version", "step", "published_at")})
+                    S.done = e["final"]
+                elif t == "cursor":
+                    S.cursors[e["dataset"]] = {k: e[k] for k in ("size", "epoch", "pos")}
+                elif t == "counters":
+                    counters = e["counters"]
+                    S.staleness_hist = {int(k): v for k, v in e["staleness_hist"].items()}
     # what the log implies exactly is recounted; the rest comes from the last snapshot
     S.counters.update(counters)
-    S.counters.update(groups_accepted=len(S.seen), batches_leased=len(lease_ids),
-                      groups_leased=sum(map(len, lease_ids.values())), batches_acked=len(acked),
-                      groups_acked=sum(len(lease_ids.get(b, ())) for b in acked), leases_expired=len(S.expired))
+    S.counters.update(groups_accepted=len(S.seen), batches_leased=len(leased), groups_leased=sum(leased.values()),
+                      batches_acked=len(S.acked), groups_acked=sum(leased.get(b, 0) for b in S.acked), leases_expired=len(S.expired))
     drop_stale(count=False)  # dropped (and counted) before the crash already
-    print(f"proxy: incarnation {S.incarnation}, replayed {len(gkeys) + len(ekeys)} objects in {time.time() - t0:.1f}s: "
+    print(f"proxy: incarnation {S.incarnation}, replayed {len(keys)} objects in {time.time() - t0:.1f}s: "
           f"{len(S.seen)} groups, buffer {len(S.buffer)}, {len(S.leases)} leases, version {S.latest}", file=sys.stderr)
 
 JOURNAL = Journal(None, 0)
 
-# ---------------------------------------------------------------------------------------------
-# metrics: request latency and staleness as histograms; the state's numbers read at scrape time
+# ---- metrics: request latency and staleness as histograms; the state's numbers read at scrape time ----
 REGISTRY = CollectorRegistry()
 LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["method", "route"], registry=REGISTRY)
 COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY)
@@ -299,15 +292,15 @@ def touch_worker(worker: str) -> dict:
     d["last_seen"] = time.time()
     return d
 
-# ---------------------------------------------------------------------------------------------
-# app
+# ---- app ------------------------------------------------------------------------------------------
 async def _housekeeping() -> None:
     while True:
         await asyncio.sleep(1.0)
         async with S.cond:
             expire_leases(time.time())
         if METRICS is not None:
-            METRICS.log({"buffer/size": len(S.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}})
+            row = {"buffer/size": len(S.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
+            await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
@@ -316,8 +309,12 @@ async def lifespan(app: FastAPI):
         BUCKET = Bucket()
         await asyncio.to_thread(replay, BUCKET)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-    JOURNAL = Journal(BUCKET, S.incarnation)
+    JOURNAL = Journal(BUCKET, S.incarnation, ARGS.commit_depth)
     tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
+    # each group validated makes dozens of container objects: by default the cyclic GC ran every ~30 groups and
+    # walked every module's objects (the p99 doubled). What is alive now is frozen out of the walk; runs are rarer
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     if BUCKET is not None:  # a version published while the proxy was down is only in adapters/latest.json
         latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
         if latest and latest["version"] > S.latest:
@@ -329,7 +326,8 @@ async def lifespan(app: FastAPI):
         METRICS.flush()
     print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
 
-app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan)
+# FastAPI's OpenTelemetry hooks off: /metrics is our telemetry, and they cost a lookup per request
+app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
 
 @app.exception_handler(RequestValidationError)
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -337,15 +335,25 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
     return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]},
                         status_code=422)
 
+OPEN = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no token needed
+
+def authorized(headers: dict) -> bool:
+    auth = headers.get(b"authorization", b"")
+    got = headers.get(b"x-proxy-token") or (auth[7:] if auth[:7].lower() == b"bearer " else None)
+    return not ARGS.token or (got is not None and hmac.compare_digest(got, ARGS.token.encode()))
+
 def guard(app):
-    """Pure ASGI middleware: refuse oversized bodies (declared, or chunked and read here up to the
-    cap) with 413 before any endpoint reads them, and time every request by route."""
+    """Pure ASGI middleware: refuse a missing or wrong token with 401 (every path but OPEN, unknown ones
+    too) and oversized bodies (declared, or chunked and read here up to the cap) with 413 before any
+    endpoint reads them, and time every request by route."""
     async def asgi(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
-        t0, cap = time.perf_counter(), int(ARGS.max_body_mb * 2**20)
+        t0, cap, headers = time.perf_counter(), int(ARGS.max_body_mb * 2**20), dict(scope["headers"])
+        if scope["path"] not in OPEN and not authorized(headers):
+            return await JSONResponse({"detail": "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)"},
+                                      status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         too_big = JSONResponse({"detail": f"request body over max_body_mb={ARGS.max_body_mb}"}, status_code=413)
-        headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > cap):
             return await too_big(scope, receive, send)
@@ -367,16 +375,6 @@ def guard(app):
 
 app.add_middleware(guard)
 
-def require_token(request: Request) -> None:
-    if not ARGS.token:
-        return
-    auth = request.headers.get("authorization", "")
-    got = request.headers.get("x-proxy-token") or (auth[7:] if auth.lower().startswith("bearer ") else None)
-    if got is None or not hmac.compare_digest(got.encode(), ARGS.token.encode()):
-        raise HTTPException(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-AUTH = [Depends(require_token)]
 
 @app.get("/health")
 async def health() -> dict:
@@ -391,12 +389,12 @@ class SubmitResponse(BaseModel):
 # 50 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
 _GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
-@app.post("/v1/groups", dependencies=AUTH, response_model=SubmitResponse, openapi_extra=_GROUP_BODY)
+@app.post("/v1/groups", response_model=SubmitResponse, openapi_extra=_GROUP_BODY)
 async def submit_group(request: Request) -> SubmitResponse:
     """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full.
     A 200 `accepted` means the group is in the bucket."""
-    try:
-        group = TrajectoryGroup.model_validate_json(await request.body())
+    try:  # strict: a number sent as a string (or an id as 1.0) is a client bug, not something to coerce
+        group = TrajectoryGroup.model_validate_json(body := await request.body(), strict=True)
     except ValidationError as e:
         raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors()]) from None
     if len(group.completions) != ARGS.group_size:
@@ -418,10 +416,14 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.seen.add(gid)
         S.counters["groups_dropped_stale"] += 1
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
-    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer and drop_stale() == 0:
+    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (to_front, register)
         S.counters["groups_rejected_full"] += 1
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
-    entry = Entry(gid, group.policy_version, group.model_dump_json().encode())
+    # the bytes as sent are what we log and lease out when they are one line that leads with the fields
+    # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding
+    m = _HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
+    keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
+    entry = Entry(gid, group.policy_version, body if keep else group.model_dump_json().encode())
     S.pending[gid] = fut = JOURNAL.append(entry.raw)
     try:
         await fut
@@ -455,7 +457,7 @@ def lease_answer(bid: str | None, entries: list[Entry], dropped: int) -> Respons
     head = json.dumps({"batch_id": bid, "latest_version": S.latest, "buffer_size": len(S.buffer), "dropped_stale": dropped})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
-@app.post("/v1/batches/lease", dependencies=AUTH, response_model=LeaseResponse)
+@app.post("/v1/batches/lease", response_model=LeaseResponse)
 async def lease_batch(req: LeaseRequest) -> Response:
     """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive;
     an empty answer (batch_id null) if they did not."""
@@ -484,7 +486,7 @@ async def lease_batch(req: LeaseRequest) -> Response:
         STALENESS.observe(s)
     return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before)
 
-@app.post("/v1/batches/{batch_id}/ack", dependencies=AUTH)
+@app.post("/v1/batches/{batch_id}/ack")
 async def ack_batch(batch_id: str = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")) -> dict:
     """The trainer took its optimizer step on this batch: its groups are consumed for good."""
     async with S.cond:
@@ -514,7 +516,7 @@ class RegisterRequest(Strict):
     final: bool = False
     """the trainer is done: workers stop after this version"""
 
-@app.post("/v1/adapters", dependencies=AUTH)
+@app.post("/v1/adapters")
 async def register_adapter(req: RegisterRequest) -> dict:
     """Register a version the trainer has published to the bucket (monotonic, else 409)."""
     async with REGISTER_LOCK:  # check, verify, journal, then apply: no one sees a version that may not stick
@@ -533,7 +535,7 @@ async def register_adapter(req: RegisterRequest) -> dict:
             S.cond.notify_all()
             return {"latest_version": S.latest, "dropped_stale": dropped}
 
-@app.get("/v1/adapters/latest", dependencies=AUTH)
+@app.get("/v1/adapters/latest")
 async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float = Query(0.0, ge=0.0, le=300.0)) -> dict:
     """The newest version; long-polls up to `wait_s` for one newer than `after`."""
     async with S.cond:
@@ -551,7 +553,7 @@ def permutation(dataset: str, size: int, epoch: int) -> list[int]:
     random.Random(f"{ARGS.seed}:{dataset}:{epoch}").shuffle(perm)
     return perm
 
-@app.post("/v1/prompts/lease", dependencies=AUTH)
+@app.post("/v1/prompts/lease")
 async def lease_prompts(req: PromptLeaseRequest) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out)."""
@@ -574,20 +576,14 @@ async def lease_prompts(req: PromptLeaseRequest) -> dict:
     await fut
     return {"indices": out, "epochs": epochs}
 
-@app.get("/v1/stats", dependencies=AUTH)
+@app.get("/v1/stats")
 async def get_stats() -> dict:
     return stats()
 
-@app.get("/metrics", dependencies=AUTH, response_class=Response)
+@app.get("/metrics", response_class=Response)
 async def metrics() -> Response:
     """Prometheus text exposition (scrape with the proxy token as a bearer token)."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 if __name__ == "__main__":
     import tyro
@@ -595,6 +591,7 @@ if __name__ == "__main__":
 
     from common import script_args  # drops the common.py that HF Jobs ships in argv
     ARGS = tyro.cli(Args, args=script_args())
-    if not ARGS.token and not _is_loopback(ARGS.host):
+    if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
+    sys.setswitchinterval(0.001)  # the journal's bucket write runs in a thread: let it have the GIL back sooner
     uvicorn.run(app, host=ARGS.host, port=ARGS.port, log_level="warning")

@@ -1,12 +1,14 @@
 """Load test of proxy.py: N simulated rollout clients and one trainer against the real proxy process
 with a real local S3 server (moto), for a fixed duration.
 
-    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60
+    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --prefetch 8 --rate 300   # paced
+    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --prefetch 8              # flood
 
-Each client submits groups of G completions of `tokens` tokens (token ids + logprobs, ~53 kB of JSON
-at G=8, 256 tokens) as fast as the proxy answers, honouring 429 + Retry-After; the trainer leases
-batches of `batch` groups and acks each one. Every 200 `accepted` answer means the group is in the
-bucket (the proxy journals before it answers), so accepted groups/s is durable groups/s.
+Each client submits groups of G completions of `tokens` tokens (token ids + logprobs, 33 kB of JSON
+at G=8, 256 tokens), at its share of `--rate` or, with --rate 0, as fast as the proxy answers,
+honouring 429 + Retry-After; the trainer leases batches of `batch` groups and acks each one. Every
+200 `accepted` answer means the group is in the bucket (the proxy journals before it answers), so
+accepted groups/s is durable groups/s.
 Prints accepted groups/s, p50/p99 submit and lease latency, failed requests and the proxy's peak RSS.
 """
 from __future__ import annotations
@@ -44,12 +46,17 @@ class Args:
     """tokens per completion"""
     batch: int = 8
     """groups per trainer lease"""
-    prefetch: int = 4
+    prefetch: int = 8
     """leases the trainer keeps in flight (it leases the next batches while acking one, as an async
     trainer that prefetches does); 1 = strictly lease, ack, lease: then two journal round trips per
     8 groups cap the rate (~20 ms each against an idle local S3 server: ~200 groups/s at best)"""
     max_buffer: int = 512
     """the proxy's buffer cap"""
+    rate: float = 300.0
+    """groups/s offered by all clients together, each a Poisson process (a rollout worker submits when a
+    group is generated, not when the last answer came); latency counts from the scheduled send, so a
+    client running late is charged for it. 0 = flood: each client sends again as soon as it is
+    answered, and then latency = busy clients / throughput (Little's law), whatever the proxy does"""
 
 
 def free_port() -> int:
@@ -116,10 +123,14 @@ async def load(a: Args, url: str, token: str, proxy_pid: int) -> dict:
     conn = aiohttp.TCPConnector(limit=a.clients + a.prefetch + 4)
     async with aiohttp.ClientSession(url, headers=headers, connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as http:
         async def client(i: int) -> None:
+            gap = (lambda: random.expovariate(a.rate / a.clients)) if a.rate else (lambda: 0.0)
+            t0 = time.perf_counter() + gap()
             while time.monotonic() < stop:
                 body = template.replace(b"X" * 32, uuid.uuid4().hex.encode(), 1)
                 body = body.replace(b'"bench"', f'"bench-{i}"'.encode(), 1)
-                t0 = time.perf_counter()
+                await asyncio.sleep(t0 - time.perf_counter())
+                if time.monotonic() >= stop:
+                    break
                 try:
                     async with http.post("/v1/groups", data=body) as r:
                         status, text = r.status, await r.read()
@@ -130,8 +141,10 @@ async def load(a: Args, url: str, token: str, proxy_pid: int) -> dict:
                 if status == 429:  # backpressure is the protocol working, not a failure
                     out["backpressure"] += 1
                     await asyncio.sleep(retry_after)
+                    t0 = time.perf_counter() + gap()
                     continue
                 out["submit"].append(time.perf_counter() - t0)
+                t0 = t0 + gap() if a.rate else time.perf_counter()  # a late client stays late: no forgiveness
                 if status != 200:
                     fail(f"submit {status}: {text[:200]}")
                 else:
