@@ -148,3 +148,34 @@ def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_pat
     st = http.get("/v1/stats").json()
     assert st["incarnation"] == px.starts - 1 and st["groups_accepted"] >= len(ok) and st["buffer_size"] == 0
     px.kill()
+
+
+def test_journal_keeps_compact_bytes_and_reencodes_the_rest_across_a_restart(bucket, run_name, tmp_path):
+    """A group sent as one compact line leading with id, worker and version is journaled and leased out as
+    the very bytes sent; any other spelling of a valid group (pretty-printed, keys in another order) is
+    re-encoded canonically. Both replay after kill -9 and lease out with the values that were sent."""
+    px = Restartable(run_name, tmp_path, "--group-size", "4")
+    px.start()
+    http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
+    compact, pretty, reordered = group(), group(), group()
+    # -5e-1 rather than -0.5: a re-encoding would not spell it this way
+    bodies = {compact["group_id"]: json.dumps(compact, separators=(",", ":")).encode().replace(b"-0.5", b"-5e-1"),
+              pretty["group_id"]: json.dumps(pretty, indent=2).encode(),  # newlines: cannot be a journal line
+              reordered["group_id"]: json.dumps(dict(reversed(list(reordered.items()))), separators=(",", ":")).encode()}
+    for body in bodies.values():
+        r = http.post("/v1/groups", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+    lines = [line for k in sorted(bucket.list("rollouts/")) for line in bucket.get(k)[0].splitlines()]
+    assert bodies[compact["group_id"]] in lines and b"-5e-1" in bodies[compact["group_id"]]  # byte for byte
+    for g in (pretty, reordered):
+        [line] = [x for x in lines if g["group_id"].encode() in x]
+        assert line.startswith(b'{"group_id":"%s","worker_id":"w1","policy_version":0,' % g["group_id"].encode())
+        assert json.loads(line) == g
+    px.kill()
+    px.start()
+    http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
+    r = http.post("/v1/batches/lease", json={"num_groups": 3})
+    assert r.status_code == 200
+    assert {g["group_id"]: g for g in r.json()["groups"]} == {g["group_id"]: g for g in (compact, pretty, reordered)}
+    assert http.post(f"/v1/batches/{r.json()['batch_id']}/ack").json() == {"acked": 3}
+    px.kill()
