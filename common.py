@@ -32,7 +32,7 @@ import httpx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 
 class _LazyTorch:
@@ -511,7 +511,7 @@ class ProxyClient:
         self.backpressure_s = 0.0  # total time spent waiting on 429 answers
         self.should_stop = lambda: False  # checked while waiting on 429: a stopping worker gives up
         self._call = retry(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts),
-                           wait=wait_exponential_jitter(initial=0.2, max=10), reraise=True)(self._once)
+                           wait=wait_exponential(multiplier=0.2, max=10) + wait_random(0, 1), reraise=True)(self._once)
 
     def _once(self, method: str, path: str, **kw) -> Any:
         while True:
