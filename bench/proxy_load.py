@@ -1,8 +1,8 @@
 """Load test of proxy.py: N simulated rollout clients and one trainer against the real proxy process
 with a real local S3 server (moto), for a fixed duration.
 
-    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --prefetch 8 --rate 300   # paced
-    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --prefetch 8              # flood
+    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --rate 300   # paced (the default)
+    .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --rate 0     # flood
 
 Each client submits groups of G completions of `tokens` tokens (token ids + logprobs, 33 kB of JSON
 at G=8, 256 tokens), at its share of `--rate` or, with --rate 0, as fast as the proxy answers,
