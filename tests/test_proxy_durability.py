@@ -156,26 +156,28 @@ def test_journal_keeps_compact_bytes_and_reencodes_the_rest_across_a_restart(buc
     re-encoded canonically. Both replay after kill -9 and lease out with the values that were sent."""
     px = Restartable(run_name, tmp_path, "--group-size", "4")
     px.start()
-    http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
-    compact, pretty, reordered = group(), group(), group()
-    # -5e-1 rather than -0.5: a re-encoding would not spell it this way
-    bodies = {compact["group_id"]: json.dumps(compact, separators=(",", ":")).encode().replace(b"-0.5", b"-5e-1"),
-              pretty["group_id"]: json.dumps(pretty, indent=2).encode(),  # newlines: cannot be a journal line
-              reordered["group_id"]: json.dumps(dict(reversed(list(reordered.items()))), separators=(",", ":")).encode()}
-    for body in bodies.values():
-        r = http.post("/v1/groups", content=body, headers={"Content-Type": "application/json"})
-        assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
-    lines = [line for k in sorted(bucket.list("rollouts/")) for line in bucket.get(k)[0].splitlines()]
-    assert bodies[compact["group_id"]] in lines and b"-5e-1" in bodies[compact["group_id"]]  # byte for byte
-    for g in (pretty, reordered):
-        [line] = [x for x in lines if g["group_id"].encode() in x]
-        assert line.startswith(b'{"group_id":"%s","worker_id":"w1","policy_version":0,' % g["group_id"].encode())
-        assert json.loads(line) == g
-    px.kill()
-    px.start()
-    http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
-    r = http.post("/v1/batches/lease", json={"num_groups": 3})
-    assert r.status_code == 200
-    assert {g["group_id"]: g for g in r.json()["groups"]} == {g["group_id"]: g for g in (compact, pretty, reordered)}
-    assert http.post(f"/v1/batches/{r.json()['batch_id']}/ack").json() == {"acked": 3}
-    px.kill()
+    try:
+        http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
+        compact, pretty, reordered = group(), group(), group()
+        # -5e-1 rather than -0.5: a re-encoding would not spell it this way
+        bodies = {compact["group_id"]: json.dumps(compact, separators=(",", ":")).encode().replace(b"-0.5", b"-5e-1"),
+                  pretty["group_id"]: json.dumps(pretty, indent=2).encode(),  # newlines: cannot be a journal line
+                  reordered["group_id"]: json.dumps(dict(reversed(list(reordered.items()))), separators=(",", ":")).encode()}
+        for body in bodies.values():
+            r = http.post("/v1/groups", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+        lines = [line for k in sorted(bucket.list("rollouts/")) for line in bucket.get(k)[0].splitlines()]
+        assert bodies[compact["group_id"]] in lines and b"-5e-1" in bodies[compact["group_id"]]  # byte for byte
+        for g in (pretty, reordered):
+            [line] = [x for x in lines if g["group_id"].encode() in x]
+            assert line.startswith(b'{"group_id":"%s","worker_id":"w1","policy_version":0,' % g["group_id"].encode())
+            assert json.loads(line) == g
+        px.kill()
+        px.start()
+        http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
+        r = http.post("/v1/batches/lease", json={"num_groups": 3})
+        assert r.status_code == 200
+        assert {g["group_id"]: g for g in r.json()["groups"]} == {g["group_id"]: g for g in (compact, pretty, reordered)}
+        assert http.post(f"/v1/batches/{r.json()['batch_id']}/ack").json() == {"acked": 3}
+    finally:  # a failed assertion must not leave the proxy running
+        px.kill()
