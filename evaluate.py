@@ -34,8 +34,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import (LOCAL_MODEL, AdapterError, Bucket, adapter_prefix, encode_prompt, fetch_adapter,  # noqa: E402
-                    load_base, pad_left, script_args)
+from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
+from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 

@@ -110,7 +110,7 @@ export S3_ENDPOINT_URL="http://127.0.0.1:$S3_PORT" AWS_ACCESS_KEY_ID=local AWS_S
        AWS_REGION=us-east-1 BUCKET=async-grpo RUN_NAME="$RUN"
 export PROXY_TOKEN="${PROXY_TOKEN:-$("$PY" -c 'import secrets; print(secrets.token_urlsafe(24))')}"
 wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
-"$PY" -c 'import common; common.Bucket().ensure_bucket(); common.local_smollm2()'
+"$PY" -c 'import common, models; common.Bucket().ensure_bucket(); models.local_smollm2()'
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import (LOCAL_MODEL, AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError,  # noqa: E402
-                    _causal_lm, cache_kw, encode_prompt, fetch_adapter, load_base, local_smollm2,
-                    new_group_id, prefill)
+from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
+                    new_group_id)
+from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 
@@ -84,7 +84,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# sampling (own loop: the shared prompt prefix is computed once per group, see common.prefill)
+# sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
 
 
 @torch.no_grad()
@@ -241,7 +241,7 @@ class VLLMSampler:
         # float32 on CPU: the trainer recomputes logprobs in float32, and bf16 sampling would put
         # its rounding noise into every importance ratio
         dtype = "float32" if args.vllm_dtype == "auto" and cpu else args.vllm_dtype
-        # common.local_smollm2's config.json keeps the GGUF's quantization_config though the saved
+        # models.local_smollm2's config.json keeps the GGUF's quantization_config though the saved
         # weights are plain float32; vLLM would refuse "gguf" without the file: drop it
         quirk = {"quantization_config": None} if args.model == LOCAL_MODEL else {}
         self.llm = LLM(model=path, tokenizer=path, dtype=dtype, hf_overrides=quirk, seed=args.seed + hash(args.worker_id) % 10_000,

