@@ -29,7 +29,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,7 +287,15 @@ def launch(args: Args) -> None:
     specs = plan(args, namespace)
     save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket}, specs, sources(args))
     workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
-    load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte
+    try:
+        load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte
+        start_jobs(api, args, namespace, token, bucket, specs, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_jobs(api, args: Args, namespace: str, token: str, bucket, specs: list[JobSpec], workdir: Path) -> None:
+    """The proxy, then (once it answers and its URL is recorded) the workers, the trainer, the supervisor."""
     print(f"  layout and code in s3://{args.bucket}/{args.run}/{PLAN.rsplit('/', 1)[0]}/ ({PLAN}, {FILES}/)")
     secrets = secret_values(token)
     by_role = {s.role: s for s in specs}
@@ -400,13 +412,18 @@ def watch(args: Args) -> None:
         spec = {s.role: s for s in loaded[1]}["supervisor"]
         with hub_errors("submitting the supervisor job"):
             job = submit(api, spec, run, namespace, secret_values(token), workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
         print(f"supervisor {job.id}  {spec.flavor:12s} {job.url}\n  hf jobs logs -f {job.id}")
         return
+    if threading.current_thread() is threading.main_thread():  # a cancelled supervisor job releases its lease
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         code = Supervisor(api, bucket, run, namespace, token, args.policy, workdir).run_forever()
     except KeyboardInterrupt:
         print(f"\nstopped watching run {run}; its jobs keep running (`bash launch_jobs.sh --status {run}`)")
         return
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     if code:
         raise SystemExit(code)
 

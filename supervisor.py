@@ -30,6 +30,7 @@ the supervisor then exits without relaunching anything.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -150,6 +151,8 @@ class Supervisor:
             if r == "proxy" and stage(job) == "RUNNING":
                 self.ensure_recorded(job)
             return
+        if r not in self.specs:   # no plan for it (a run not started by the launcher): nothing to relaunch
+            return
         now = time.time()
         if job is not None and job.id not in self.seen_ended:
             self.seen_ended.add(job.id)
@@ -249,7 +252,17 @@ class Supervisor:
     # --- one supervisor per run -------------------------------------------------------------
 
     def lease_body(self, owner: str | None = None, **extra) -> dict:
-        return {"owner": owner or self.me, "heartbeat_at": time.time(), **extra}
+        return {"owner": owner or self.me, "job_id": os.environ.get("JOB_ID"), "heartbeat_at": time.time(), **extra}
+
+    def owner_gone(self, lease: dict) -> bool:
+        """The lease's owner is a job that has ended (cancelled, or killed before it could release)."""
+        if not lease.get("job_id"):
+            return False
+        try:
+            with hub_errors("looking at the supervisor job that holds the lease"):
+                return stage(self.api.inspect_job(job_id=lease["job_id"], namespace=self.ns)) in TERMINAL
+        except SystemExit:
+            return False
 
     def take_lease(self) -> None:
         got = self.bucket.get(LEASE)
@@ -259,7 +272,8 @@ class Supervisor:
                 return
             lease = json.loads(got[0])
             age = time.time() - lease.get("heartbeat_at", 0)
-            if lease.get("owner") != self.me and not lease.get("released") and age < self.ttl:
+            if lease.get("owner") != self.me and not lease.get("released") and age < self.ttl \
+                    and not self.owner_gone(lease):
                 raise SystemExit(f"run {self.run} is already supervised by {lease.get('owner')} (heartbeat {age:.0f} s "
                                  f"ago): stop that one first, or start this one {self.ttl:.0f} s after it died")
             self.etag = self.bucket.put_json(LEASE, self.lease_body(), if_match=got[1])
@@ -284,7 +298,6 @@ class Supervisor:
 
     def handover_due(self) -> bool:
         """Running as a job, close to its own timeout: time to start a successor."""
-        import os
         spec = self.specs.get("supervisor")
         if not os.environ.get("JOB_ID") or spec is None:
             return False
@@ -295,7 +308,7 @@ class Supervisor:
             with hub_errors("starting the next supervisor job"):
                 job = submit(self.api, self.specs["supervisor"], self.run, self.ns, secret_values(self.token),
                              self.workdir)
-            self.etag = self.bucket.put_json(LEASE, self.lease_body(owner=job.id, handed_over_by=self.me),
+            self.etag = self.bucket.put_json(LEASE, self.lease_body(owner=job.id, job_id=job.id, handed_over_by=self.me),
                                              if_match=self.etag)
         except (SystemExit, ConflictError) as e:
             log(f"handing over failed ({e}); carrying on")
