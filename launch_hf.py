@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tyro
@@ -159,8 +159,10 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
                         {**env, "TRAINER_ID": f"{args.run}-trainer"}, args.timeout))
     # the supervisor: lists, relaunches and cancels the run's jobs (HF token), reads the bucket (keys)
+    policy = [a for f in fields(Policy) if getattr(args.policy, f.name) != getattr(Policy(), f.name)
+              for a in (f"--policy.{f.name.replace('_', '-')}", str(getattr(args.policy, f.name)))]
     jobs.append(JobSpec("supervisor", "launch_hf.py", list(SUPERVISOR_SHIPPED),
-                        ["--watch", args.run, "--namespace", namespace, "--bucket", args.bucket],
+                        ["--watch", args.run, "--namespace", namespace, "--bucket", args.bucket, *policy],
                         args.supervisor_flavor, ["HF_TOKEN", "PROXY_TOKEN", *bucket_secrets], env, args.timeout))
     return jobs
 

@@ -53,6 +53,7 @@ class Policy:
     backoff_s: float = 30.0
     """wait before relaunching after a first crash; doubles with each crash in a row"""
     backoff_max_s: float = 900.0
+    """the longest wait before a relaunch"""
     proxy_wait_s: float = 900.0
     """how long a relaunched proxy may take to answer /health"""
     drain_s: float = 600.0
