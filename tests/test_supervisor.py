@@ -7,6 +7,7 @@ supervisor are this repository's code, submitting through `HfApi.run_uv_job`.
 """
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import threading
@@ -70,11 +71,29 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
     assert "buffer_size" in client.get("/v1/stats")  # the retry looked again; only the second knows this token
     assert str(client.http.base_url).rstrip("/") == second.url
 
+    # a URL that answers, but not as the run's proxy (the Jobs gateway of a job that is gone): a 404 makes
+    # the client look again before it gives up
+    gone = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gone)
+    threading.Thread(target=gone.serve_forever, daemon=True).start()
+    client.http.base_url = f"http://127.0.0.1:{gone.server_port}"
+    assert "buffer_size" in client.get("/v1/stats") and str(client.http.base_url).rstrip("/") == second.url
+    gone.shutdown()
+
     monkeypatch.setenv("PROXY_URL", first.url)   # set: no lookups, the record is ignored
     pinned = common.ProxyClient(first.url, second.token, attempts=2)
     assert pinned.resolve is None and str(pinned.http.base_url).rstrip("/") == first.url
     with pytest.raises(httpx.TransportError):
         pinned.get("/v1/stats")
+
+
+class Gone(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(404)
+        self.end_headers()
+        self.wfile.write(b"no such job")
+
+    def log_message(self, *a):
+        pass
 
 
 # --- the emulator behaves like the platform -------------------------------------------------------
