@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ConflictError, read_proxy_endpoint
+from common import BucketError, ConflictError, read_proxy_endpoint
 from hf_jobs import (LEASE, TERMINAL, JobSpec, final_step, hub_errors, identity, load_launch, newest_by_role,
                      record_proxy, role, run_jobs, secret_values, stage, stopped, submit, timeout_seconds,
                      wait_for_proxy)
@@ -67,9 +67,11 @@ def log(msg: str) -> None:
 
 
 def uptime(job, launched: dict[str, float]) -> float:
-    """Seconds the job ran: from its start (or our submission) to its end (or now)."""
-    start = job.started_at or job.created_at
-    t0 = launched.get(job.id) or (start.timestamp() if start else time.time())
+    """Seconds the job ran: from its start (else our submission, else its creation) to its end (or now)."""
+    if job.started_at:
+        t0 = job.started_at.timestamp()
+    else:
+        t0 = launched.get(job.id) or (job.created_at.timestamp() if job.created_at else time.time())
     t1 = job.finished_at.timestamp() if getattr(job, "finished_at", None) else time.time()
     return max(0.0, t1 - t0)
 
@@ -119,16 +121,22 @@ class Supervisor:
                 self.release()
 
     def step(self) -> int | None:
-        """One look at the run; an exit status when the supervisor is finished, else None."""
+        """One look at the run; an exit status when the supervisor is finished, else None. The Hub or
+        the bucket failing for a while (after their own retries) is waited out: a run lasts days."""
+        try:
+            return self.look()
+        except (SystemExit, BucketError) as e:
+            if isinstance(e, SystemExit) and not isinstance(e.code, str):
+                raise
+            log(f"{e}; looking again in {self.p.poll_s:g} s")
+            return None
+
+    def look(self) -> int | None:
         if stop := stopped(self.bucket, self.plan or None):
             log(f"run {self.run} was stopped by --cancel ({stop.get('by', '?')}): not relaunching anything")
             return 0
-        try:
-            with hub_errors("listing the run's jobs"):
-                current = newest_by_role(run_jobs(self.api, self.run, self.ns))
-        except SystemExit as e:   # the Hub is down for a moment: look again later
-            log(f"{e}; looking again in {self.p.poll_s:g} s")
-            return None
+        with hub_errors("listing the run's jobs"):
+            current = newest_by_role(run_jobs(self.api, self.run, self.ns))
         if self.done():
             return self.finish()
         roles = ["proxy"] + [r for r in self.specs if r not in ("proxy", "supervisor")]
@@ -200,7 +208,7 @@ class Supervisor:
         try:
             url = wait_for_proxy(self.api, job.id, self.ns, self.token, self.p.proxy_wait_s,
                                  min(5.0, self.p.poll_s), log=log)
-        except RuntimeError as e:
+        except RuntimeError as e:   # (the Hub failing meanwhile raises SystemExit: step() waits it out)
             log(f"{e}")
             if "did not answer" in str(e):   # running but deaf: stop it, the next look relaunches it
                 with hub_errors(f"cancelling the proxy job {job.id}"):
@@ -284,6 +292,9 @@ class Supervisor:
     def heartbeat(self) -> bool:
         try:
             self.etag = self.bucket.put_json(LEASE, self.lease_body(), if_match=self.etag)
+            return True
+        except BucketError as e:   # the bucket is down: try at the next look (the lease outlives a few misses)
+            log(f"heartbeat failed: {e}")
             return True
         except ConflictError:
             log(f"another supervisor took run {self.run} over: exiting")
