@@ -8,7 +8,7 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
-  6. http + metrics  the proxy client with retries/backoff, JSONL metrics to the bucket
+  6. http + metrics  the proxy's address record, the proxy client with retries/backoff, JSONL metrics
 
 Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py.
 """
@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import boto3
 import httpx
@@ -344,7 +344,50 @@ def script_args(argv: list[str] | None = None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. proxy client (retries with backoff on connection errors, 5xx and 429) and metrics
+# 6. the proxy's address, the proxy client (retries with backoff on connection errors, 5xx and 429), metrics
+#
+# On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
+# run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
+# answer /health (the launcher, the supervisor: they read `job.status.expose_urls`) writes
+# `proxy/endpoint.json`; workers and the trainer read it when PROXY_URL is unset, and again
+# whenever the URL they use stops answering.
+
+PROXY_ENDPOINT = "proxy/endpoint.json"  # {url, incarnation, job_id, written_at, written_by}
+
+
+def write_proxy_endpoint(bucket: Bucket, url: str, job_id: str | None = None, incarnation: int | None = None,
+                         written_by: str = "") -> dict:
+    """Record where the run's proxy answers now (last writer wins: it has just seen that proxy healthy)."""
+    record = {"url": url.rstrip("/"), "incarnation": incarnation, "job_id": job_id, "written_at": time.time(),
+              "written_by": written_by}
+    bucket.put_json(PROXY_ENDPOINT, record)
+    return record
+
+
+def read_proxy_endpoint(bucket: Bucket) -> dict | None:
+    """The run's proxy address record, or None when nobody wrote one (a local run: PROXY_URL is set)."""
+    record = bucket.get_json(PROXY_ENDPOINT)
+    return record if isinstance(record, dict) and isinstance(record.get("url"), str) else None
+
+
+def endpoint_resolver(bucket: Bucket | None = None) -> Callable[[], str | None]:
+    """A `ProxyClient(resolve=...)` that reads the run's record (the run from the environment by default)."""
+    held: list[Bucket] = [bucket] if bucket is not None else []
+
+    def resolve() -> str | None:
+        if not held:
+            held.append(Bucket())
+        record = read_proxy_endpoint(held[0])
+        return record["url"] if record else None
+    return resolve
+
+
+def default_resolver() -> Callable[[], str | None] | None:
+    """PROXY_URL set: it overrides, no lookups. Unset, with a run in the environment (BUCKET): the record."""
+    if os.environ.get("PROXY_URL") or not os.environ.get("BUCKET"):
+        return None
+    return endpoint_resolver()
+
 
 
 class ProxyError(RuntimeError):
@@ -363,9 +406,14 @@ def _retryable(e: BaseException) -> bool:
 
 class ProxyClient:
     """Talks to proxy.py. The proxy token goes in `X-Proxy-Token`; `Authorization` carries the HF
-    token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too."""
+    token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too.
 
-    def __init__(self, url: str, token: str | None, hf_token: str | None = None, attempts: int = 8):
+    `resolve` returns the proxy's current URL (default: the run's `proxy/endpoint.json` when PROXY_URL
+    is unset, see `default_resolver`). It is asked once here, then whenever the URL in use stops
+    answering (`refresh_url`), so a proxy relaunched at a new address is found again."""
+
+    def __init__(self, url: str, token: str | None, hf_token: str | None = None, attempts: int = 8,
+                 resolve: Callable[[], str | None] | None = None):
         headers = {}
         if token:
             headers["X-Proxy-Token"] = token
@@ -375,12 +423,33 @@ class ProxyClient:
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
         self.backpressure_s = 0.0  # total time spent waiting on 429 answers
         self.should_stop = lambda: False  # checked while waiting on 429: a stopping worker gives up
+        self.resolve = resolve if resolve is not None else default_resolver()
+        self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
         self._call = retry(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts),
-                           wait=wait_exponential(multiplier=0.2, max=10) + wait_random(0, 1), reraise=True)(self._once)
+                           wait=wait_exponential(multiplier=0.2, max=10) + wait_random(0, 1), reraise=True,
+                           before_sleep=lambda _: self.refresh_url())(self._once)  # look again before each retry
+
+    def refresh_url(self) -> bool:
+        """Ask `resolve` where the proxy is now; switch to that URL if it moved. True if it did."""
+        if self.resolve is None:
+            return False
+        try:
+            url = self.resolve()
+        except Exception as e:  # the bucket is down too: keep the URL we have, the caller retries
+            print(f"proxy address lookup failed ({type(e).__name__}: {e}); keeping {self.http.base_url}",
+                  file=sys.stderr, flush=True)
+            return False
+        if not url or url.rstrip("/") == str(self.http.base_url).rstrip("/"):
+            return False
+        print(f"proxy: now at {url} (was {self.http.base_url})", file=sys.stderr, flush=True)
+        self.http.base_url = url.rstrip("/")
+        return True
 
     def _once(self, method: str, path: str, **kw) -> Any:
         while True:
             r = self.http.request(method, path, **kw)
+            if r.status_code in (401, 403, 404) and self.refresh_url():
+                continue  # what answered was not the run's proxy any more (a gateway, another server)
             if r.status_code != 429:
                 break
             # backpressure: the proxy's buffer is full; wait as told and count the time

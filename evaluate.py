@@ -13,8 +13,8 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     python evaluate.py --all                              # every version without a result yet, then the curve
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
-        -e S3_ENDPOINT_URL=https://s3.hf.co/<namespace> \
-        evaluate.py common.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
+        -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
+        evaluate.py common.py models.py tasks.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
 
 Held-out split (tasks.load_task(name, "eval")): GSM8K's test split; for addition and jsonl:PATH a
 fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and

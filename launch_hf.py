@@ -1,46 +1,59 @@
 # /// script
 # requires-python = ">=3.10"
-# dependencies = ["huggingface_hub>=1.13", "boto3>=1.36", "tyro>=0.9"]
+# dependencies = ["huggingface_hub>=1.24", "boto3>=1.36", "tyro>=0.9", "httpx>=0.27", "pydantic>=2.7", "tenacity>=8.2"]
 # ///
-"""Start, watch and stop an async GRPO run on Hugging Face Jobs. `bash launch_jobs.sh` (without
---local) runs this file; it submits through huggingface_hub's own API (`HfApi.run_uv_job`), the
-code behind `hf jobs uv run`, and `--dry-run` prints the equivalent `hf jobs uv run` commands.
+"""Start, watch, supervise and stop an async GRPO run on Hugging Face Jobs. `bash launch_jobs.sh`
+(without --local) runs this file; it submits through huggingface_hub's own API (`HfApi.run_uv_job`,
+the code behind `hf jobs uv run`), and `--dry-run` prints the equivalent `hf jobs uv run` commands.
 
-    bash launch_jobs.sh --dry-run                   # the exact commands, nothing is called
-    bash launch_jobs.sh --run my-run                # bucket, proxy (waits until it answers), 2 rollout jobs, trainer
+    bash launch_jobs.sh --dry-run                   # the exact commands; submits nothing
+    bash launch_jobs.sh --run my-run                # bucket, proxy (waits until it answers), 2 rollout jobs, trainer, supervisor
     bash launch_jobs.sh --status my-run             # every job of the run (label async-grpo-run=my-run)
-    bash launch_jobs.sh --cancel my-run             # cancel every job of the run that is still going
+    bash launch_jobs.sh --watch my-run              # supervise here: relaunch any job that ends before the run is done
+    bash launch_jobs.sh --cancel my-run             # stop the supervisor and every job of the run
 
-Needs: `hf` (huggingface_hub >= 1.13) and a login (`hf auth login` or HF_TOKEN); PROXY_TOKEN (the
-proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket credentials: the HFAK...
-keys of the Storage Buckets S3 gateway, or your S3 provider's) exported. Secrets travel to the jobs
-as HF Jobs secrets; this file prints their names only.
+Needs huggingface_hub >= 1.24 (`expose`, `name`, `list_jobs(labels=)`, `status.expose_urls`), tyro,
+boto3, httpx, pydantic and tenacity (or uv, which reads this header), and a login (`hf auth login`
+or HF_TOKEN); PROXY_TOKEN (the proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+(bucket credentials: the HFAK... keys of the Storage Buckets S3 gateway, or your S3 provider's)
+exported. Secrets travel to the jobs as HF Jobs secrets; this file prints their names only.
 
 Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py ARGS`: huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
-mounts the job's folder at /data, so the shared modules land beside the script (which drops them from its argv).
+mounts the job's folder at /data, so the shared modules land beside the script (which drops them from
+its argv). The launcher first stores the run's layout and those files under s3://BUCKET/RUN/launch/
+(hf_jobs.py), and submits from that copy, exactly as the supervisor (supervisor.py) relaunches a job.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import tyro
 
+from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
+                     load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
+                     secret_values, shipped_name, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+from supervisor import Policy, Supervisor
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
-LABEL = "async-grpo-run"       # every job of a run carries {LABEL: run}; --status/--cancel find them by it
-PROXY_PORT = 8000
 POLL_S = 5.0                    # seconds between looks at the proxy job while it starts
-HF_S3_GATEWAY = "https://s3.hf.co"
+HUB_MIN = "1.24"                # the first huggingface_hub with everything below (see check_hub)
 # $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h
 PRICES = {"cpu-basic": 0.01, "cpu-upgrade": 0.03, "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80,
           "l4x4": 3.80, "l40sx1": 1.80, "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00,
           "a100-large": 2.50, "h200": 5.00}
 EXPOSE_PRICE = 0.01
+NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it could not resolve
 
 
 @dataclass
@@ -59,46 +72,45 @@ class Args:
     proxy_flavor: str = "cpu-upgrade"
     rollout_flavor: str = "l4x1"
     trainer_flavor: str = "a10g-small"
+    supervisor_flavor: str = "cpu-basic"
     timeout: str = "6h"
-    """per job (HF Jobs' default is 30 minutes)"""
+    """per job: whole seconds or a number with s, m, h or d (HF Jobs' default is 30 minutes)"""
     rollout_with: str = ""
     """extra packages for the rollout jobs, comma-separated (`uv run --with`); rollout.py's header has vllm"""
     bucket: str = field(default_factory=lambda: os.environ.get("BUCKET", "async-grpo"))
     """bucket name (env BUCKET); a Hugging Face Storage Bucket <namespace>/<bucket> unless S3_ENDPOINT_URL is set"""
-    namespace: str | None = None
-    """user or org that runs the jobs and owns the bucket (default: yours)"""
+    namespace: str | None = field(default_factory=lambda: os.environ.get("HF_NAMESPACE") or None)
+    """user or org that runs the jobs and owns the bucket (env HF_NAMESPACE; default: yours)"""
     proxy_wait_s: float = 900.0
     """how long to wait for the proxy job to answer /health"""
     train_arg: tyro.conf.UseAppendAction[list[str]] = field(default_factory=list)
     """one extra arg for train.py, repeatable: --train-arg=--lr --train-arg=1e-5"""
     rollout_arg: tyro.conf.UseAppendAction[list[str]] = field(default_factory=list)
     """one extra arg for rollout.py, repeatable"""
+    proxy_arg: tyro.conf.UseAppendAction[list[str]] = field(default_factory=list)
+    """one extra arg for proxy.py, repeatable: --proxy-arg=--max-staleness --proxy-arg=2"""
+    supervise: bool = True
+    """also start the supervisor as a small CPU job (it relaunches any job that ends before the run is done)"""
     dry_run: bool = False
-    """print the exact commands; call nothing"""
+    """print the exact commands; submit nothing (asks the Hub only who you are, for the namespace)"""
     status: str | None = None
     """RUN: show every job of that run"""
     cancel: str | None = None
-    """RUN: cancel every job of that run that has not ended"""
-
-
-@dataclass
-class JobSpec:
-    role: str                   # proxy, rollout-1..N, trainer
-    script: str
-    files: list[str]            # shipped beside the script (common.py, a jsonl task's file)
-    args: list[str]
-    flavor: str
-    secrets: list[str]          # names; values come from the local environment at submission
-    env: dict[str, str]
-    expose: list[int] = field(default_factory=list)
-    dependencies: list[str] = field(default_factory=list)
+    """RUN: stop the run's supervisor and cancel every job of that run that has not ended"""
+    watch: str | None = None
+    """RUN: supervise that run here until it is done (relaunch any job that ends, the proxy first)"""
+    detach: bool = False
+    """with --watch: start the supervisor as a small CPU job instead of here"""
+    policy: Policy = field(default_factory=Policy)
+    """the supervisor's relaunch policy"""
 
 
 # ---------------------------------------------------------------------------------------------
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py")  # the shared modules, uploaded beside every script
+SHIPPED = ("common.py", "models.py", "tasks.py")  # the shared modules, uploaded beside every role script
+SUPERVISOR_SHIPPED = ("hf_jobs.py", "supervisor.py", "common.py")  # beside launch_hf.py in a supervisor job
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:
@@ -108,35 +120,65 @@ def bucket_env(args: Args, namespace: str) -> dict[str, str]:
             "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"), "PYTHONUNBUFFERED": "1"}
 
 
-def plan(args: Args, namespace: str, proxy_url: str) -> list[JobSpec]:
+def task_file(args: Args) -> str | None:
+    return args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else None
+
+
+def sources(args: Args) -> dict[str, Path]:
+    """Every file a job of the run ships, by the name it has in the job's /data -> where it is here."""
+    names = {"proxy.py", "rollout.py", "train.py", "launch_hf.py", *SHIPPED, *SUPERVISOR_SHIPPED}
+    out = {n: Path(ROOT) / n for n in sorted(names)}
+    if path := task_file(args):
+        out[shipped_name(path)] = Path(path)
+    return out
+
+
+def plan(args: Args, namespace: str) -> list[JobSpec]:
+    """The run's layout. No job is told the proxy's URL: a relaunched proxy has a new one, so workers
+    and trainer read it from the run's proxy/endpoint.json (written once the proxy answers)."""
     files, task = list(SHIPPED), args.task
-    if task.startswith("jsonl:"):  # ship the user's file too; the jobs read it from /data
-        files.append(task[len("jsonl:"):])
-        task = f"jsonl:/data/{os.path.basename(files[-1])}"
+    if path := task_file(args):  # ship the user's file too; the jobs read it from /data, by its shipped name
+        files.append(shipped_name(path))
+        task = f"jsonl:/data/{files[-1]}"
     env = bucket_env(args, namespace)
     bucket_secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
-    jobs = [JobSpec("proxy", "proxy.py", files, ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G],
-                    args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, expose=[PROXY_PORT])]
+    jobs = [JobSpec("proxy", "proxy.py", files, ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G, *args.proxy_arg],
+                    args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
     for i in range(1, args.workers + 1):
         jobs.append(JobSpec(f"rollout-{i}", "rollout.py", files,
                             ["--model", args.model, "--task", task, *G, "--max-new-tokens", str(args.max_new_tokens),
                              "--worker-id", f"{args.run}-w{i}", "--seed", str(i), *args.rollout_arg],
-                            args.rollout_flavor, caller_secrets, {**env, "PROXY_URL": proxy_url},
+                            args.rollout_flavor, caller_secrets, env, args.timeout,
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
     jobs.append(JobSpec("trainer", "train.py", list(SHIPPED), ["--model", args.model, "--max-steps", str(args.steps),
                                                               *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
-                        {**env, "PROXY_URL": proxy_url, "TRAINER_ID": f"{args.run}-trainer"}))
+                        {**env, "TRAINER_ID": f"{args.run}-trainer"}, args.timeout))
+    # the supervisor: lists, relaunches and cancels the run's jobs (HF token), reads the bucket (keys)
+    policy = [a for f in fields(Policy) if getattr(args.policy, f.name) != getattr(Policy(), f.name)
+              for a in (f"--policy.{f.name.replace('_', '-')}", str(getattr(args.policy, f.name)))]
+    jobs.append(JobSpec("supervisor", "launch_hf.py", list(SUPERVISOR_SHIPPED),
+                        ["--watch", args.run, "--namespace", namespace, "--bucket", args.bucket, *policy],
+                        args.supervisor_flavor, ["HF_TOKEN", "PROXY_TOKEN", *bucket_secrets], env, args.timeout))
     return jobs
 
 
-def hf_command(job: JobSpec, args: Args, namespace: str | None) -> str:
-    """The `hf jobs uv run` command equivalent to submitting `job` (secrets by name only)."""
-    cmd = ["hf", "jobs", "uv", "run", "--detach", "--flavor", job.flavor, "--timeout", args.timeout,
+def sh(word: str) -> str:
+    """Shell-quote one word; a word holding $HF_NAMESPACE is double-quoted so the shell expands it."""
+    if NS_VAR not in word:
+        return shlex.quote(word)
+    esc = [re.sub(r'([\\"$`])', r"\\\1", part) for part in word.split(NS_VAR)]
+    return '"' + NS_VAR.join(esc) + '"'
+
+
+def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str, Path]) -> str:
+    """The `hf jobs uv run` command equivalent to submitting `job` (secrets by name only). `local`:
+    shipped name -> the file here, for the one file whose name differs (a jsonl task's)."""
+    cmd = ["hf", "jobs", "uv", "run", "--detach", "--flavor", job.flavor, "--timeout", job.timeout,
            "--name", f"{args.run}-{job.role}", "--label", f"{LABEL}={args.run}", "--label", f"role={job.role}"]
     cmd += ["--namespace", namespace] if namespace else []
     for d in job.dependencies:
@@ -147,11 +189,13 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None) -> str:
         cmd += ["--secrets", s]
     for k, v in job.env.items():
         cmd += ["-e", f"{k}={v}"]
-    return shlex.join(cmd + [job.script, *job.files, *job.args])
+    files = [str(local[f]) if f in local and local[f].name != f else f for f in job.files]
+    return " ".join(sh(w) for w in cmd + [job.script, *files, *job.args])
 
 
 def cost_per_hour(args: Args) -> float:
     flavors = [args.proxy_flavor, *[args.rollout_flavor] * args.workers, args.trainer_flavor]
+    flavors += [args.supervisor_flavor] if args.supervise else []
     unknown = [f for f in flavors if f not in PRICES]
     if unknown:
         return float("nan")
@@ -167,12 +211,18 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--run {args.run!r}: use 1-60 letters, digits, '-' or '_' (it is a job label and a bucket prefix)")
     if args.workers < 1 or args.steps < 1 or args.group_size < 2:
         raise SystemExit("--workers and --steps must be >= 1, --group-size >= 2")
-    if not re.fullmatch(r"\d+(\.\d+)?[smhd]?", args.timeout):
-        raise SystemExit(f"--timeout {args.timeout!r}: a number with s, m, h or d (e.g. 6h)")
+    try:
+        timeout_seconds(args.timeout)
+    except ValueError as e:
+        raise SystemExit(f"--timeout: {e} (e.g. 6h)") from None
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,62}", args.bucket):
         raise SystemExit(f"bucket {args.bucket!r}: lowercase letters, digits, '-' and '.' (env BUCKET or --bucket)")
-    if args.task.startswith("jsonl:") and not os.path.isfile(args.task[len("jsonl:"):]):
-        raise SystemExit(f"--task {args.task}: no such file")
+    if path := task_file(args):
+        if not os.path.isfile(path):
+            raise SystemExit(f"--task {args.task}: no such file")
+        if shipped_name(path) in sources(Args(task="gsm8k")):
+            raise SystemExit(f"--task {args.task}: a task file may not be named {shipped_name(path)!r} "
+                             "(a script of the run has that name in the job's /data)")
 
 
 def missing_env() -> list[str]:
@@ -182,20 +232,21 @@ def missing_env() -> list[str]:
     return [f"  {k}: {why}" for k, why in need.items() if not os.environ.get(k)]
 
 
-def local_token() -> str:
-    from huggingface_hub import get_token
-    token = get_token()
-    if not token:
-        raise SystemExit("not logged in to Hugging Face: run `hf auth login` (or export HF_TOKEN)")
-    return token
+def check_hub() -> None:
+    """Everything the launcher and the supervisor use exists from huggingface_hub 1.24 on: run_uv_job's
+    `expose` (1.19) and `name` (1.24), list_jobs' `labels` (1.21), JobStatus.expose_urls (1.19)."""
+    import inspect
 
-
-def whoami(api, token: str) -> str:
-    from huggingface_hub.errors import HfHubHTTPError
-    try:
-        return api.whoami(token=token)["name"]
-    except HfHubHTTPError as e:
-        raise SystemExit(f"Hugging Face rejected the token: {e}") from e
+    import huggingface_hub
+    from huggingface_hub import HfApi
+    have = {"run_uv_job(expose=)": "expose" in inspect.signature(HfApi.run_uv_job).parameters,
+            "run_uv_job(name=)": "name" in inspect.signature(HfApi.run_uv_job).parameters,
+            "list_jobs(labels=)": "labels" in inspect.signature(HfApi.list_jobs).parameters,
+            "JobStatus.expose_urls": "expose_urls" in getattr(huggingface_hub, "JobStatus", object).__dict__.get(
+                "__dataclass_fields__", {})}
+    if lacking := [k for k, ok in have.items() if not ok]:
+        raise SystemExit(f"huggingface_hub {huggingface_hub.__version__} has no {', '.join(lacking)}: "
+                         f"pip install -U 'huggingface_hub>={HUB_MIN}'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,42 +269,6 @@ def ensure_bucket(api, args: Args, namespace: str, endpoint: str) -> str:
     return f"s3://{args.bucket} at {endpoint}"
 
 
-def submit(api, job: JobSpec, args: Args, namespace: str, secret_values: dict[str, str]):
-    return api.run_uv_job(
-        job.script, script_args=[*job.files, *job.args], dependencies=job.dependencies or None,
-        env=job.env, secrets={k: secret_values[k] for k in job.secrets}, flavor=job.flavor, timeout=args.timeout,
-        name=f"{args.run}-{job.role}", labels={LABEL: args.run, "role": job.role},
-        expose=job.expose or None, namespace=namespace)
-
-
-def wait_for_proxy(api, job, run: str, namespace: str, token: str, wait_s: float) -> str:
-    """Poll the proxy job until its exposed URL answers /health; return that URL."""
-    from huggingface_hub.utils import get_session
-    t0, shown, why = time.time(), None, "not running yet"
-    while time.time() - t0 < wait_s:
-        info = api.inspect_job(job_id=job.id, namespace=namespace)
-        stage = str(getattr(info.status.stage, "value", info.status.stage))
-        if stage in ("COMPLETED", "CANCELED", "ERROR", "DELETED"):
-            raise SystemExit(f"the proxy job {job.id} ended ({stage}: {info.status.message or 'no message'}) before "
-                             f"answering; see `hf jobs logs {job.id}`")
-        urls = info.status.expose_urls or []
-        if stage == "RUNNING" and urls:
-            try:
-                r = get_session().get(f"{urls[0].rstrip('/')}/health", timeout=10,
-                                      headers={"Authorization": f"Bearer {token}"})
-                if r.status_code == 200:
-                    return urls[0].rstrip("/")
-                why = f"/health answered {r.status_code}"
-            except Exception as e:  # the gateway may refuse connections until the server listens
-                why = f"{type(e).__name__}: {e}"
-        if stage != shown:
-            print(f"  proxy job {job.id}: {stage}", flush=True)
-            shown = stage
-        time.sleep(POLL_S)
-    raise SystemExit(f"the proxy job {job.id} did not answer within {wait_s:.0f} s ({why}); "
-                     f"see `hf jobs logs {job.id}`, stop it with `bash launch_jobs.sh --cancel {run}`")
-
-
 def launch(args: Args) -> None:
     from huggingface_hub import HfApi
     token = local_token()
@@ -261,99 +276,212 @@ def launch(args: Args) -> None:
         raise SystemExit("set these environment variables first:\n" + "\n".join(missing))
     api = HfApi()
     namespace = args.namespace or whoami(api, token)
+    with hub_errors(f"looking for jobs of run {args.run}"):
+        live = [j for j in run_jobs(api, args.run, namespace) if stage(j) not in TERMINAL]
+    if live:  # two proxies on one run would fight over its journal; two trainers over its claim
+        raise SystemExit(f"run {args.run} still has {len(live)} job(s) going ({', '.join(role(j) for j in live)}): "
+                         f"`bash launch_jobs.sh --status {args.run}`; stop them first with --cancel, or let "
+                         f"`bash launch_jobs.sh --watch {args.run}` keep them alive")
     endpoint = bucket_env(args, namespace)["S3_ENDPOINT_URL"]
-    print(f"run {args.run}: bucket {ensure_bucket(api, args, namespace, endpoint)} (prefix {args.run}/)")
-    secret_values = {"HF_TOKEN": token, "PROXY_HF_TOKEN": token, "PROXY_TOKEN": os.environ["PROXY_TOKEN"],
-                     "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
-                     "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]}
-    proxy_spec = plan(args, namespace, proxy_url="")[0]
+    with hub_errors("creating the bucket"):
+        print(f"run {args.run}: bucket {ensure_bucket(api, args, namespace, endpoint)} (prefix {args.run}/)")
+    bucket = run_bucket(args.bucket, args.run, endpoint)
+    specs = plan(args, namespace)
+    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket}, specs, sources(args))
+    workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
     try:
-        proxy = submit(api, proxy_spec, args, namespace, secret_values)
-    except Exception as e:
-        raise SystemExit(f"submitting the proxy job failed: {e}") from e
-    print(f"proxy   {proxy.id}  {proxy_spec.flavor:12s} {proxy.url}\n  waiting for it to answer (up to "
-          f"{args.proxy_wait_s:.0f} s)...", flush=True)
-    proxy_url = wait_for_proxy(api, proxy, args.run, namespace, token, args.proxy_wait_s)
-    print(f"  proxy answers at {proxy_url}")
-    started = [(proxy_spec, proxy)]
-    for spec in plan(args, namespace, proxy_url)[1:]:
+        load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte
+        start_jobs(api, args, namespace, token, bucket, specs, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_jobs(api, args: Args, namespace: str, token: str, bucket, specs: list[JobSpec], workdir: Path) -> None:
+    """The proxy, then (once it answers and its URL is recorded) the workers, the trainer, the supervisor."""
+    print(f"  layout and code in s3://{args.bucket}/{args.run}/{PLAN.rsplit('/', 1)[0]}/ ({PLAN}, {FILES}/)")
+    secrets = secret_values(token)
+    by_role = {s.role: s for s in specs}
+    started = []
+
+    def start(spec: JobSpec):
         try:
-            job = submit(api, spec, args, namespace, secret_values)
-        except Exception as e:  # quota, credits, a bad flavor: say so, and what is already running
-            raise SystemExit(f"submitting the {spec.role} job failed: {e}\n{len(started)} job(s) of run {args.run} "
-                             f"already started; stop them with `bash launch_jobs.sh --cancel {args.run}`") from e
+            with hub_errors(f"submitting the {spec.role} job"):
+                job = submit(api, spec, args.run, namespace, secrets, workdir)
+        except SystemExit as e:  # quota, credits, a bad flavor: say so, and what is already running
+            raise SystemExit(f"{e}\n{len(started)} job(s) of run {args.run} already started; stop them with "
+                             f"`bash launch_jobs.sh --cancel {args.run}`") from None
         started.append((spec, job))
-        print(f"{spec.role:9s} {job.id}  {spec.flavor:12s} {job.url}", flush=True)
+        print(f"{spec.role:10s} {job.id}  {spec.flavor:12s} {job.url}", flush=True)
+        return job
+
+    proxy = start(by_role["proxy"])
+    print(f"  waiting for the proxy to answer (up to {args.proxy_wait_s:.0f} s)...", flush=True)
+    try:
+        proxy_url = wait_for_proxy(api, proxy.id, namespace, token, args.proxy_wait_s, POLL_S)
+    except RuntimeError as e:
+        raise SystemExit(f"{e}; stop it with `bash launch_jobs.sh --cancel {args.run}`") from None
+    record_proxy(bucket, proxy_url, proxy.id, token, written_by=f"launcher {identity()}")
+    print(f"  proxy answers at {proxy_url} (recorded in s3://{args.bucket}/{args.run}/proxy/endpoint.json)")
+    for spec in specs[1:]:
+        if spec.role != "supervisor" or args.supervise:
+            start(spec)
     print(f"\n{len(started)} jobs started (about ${cost_per_hour(args):.2f}/hour while they run). Follow them:")
     for spec, job in started:
         print(f"  hf jobs logs -f {job.id}    # {spec.role}")
-    print(f"  bash launch_jobs.sh --status {args.run}     # every job of the run\n"
+    watch = ("" if args.supervise else f"  bash launch_jobs.sh --watch {args.run}      # relaunch any job that "
+             "ends before the run is done (no supervisor job was started)\n")
+    print(f"  bash launch_jobs.sh --status {args.run}     # every job of the run\n{watch}"
           f"  bash launch_jobs.sh --cancel {args.run}     # stop the run (the bucket keeps everything)")
-
-
-def run_jobs(api, run: str, namespace: str | None):
-    return list(api.list_jobs(labels={LABEL: run}, namespace=namespace))
 
 
 def status(args: Args) -> None:
     from huggingface_hub import HfApi
+    token = local_token()  # even with --namespace: listing jobs needs a login
     api = HfApi()
-    namespace = args.namespace or whoami(api, local_token())
-    jobs = run_jobs(api, args.status, namespace)
+    namespace = args.namespace or whoami(api, token)
+    with hub_errors(f"listing the jobs of run {args.status}"):
+        jobs = run_jobs(api, args.status, namespace)
     if not jobs:
         raise SystemExit(f"no jobs labelled {LABEL}={args.status} in {namespace}")
-    for j in sorted(jobs, key=lambda j: (j.labels or {}).get("role", "")):
+    current = {j.id for j in newest_by_role(jobs).values()}
+    for j in sorted(jobs, key=lambda j: (role(j), j.created_at.timestamp() if j.created_at else 0.0)):
         urls = " ".join(j.status.expose_urls or [])
-        print(f"{(j.labels or {}).get('role', '?'):10s} {j.id}  {str(j.flavor):12s} "
-              f"{getattr(j.status.stage, 'value', j.status.stage):10s} {j.url} {urls}".rstrip())
+        print(f"{role(j):10s} {j.id}  {str(j.flavor):12s} {stage(j):10s} {j.url} {urls}".rstrip()
+              + ("" if j.id in current else "  (replaced)"))
+    if missing_env():
+        return  # no bucket keys here: the bucket's view of the run is skipped
+    bucket = run_bucket(args.bucket, args.status, bucket_env(Args(run=args.status, bucket=args.bucket),
+                                                              namespace)["S3_ENDPOINT_URL"])
+    from common import read_proxy_endpoint
+    if record := read_proxy_endpoint(bucket):
+        print(f"proxy endpoint: {record['url']} (job {record.get('job_id')}, incarnation {record.get('incarnation')}, "
+              f"written by {record.get('written_by')} {time.time() - record.get('written_at', 0):.0f} s ago)")
+    if lease := bucket.get_json("launch/supervisor.json"):
+        state = "released" if lease.get("released") else f"heartbeat {time.time() - lease.get('heartbeat_at', 0):.0f} s ago"
+        print(f"supervisor: {lease.get('owner')} ({state})")
+    if latest := bucket.get_json("adapters/latest.json"):
+        print(f"latest adapter: version {latest['version']} (step {latest.get('step')})")
+
+
+def write_stop(run: str, namespace: str, bucket_name: str) -> str:
+    """Tell every supervisor of the run to stop relaunching (launch/stop.json); a note if we cannot."""
+    if missing_env():
+        return ("note: the stop was not recorded in the bucket (AWS keys not set here): a supervisor running "
+                "outside Hugging Face Jobs (`--watch` on some machine) would relaunch the jobs; stop it with Ctrl-C")
+    from common import BucketError
+    bucket = run_bucket(bucket_name, run, bucket_env(Args(run=run, bucket=bucket_name), namespace)["S3_ENDPOINT_URL"])
+    try:
+        bucket.put_json(STOP, {"at": time.time(), "by": identity()})
+    except BucketError as e:
+        return f"note: the stop was not recorded in the bucket ({e}); a supervisor outside Jobs may relaunch the jobs"
+    return f"recorded the stop in s3://{bucket_name}/{run}/{STOP}: supervisors stop relaunching"
 
 
 def cancel(args: Args) -> None:
     from huggingface_hub import HfApi
+    token = local_token()
     api = HfApi()
-    namespace = args.namespace or whoami(api, local_token())
-    jobs = run_jobs(api, args.cancel, namespace)
-    live = [j for j in jobs if str(getattr(j.status.stage, "value", j.status.stage)) in ("SCHEDULING", "RUNNING")]
+    namespace = args.namespace or whoami(api, token)
+    with hub_errors(f"listing the jobs of run {args.cancel}"):
+        jobs = run_jobs(api, args.cancel, namespace)
     if not jobs:
         raise SystemExit(f"no jobs labelled {LABEL}={args.cancel} in {namespace}")
-    for j in live:
-        api.cancel_job(job_id=j.id, namespace=namespace)
-        print(f"cancelled {(j.labels or {}).get('role', '?'):10s} {j.id}")
+    print(write_stop(args.cancel, namespace, args.bucket))  # before any cancel: nothing may be relaunched
+    live = [j for j in jobs if stage(j) not in TERMINAL]
+    for j in sorted(live, key=lambda j: role(j) != "supervisor"):  # the supervisor first
+        with hub_errors(f"cancelling {role(j)} job {j.id}"):
+            api.cancel_job(job_id=j.id, namespace=namespace)
+        print(f"cancelled {role(j):10s} {j.id}")
     print(f"{len(live)} of {len(jobs)} jobs of run {args.cancel} cancelled; the bucket keeps adapters, "
           f"checkpoints and metrics (resume: bash launch_jobs.sh --run {args.cancel})")
 
 
+def watch(args: Args) -> None:
+    """Supervise run args.watch here (supervisor.py), or start that as a small CPU job (--detach)."""
+    from huggingface_hub import HfApi
+    token = local_token()
+    if missing := missing_env():
+        raise SystemExit("set these environment variables first:\n" + "\n".join(missing))
+    api = HfApi()
+    namespace = args.namespace or whoami(api, token)
+    run = args.watch
+    bucket = run_bucket(args.bucket, run, bucket_env(Args(run=run, bucket=args.bucket), namespace)["S3_ENDPOINT_URL"])
+    workdir = Path(tempfile.mkdtemp(prefix=f"watch-{run}-"))
+    if args.detach:
+        loaded = load_launch(bucket, workdir)
+        if loaded is None:
+            raise SystemExit(f"run {run} has no {PLAN} in s3://{args.bucket}/{run}/: start it with `bash launch_jobs.sh --run {run}`")
+        spec = {s.role: s for s in loaded[1]}["supervisor"]
+        with hub_errors("submitting the supervisor job"):
+            job = submit(api, spec, run, namespace, secret_values(token), workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        print(f"supervisor {job.id}  {spec.flavor:12s} {job.url}\n  hf jobs logs -f {job.id}")
+        return
+    if threading.current_thread() is threading.main_thread():  # a cancelled supervisor job releases its lease
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        code = Supervisor(api, bucket, run, namespace, token, args.policy, workdir).run_forever()
+    except KeyboardInterrupt:
+        print(f"\nstopped watching run {run}; its jobs keep running (`bash launch_jobs.sh --status {run}`)")
+        return
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if code:
+        raise SystemExit(code)
+
+
+def dry_run_namespace(args: Args) -> str | None:
+    """--namespace / HF_NAMESPACE, else who the local token belongs to; None when neither is known."""
+    if args.namespace:
+        return args.namespace
+    from huggingface_hub import HfApi, get_token
+    if token := get_token():
+        try:
+            return whoami(HfApi(), token)
+        except SystemExit:  # offline or a bad token: the commands will say "$HF_NAMESPACE"
+            return None
+    return None
+
+
 def dry_run(args: Args) -> None:
-    namespace = args.namespace
-    ns = namespace or "<your-namespace>"
+    namespace = dry_run_namespace(args)
+    ns = namespace or NS_VAR
+    supervisor = f", supervisor on {args.supervisor_flavor}" if args.supervise else ""
     print(f"# run {args.run}: {args.workers} rollout job(s) on {args.rollout_flavor}, trainer on {args.trainer_flavor}, "
-          f"proxy on {args.proxy_flavor}; about ${cost_per_hour(args):.2f}/hour")
+          f"proxy on {args.proxy_flavor}{supervisor}; about ${cost_per_hour(args):.2f}/hour")
     if missing := missing_env():
         print("# not set yet (required for a real launch):\n" + "\n".join("#" + m for m in missing))
+    if namespace is None:  # a placeholder pasted into a shell would be a redirect; a variable is safe
+        print('export HF_NAMESPACE="${HF_NAMESPACE:-$(hf auth whoami --quiet)}"  # the user or org that runs '
+              "the jobs (default: yours)")
+        print(': "${HF_NAMESPACE:?not logged in: run hf auth login, or export HF_NAMESPACE=an-org}"')
     if "S3_ENDPOINT_URL" not in os.environ:
-        print(f"hf buckets create {ns}/{args.bucket} --private --exist-ok")
+        print(f"hf buckets create {sh(f'{ns}/{args.bucket}')} --private --exist-ok")
     print('export PROXY_HF_TOKEN="${HF_TOKEN:-$(hf auth token)}"  # the callers\' token for the --expose gateway')
-    jobs = plan(args, ns, proxy_url="https://<proxy-job-id>--8000.hf.jobs")
-    print(hf_command(jobs[0], args, namespace))
-    print("# wait until the proxy job is RUNNING and its URL (hf jobs inspect <proxy-job-id>: status.expose_urls) "
-          "answers /health, then:")
+    jobs, local = plan(args, ns), sources(args)
+    print(f"# the launcher also stores the layout and these files in s3://{args.bucket}/{args.run}/launch/ "
+          "(what the supervisor relaunches from)")
+    print(hf_command(jobs[0], args, ns, local))
+    print(f"# once that job is RUNNING and its URL (`hf jobs inspect PROXY_JOB_ID`: status.expose_urls) answers "
+          f"/health, the launcher writes the URL to s3://{args.bucket}/{args.run}/proxy/endpoint.json, where "
+          "workers and trainer find the proxy (by hand: the supervisor below records it), then:")
     for job in jobs[1:]:
-        print(hf_command(job, args, namespace))
+        if job.role != "supervisor" or args.supervise:
+            print(hf_command(job, args, ns, local))
 
 
 def main(argv: list[str] | None = None) -> None:
-    import inspect
-
-    import huggingface_hub
-    if "expose" not in inspect.signature(huggingface_hub.HfApi.run_uv_job).parameters:
-        raise SystemExit(f"huggingface_hub {huggingface_hub.__version__} cannot expose a job's port: "
-                         "pip install -U 'huggingface_hub>=1.13'")
-    args = tyro.cli(Args, args=argv, prog="launch_jobs.sh")
+    os.environ.setdefault("HF_HUB_DISABLE_EXPERIMENTAL_WARNING", "1")  # run_uv_job is "experimental": we know
+    check_hub()
+    from common import script_args  # drops the files a supervisor job ships beside this script
+    args = tyro.cli(Args, args=script_args(argv), prog="launch_jobs.sh")
     os.chdir(ROOT)  # the scripts are shipped by their relative names
     if args.status:
         return status(args)
     if args.cancel:
         return cancel(args)
+    if args.watch:
+        return watch(args)
     check_args(args)
     if args.dry_run:
         return dry_run(args)

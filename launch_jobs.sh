@@ -21,30 +21,29 @@ options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N 
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --proxy-arg ARG (passed to proxy.py; local default --max-buffer 16)
-without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer)
+without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
+         bash launch_jobs.sh --watch RUN [--detach]          (supervise: relaunch every job that ends early)
 EOF
 }
 # --- Hugging Face Jobs (no --local): launch_hf.py submits through huggingface_hub's own API -----
+# It needs huggingface_hub>=1.24, tyro, boto3, httpx, pydantic and tenacity (not torch): a Python
+# that has them (.venv after --local, or yours), else uv, which reads launch_hf.py's PEP 723 header.
+HF_DEPS="'huggingface_hub>=1.24' tyro boto3 httpx pydantic tenacity"
 hf_jobs() {
-  local dry=0 py="" a
-  for a in "$@"; do [ "$a" = --dry-run ] && dry=1; done
-  if ! command -v hf >/dev/null 2>&1; then
-    if [ $dry = 0 ]; then
-      echo "launch_jobs.sh: the Hugging Face CLI 'hf' is not installed or not on PATH:" \
-           "pip install -U 'huggingface_hub>=1.13' (or: uv tool install huggingface_hub)" >&2
-      exit 2
-    fi
-    echo "# note: 'hf' is not on PATH; the commands below need it (pip install -U 'huggingface_hub>=1.13')"
+  local py="" a
+  if ! command -v hf >/dev/null 2>&1; then   # the launcher does not need it; its printed commands do
+    echo "# note: the Hugging Face CLI 'hf' is not on PATH; 'hf jobs logs' and the --dry-run lines need it" \
+         "(pip install -U 'huggingface_hub>=1.24', or: uv tool install huggingface_hub)" >&2
   fi
   for a in .venv/bin/python python3; do
-    if command -v "$a" >/dev/null 2>&1 && "$a" -c 'import huggingface_hub, tyro, boto3' 2>/dev/null; then py=$a; break; fi
+    if command -v "$a" >/dev/null 2>&1 && "$a" -c 'import huggingface_hub, tyro, boto3, httpx, pydantic, tenacity' 2>/dev/null; then py=$a; break; fi
   done
   if [ -n "$py" ]; then exec "$py" launch_hf.py "$@"; fi
   if command -v uv >/dev/null 2>&1; then exec uv run --script launch_hf.py "$@"; fi
-  echo "launch_jobs.sh: launch_hf.py needs huggingface_hub>=1.13, tyro and boto3:" \
-       "pip install -r requirements.txt, or install uv (it reads launch_hf.py's header)" >&2
+  echo "launch_jobs.sh: launch_hf.py needs huggingface_hub>=1.24, tyro, boto3, httpx, pydantic and tenacity:" \
+       "pip install -U $HF_DEPS   (or install uv: it reads launch_hf.py's header)" >&2
   exit 2
 }
 case " $* " in *" --local "*|*" --setup-only "*|*" -h "*|*" --help "*) ;; *) hf_jobs "$@" ;; esac

@@ -10,8 +10,12 @@ prompt dispatch and the registry of published adapter versions. Workers and the 
 make outbound HTTP calls to it; it never calls them.
 
     python proxy.py --port 8000                      # loopback, token from PROXY_TOKEN
-    hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --secrets PROXY_TOKEN \
-        proxy.py common.py --host 0.0.0.0            # on Hugging Face Jobs (README)
+    # a run's proxy on Hugging Face Jobs, by hand (README, "Run on Hugging Face Jobs"); then
+    # `bash launch_jobs.sh --watch my-run` adopts it and records its URL for the workers and the trainer
+    hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
+        --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
+        -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
+        proxy.py common.py --host 0.0.0.0 --port 8000
 
 Durability: the bucket is my only disk. Every change an answer depends on is in an append-only journal
 in the bucket before the answer goes out: each group commit is one object rollouts/{incarnation:06d}-{seq:08d}.jsonl

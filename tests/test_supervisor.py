@@ -1,0 +1,346 @@
+"""Runs that outlive their jobs: the proxy's address found through the bucket, the Jobs emulator
+(tests/jobs_emulator.py) behaving like the platform, and the supervisor keeping a real run alive on it.
+
+Everything below huggingface_hub is the emulator: jobs are real local processes (proxy.py,
+rollout.py, train.py on the tiny model) talking to a real moto S3 server; the launcher and the
+supervisor are this repository's code, submitting through `HfApi.run_uv_job`.
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from huggingface_hub import HfApi
+
+import common
+from hf_jobs import JobSpec, save_launch
+from jobs_emulator import JobsEmulator
+from supervisor import Policy, Supervisor
+
+import launch_hf
+
+TOKENS = {"HF_TOKEN": "hf_FAKEtoken0123456789", "PROXY_TOKEN": "proxy-secret-0123456789"}
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.3):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        got = pred()
+        if got:
+            return got
+        time.sleep(every)
+    raise TimeoutError(what)
+
+
+@pytest.fixture
+def emulator(tmp_path, monkeypatch, s3_env):
+    for k, v in TOKENS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("PROXY_URL", raising=False)
+    monkeypatch.setattr(launch_hf, "POLL_S", 0.5)
+    emu = JobsEmulator(tmp_path / "jobs").install(monkeypatch)
+    yield emu
+    emu.close()
+
+
+# --- the proxy's address through the bucket -----------------------------------------------------
+
+
+def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, run_name, monkeypatch):
+    """ProxyClient reads proxy/endpoint.json when PROXY_URL is unset, and again when its URL stops
+    answering; PROXY_URL, when set, overrides the record."""
+    monkeypatch.setenv("RUN_NAME", run_name)
+    monkeypatch.delenv("PROXY_URL", raising=False)
+    first = start_proxy()
+    common.write_proxy_endpoint(bucket, first.url, job_id="job-1", incarnation=0, written_by="test")
+    client = common.ProxyClient("http://127.0.0.1:9", first.token)   # the built-in default: nothing there
+    assert str(client.http.base_url).rstrip("/") == first.url           # the record won at construction
+    assert "buffer_size" in client.get("/v1/stats")
+
+    first.proc.kill()
+    first.proc.wait()
+    second = start_proxy()   # a new port, as a relaunched job gets a new URL (and here a new token)
+    client.http.headers["X-Proxy-Token"] = second.token
+    common.write_proxy_endpoint(bucket, second.url, job_id="job-2", incarnation=1, written_by="test")
+    assert "buffer_size" in client.get("/v1/stats")  # the retry looked again; only the second knows this token
+    assert str(client.http.base_url).rstrip("/") == second.url
+
+    # a URL that answers, but not as the run's proxy (the Jobs gateway of a job that is gone): a 404 makes
+    # the client look again before it gives up
+    gone = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gone)
+    threading.Thread(target=gone.serve_forever, daemon=True).start()
+    client.http.base_url = f"http://127.0.0.1:{gone.server_port}"
+    assert "buffer_size" in client.get("/v1/stats") and str(client.http.base_url).rstrip("/") == second.url
+    gone.shutdown()
+
+    monkeypatch.setenv("PROXY_URL", first.url)   # set: no lookups, the record is ignored
+    pinned = common.ProxyClient(first.url, second.token, attempts=2)
+    assert pinned.resolve is None and str(pinned.http.base_url).rstrip("/") == first.url
+    with pytest.raises(httpx.TransportError):
+        pinned.get("/v1/stats")
+
+
+class Gone(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(404)
+        self.end_headers()
+        self.wfile.write(b"no such job")
+
+    def log_message(self, *a):
+        pass
+
+
+# --- the emulator behaves like the platform -------------------------------------------------------
+
+
+PROBE = '''
+import http.server, json, os, sys, time
+here = os.path.dirname(sys.argv[0])
+json.dump({"argv": sys.argv, "env": {k: os.environ.get(k) for k in ("JOB_ID", "SECRET_X", "PLAIN", "HOME")},
+           "files": sorted(os.listdir(here))}, open(os.path.join(here, "probe.json"), "w"))
+if "--port" in sys.argv:
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    http.server.HTTPServer((sys.argv[sys.argv.index("--host") + 1], int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+time.sleep(float(sys.argv[-1]))
+'''
+
+
+def test_the_emulator_runs_each_job_as_a_process_with_the_platforms_rules(emulator, tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "data file.txt").write_text("shipped")
+    api = HfApi()
+
+    def run(*args, timeout="30s", expose=None):
+        return api.run_uv_job(str(tmp_path / "probe.py"), script_args=[str(tmp_path / "data file.txt"), *args],
+                              env={"PLAIN": "1"}, secrets={"SECRET_X": "s3cr3t"}, timeout=timeout, expose=expose,
+                              labels={"t": "probe"}, dependencies=["ninja"], namespace="alice")
+
+    a = run("--host", "0.0.0.0", "--port", "8000", "60", expose=[8000])
+    b = run("--host", "0.0.0.0", "--port", "8000", "60", expose=[8000])
+    urls = [wait_for(lambda j=j: api.inspect_job(job_id=j.id, namespace="alice").status.expose_urls, 30, "url")[0]
+            for j in (a, b)]
+    assert urls[0] != urls[1]                                   # a new URL at every launch
+    for u in urls:
+        assert wait_for(lambda u=u: _get(u), 30, "probe answers") == "ok"
+    probe = json.loads((emulator.jobs[a.id].folder / "probe.json").read_text())
+    folder = str(emulator.jobs[a.id].folder)
+    # the shipped files in the job's own folder (a space in a name becomes '_', as huggingface_hub uploads
+    # it), /data/ in the command rewritten to that folder, `uv run --with` replaced by this python
+    assert probe["files"] == ["data_file.txt", "home", "job.log", "probe.py"]
+    assert probe["argv"][:2] == [f"{folder}/probe.py", f"{folder}/data_file.txt"]
+    assert probe["env"] == {"JOB_ID": a.id, "SECRET_X": "s3cr3t", "PLAIN": "1", "HOME": f"{folder}/home"}
+
+    c = run("60", timeout="2s")                                # the timeout is enforced
+    info = wait_for(lambda: (i := api.inspect_job(job_id=c.id, namespace="alice")).status.stage == "ERROR" and i,
+                    60, "timeout")
+    assert info.status.message == "Job timeout exceeded" and emulator.jobs[c.id].proc.poll() is not None
+    assert emulator.jobs[c.id].finished - emulator.jobs[c.id].started < 30
+
+    api.cancel_job(job_id=a.id, namespace="alice")
+    assert api.inspect_job(job_id=a.id, namespace="alice").status.stage == "CANCELED"
+    assert _get(urls[0]) is None                               # its process is gone
+    emulator.crash(b.id)                                       # a crash / OOM kill
+    assert api.inspect_job(job_id=b.id, namespace="alice").status.message == "killed by signal 9"
+    listed = {j.id: j.status.stage for j in api.list_jobs(labels={"t": "probe"}, namespace="alice")}
+    assert listed == {a.id: "CANCELED", b.id: "ERROR", c.id: "ERROR"}
+
+
+def _get(url: str) -> str | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).text
+    except httpx.HTTPError:
+        return None
+
+
+# --- the supervisor's rules ----------------------------------------------------------------------
+
+
+def test_one_supervisor_per_run(bucket, run_name, tmp_path):
+    def sup(me: str) -> Supervisor:
+        s = Supervisor(None, bucket, run_name, "alice", "t", Policy(poll_s=1), tmp_path / me)
+        s.me = me
+        return s
+    a, b = sup("here-1"), sup("there-2")
+    a.take_lease()
+    with pytest.raises(SystemExit, match=rf"run {run_name} is already supervised by here-1 \(heartbeat 0 s ago\)"):
+        b.take_lease()
+    a.release()
+    b.take_lease()                       # a released lease is free at once
+    assert a.etag is not None and not a.heartbeat()   # a's next heartbeat finds it taken: a stops
+
+
+def test_a_supervisor_job_hands_over_before_its_timeout(emulator, bucket, run_name, tmp_path, monkeypatch):
+    """Running as a job whose timeout is near: it starts its successor from the plan, hands it the lease, exits."""
+    (tmp_path / "idle.py").write_text("import time; time.sleep(120)\n")
+    spec = JobSpec("supervisor", "idle.py", [], [], "cpu-basic", [], {}, timeout="1h")
+    save_launch(bucket, {"run": run_name}, [spec], {"idle.py": tmp_path / "idle.py"})
+    monkeypatch.setenv("JOB_ID", "old-supervisor-job")
+    sup = Supervisor(HfApi(), bucket, run_name, "alice", TOKENS["HF_TOKEN"], Policy(poll_s=0.2, handover_s=3599.5),
+                     tmp_path / "work")
+    assert sup.run_forever() == 0
+    (succ,) = emulator.by_role("supervisor")
+    lease = bucket.get_json("launch/supervisor.json")
+    assert lease["owner"] == succ.id and lease["handed_over_by"] == "old-supervisor-job" and succ.stage()[0] == "RUNNING"
+    nxt = Supervisor(HfApi(), bucket, run_name, "alice", "t", Policy(poll_s=1), tmp_path / "next")
+    nxt.me = succ.id
+    nxt.take_lease()                     # the successor owns it at once; anyone else would be refused
+
+
+def test_a_role_that_crash_loops_is_given_up_and_said_so(emulator, bucket, run_name, tmp_path, capsys):
+    """A trainer whose job exits at once (status 2) is relaunched after 1 s, then 2 s, then given up; without
+    a trainer the run cannot go on, so the supervisor exits 1. `--cancel` then stops the rest, and a later
+    supervisor relaunches nothing."""
+    emu = emulator
+    (tmp_path / "fails.py").write_text("import sys; print('bad flag: --no-such-flag', file=sys.stderr); sys.exit(2)\n")
+    (tmp_path / "idle.py").write_text("import time; time.sleep(300)\n")
+    specs = [JobSpec("trainer", "fails.py", [], ["--max-steps", "5"], "cpu-basic", [], {}, timeout="30m"),
+             JobSpec("rollout-1", "idle.py", [], [], "cpu-basic", [], {}, timeout="30m")]
+    save_launch(bucket, {"run": run_name}, specs, {n: tmp_path / n for n in ("fails.py", "idle.py")})
+    api = HfApi()
+    for spec in specs:   # what the launcher would have started
+        api.run_uv_job(str(tmp_path / spec.script), script_args=spec.args, timeout=spec.timeout, namespace="alice",
+                       labels={"async-grpo-run": run_name, "role": spec.role})
+    result: dict = {}
+
+    def supervise():
+        try:
+            launch_hf.main(["--watch", run_name, "--policy.poll-s", "0.5", "--policy.backoff-s", "1",
+                            "--policy.crash-limit", "3", "--policy.min-uptime-s", "300"])
+            result["code"] = 0
+        except SystemExit as e:
+            result["code"] = e.code
+    watcher = threading.Thread(target=supervise, daemon=True)
+    watcher.start()
+    watcher.join(180)
+    out = capsys.readouterr().out
+    assert not watcher.is_alive() and result["code"] == 1, out
+    t = emu.by_role("trainer")
+    assert len(t) == 3 and all(j.stage() == ("ERROR", "exit code 2") for j in t)
+    assert "bad flag" in emu.text(t[2])
+    # backoff: 1 s after the first crash, 2 s after the second
+    assert t[1].started - t[0].finished >= 1 and t[2].started - t[1].finished >= 2
+    assert "relaunching in 1 s (crash 1 in a row)" in out and "relaunching in 2 s (crash 2 in a row)" in out
+    assert re.search(rf"trainer: job {t[2].id} ended \(ERROR: exit code 2\) after \d+ s\. GIVING UP on trainer: its last "
+                     rf"3 jobs each ended within 300 s of starting \(a crash loop\)\. See `hf jobs logs {t[2].id}`", out)
+    assert "proxy" not in out.replace(run_name, "")   # the plan has no proxy: nothing said or done about one
+    assert "cannot go on without trainer: exiting" in out
+    (w,) = emu.by_role("rollout-1")
+    assert w.stage()[0] == "RUNNING"     # the rest keeps running until --cancel, which a later supervisor respects
+    launch_hf.main(["--cancel", run_name])
+    assert w.stage()[0] == "CANCELED" and "recorded the stop" in capsys.readouterr().out
+    supervise()
+    assert result["code"] == 0 and "was stopped by --cancel" in capsys.readouterr().out
+    assert len(emu.jobs) == 4            # nothing was relaunched after the stop
+
+
+# --- a real run on emulated Jobs: the proxy crashes, a worker times out, the supervisor relaunches ---
+
+
+STEPS = 24
+
+
+def trainer_steps(emu: JobsEmulator) -> list[int]:
+    text = "".join(emu.text(j) for j in emu.by_role("trainer"))
+    return [int(m) for m in re.findall(r"^step\s+(\d+) ", text.replace("\r", "\n"), re.M)]
+
+
+def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emulator, tiny_model, run_name, capsys):
+    emu, bucket = emulator, common.Bucket(run=run_name)
+    launch_hf.main(["--run", run_name, "--workers", "2", "--steps", str(STEPS), "--model", tiny_model,
+                    "--task", "addition", "--group-size", "4", "--max-new-tokens", "6", "--timeout", "30m",
+                    "--no-supervise", "--proxy-arg=--max-buffer", "--proxy-arg=8",
+                    "--rollout-arg=--prompts-per-round", "--rollout-arg=2",
+                    "--train-arg=--batch-groups", "--train-arg=2", "--train-arg=--lr", "--train-arg=1e-3",
+                    "--train-arg=--lease-wait-s", "--train-arg=5", "--train-arg=--no-skip-zero-std",
+                    "--train-arg=--checkpoint-every", "--train-arg=4"])
+    (proxy1,) = emu.by_role("proxy")
+    record = common.read_proxy_endpoint(bucket)
+    assert record["job_id"] == proxy1.id and record["url"] == f"http://127.0.0.1:{proxy1.ports[8000]}"
+    for r in ("rollout-1", "rollout-2", "trainer"):   # nobody is told the proxy's URL: they read the record
+        assert "PROXY_URL" not in emu.by_role(r)[0].spec["environment"]
+
+    result: dict = {}
+
+    def supervise():
+        try:
+            launch_hf.main(["--watch", run_name, "--policy.poll-s", "1", "--policy.backoff-s", "1",
+                            "--policy.proxy-wait-s", "180", "--policy.drain-s", "180"])
+            result["code"] = 0
+        except SystemExit as e:
+            result["code"] = e.code
+    watcher = threading.Thread(target=supervise, daemon=True)
+    watcher.start()
+    try:
+        # 1. the proxy's job crashes a few steps in; the supervisor relaunches it at a new URL
+        wait_for(lambda: len(trainer_steps(emu)) >= 3, 300, "three trainer steps", every=1)
+        emu.crash(proxy1.id)
+        t_kill = time.time()
+        proxy2 = wait_for(lambda: len(emu.by_role("proxy")) == 2 and emu.by_role("proxy")[1], 120, "proxy relaunch")
+        wait_for(lambda: (common.read_proxy_endpoint(bucket) or {}).get("job_id") == proxy2.id, 180, "new record")
+        t_recorded = time.time()
+        n = len(trainer_steps(emu))
+        # 2. meanwhile a worker's job reaches its timeout; the supervisor relaunches it
+        (w1,) = emu.by_role("rollout-1")
+        emu.expire(w1.id)
+        wait_for(lambda: len(trainer_steps(emu)) > n, 300, "a trainer step with the new proxy", every=0.5)
+        t_step = time.time()
+        w1b = wait_for(lambda: len(emu.by_role("rollout-1")) == 2 and emu.by_role("rollout-1")[1], 120,
+                       "worker relaunch")
+        assert max(trainer_steps(emu)) < STEPS, "the run ended before the worker was relaunched: raise STEPS"
+        # 3. the run finishes by itself; the supervisor stops the proxy and exits
+        watcher.join(600)
+        assert not watcher.is_alive(), "the supervisor did not finish"
+    finally:
+        out = capsys.readouterr().out
+        print(out)
+    assert result["code"] == 0, out
+    url1, url2 = (f"http://127.0.0.1:{p.ports[8000]}" for p in (proxy1, proxy2))
+    assert url1 != url2 and common.read_proxy_endpoint(bucket)["url"] == url2
+    assert f"relaunched proxy: job {proxy2.id}" in out and f"relaunched rollout-1: job {w1b.id}" in out
+    assert re.search(rf"rollout-1: job {w1.id} ended \(ERROR: Job timeout exceeded\)", out)
+    assert re.search(rf"proxy: job {proxy1.id} ended \(ERROR: killed by signal 9\)", out)
+    assert f"cancelled proxy job {proxy2.id} (the run is over)" in out
+    # every job ended; the ones that were not stopped by the platform ended cleanly by themselves
+    stages = {j.id: j.stage()[0] for j in emu.jobs.values()}
+    assert all(s in ("COMPLETED", "ERROR", "CANCELED") for s in stages.values())
+    # the trainer rode out the proxy's absence. Today that holds while the relaunch takes less than the
+    # ~22 s of retries common.ProxyClient makes before a call fails (measured here: ~10 s from the kill to
+    # the new URL in the bucket); with a client that waits out outages of any length it holds at any load
+    (trainer,) = emu.by_role("trainer")
+    assert stages[trainer.id] == "COMPLETED" and stages[w1b.id] == "COMPLETED", stages
+    assert stages[emu.by_role("rollout-2")[0].id] == "COMPLETED"
+    # the trainer and the surviving worker found the new proxy through the bucket, the new worker at start
+    for job in (trainer, emu.by_role("rollout-2")[0], w1b):
+        assert f"proxy: now at {url2}" in emu.text(job), job.spec["labels"]
+    print("\nJOBS-EMULATION", json.dumps({"proxy_kill_to_new_url_recorded_s": round(t_recorded - t_kill, 1),
+                                          "proxy_kill_to_next_trainer_step_s": round(t_step - t_kill, 1)}))
+
+    # the run reached its last step; versions contiguous, each verifiable; no acked group twice; nothing lost
+    rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
+    assert rows[-1]["step"] == STEPS
+    metas = sorted((bucket.get_json(k) for k in bucket.list("adapters/") if k.endswith("meta.json")),
+                   key=lambda m: m["version"])
+    assert [m["version"] for m in metas] == list(range(1, len(metas) + 1))
+    assert bucket.get_json("adapters/latest.json")["version"] == metas[-1]["version"]
+    for m in metas:
+        for name, digest in m["files"].items():
+            assert common.hashlib.sha256(bucket.get(f"adapters/v{m['version']:06d}/{name}")[0]).hexdigest() == digest
+    journal = [json.loads(line) for k in sorted(bucket.list("rollouts/")) for line in bucket.get(k)[0].splitlines()]
+    events = [e for e in journal if "t" in e]
+    leases = {e["batch_id"]: e["group_ids"] for e in events if e["t"] == "lease"}
+    acked = [g for e in events if e["t"] == "ack" for g in leases[e["batch_id"]]]
+    assert len(acked) == len(set(acked)) == 2 * STEPS   # one trainer, never restarted: every batch acked once
+    accepted = {e["group_id"] for e in journal if "group_id" in e}
+    for w in ("w1", "w2"):
+        answered = {g: st for x in bucket.get(f"metrics/rollout-{run_name}-{w}.jsonl")[0].decode().splitlines()
+                    for g, st in json.loads(x).get("group_status", {}).items()}
+        held = {g for g, st in answered.items() if st in ("accepted", "duplicate")}
+        assert held <= accepted and "refused" not in answered.values(), w
