@@ -35,7 +35,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
+from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, record_config, script_args  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -112,6 +112,7 @@ def main(args: Args) -> None:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
     bucket = Bucket()
+    record_config(bucket, "evaluate", args, __file__)
     task = load_task(args.task, "eval")
     published = published_versions(bucket)
     if args.all:

@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
-from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb, record_config  # noqa: E402
 
 @dataclass
 class Args:
@@ -309,6 +309,7 @@ async def lifespan(app: FastAPI):
     global BUCKET, METRICS, JOURNAL
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket()
+        await asyncio.to_thread(record_config, BUCKET, "proxy", ARGS, __file__)
         await asyncio.to_thread(replay, BUCKET)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
     JOURNAL = Journal(BUCKET, S.incarnation, ARGS.commit_depth)

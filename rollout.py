@@ -37,7 +37,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
-                    new_group_id)
+                    new_group_id, record_config)
 from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -333,6 +333,7 @@ def main(args: Args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
     bucket = Bucket()
+    record_config(bucket, f"rollout-{args.worker_id}", args, __file__)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
     metrics = Metrics(bucket, f"rollout-{args.worker_id}")
     task = load_task(args.task)
