@@ -32,7 +32,7 @@ class FakeModelHub:
 
     def __init__(self, offline_model_info: bool = False):
         self.requests: list[httpx2.Request] = []
-        self.repos: dict[str, dict] = {}     # repo -> {"private": bool, "commits": [{path: bytes}], "tags": {tag: oid}}
+        self.repos: dict[str, dict] = {}     # repo -> {"visibility": str, "commits": [{path: bytes}], "tags": {tag: oid}}
         self.offline_model_info = offline_model_info
 
     def handle(self, request: httpx2.Request) -> httpx2.Response:
@@ -46,7 +46,7 @@ class FakeModelHub:
         if path == "/api/repos/create":
             body = json.loads(request.content)
             repo = f"{body['organization']}/{body['name']}" if body.get("organization") else body["name"]
-            self.repos.setdefault(repo, {"private": body.get("private"), "commits": [], "tags": {}})
+            self.repos.setdefault(repo, {"visibility": body.get("visibility"), "commits": [], "tags": {}})
             return httpx2.Response(200, json={"url": f"https://huggingface.co/{repo}", "name": repo})
         if path == "/api/validate-yaml":
             return httpx2.Response(200, json={})
@@ -120,7 +120,7 @@ def test_push_adapter_builds_the_repository_and_card(fake_hub, bucket, run_name,
     url = hub.push_adapter(bucket, 2, "alice/tiny-grpo")
     repo = fake.repos["alice/tiny-grpo"]
     (commit,) = repo["commits"]
-    assert repo["private"] is True and repo["tags"] == {"v2": f"{1:040x}"}   # the tag points at that commit
+    assert repo["visibility"] == "private" and repo["tags"] == {"v2": f"{1:040x}"}   # the tag points at that commit
     assert url.startswith("https://huggingface.co/alice/tiny-grpo/commit/")
     assert commit["message"] == f"async-grpo run {run_name}: adapter v2 (step 2)"
     files = commit["files"]
