@@ -1,6 +1,6 @@
 # /// script
 # requires-python = ">=3.10"
-# dependencies = ["huggingface_hub>=1.13", "boto3>=1.36", "tyro>=0.9"]
+# dependencies = ["huggingface_hub>=1.13", "boto3>=1.36", "tyro>=0.9", "httpx>=0.27", "pydantic>=2.7", "tenacity>=8.2"]
 # ///
 """Start, watch and stop an async GRPO run on Hugging Face Jobs. `bash launch_jobs.sh` (without
 --local) runs this file; it submits through huggingface_hub's own API (`HfApi.run_uv_job`), the
@@ -16,7 +16,7 @@ proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket cre
 keys of the Storage Buckets S3 gateway, or your S3 provider's) exported. Secrets travel to the jobs
 as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py ARGS`: huggingface_hub
+Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py /data/hub.py ARGS`: huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
 mounts the job's folder at /data, so the shared modules land beside the script (which drops them from its argv).
 """
@@ -51,7 +51,8 @@ class Args:
     """rollout jobs"""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     task: str = "gsm8k"
-    """gsm8k, addition or jsonl:PATH (the file is shipped to the jobs beside the scripts)"""
+    """gsm8k, math, addition or jsonl:PATH (the file is uploaded to s3://BUCKET/RUN/prompts/, where the
+    workers read it) or jsonl:s3://BUCKET/KEY (already in a bucket)"""
     steps: int = 200
     """trainer optimizer steps"""
     group_size: int = 8
@@ -85,7 +86,7 @@ class Args:
 class JobSpec:
     role: str                   # proxy, rollout-1..N, trainer
     script: str
-    files: list[str]            # shipped beside the script (common.py, a jsonl task's file)
+    files: list[str]            # shipped beside the script (common.py, models.py, ...)
     args: list[str]
     flavor: str
     secrets: list[str]          # names; values come from the local environment at submission
@@ -108,11 +109,16 @@ def bucket_env(args: Args, namespace: str) -> dict[str, str]:
             "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"), "PYTHONUNBUFFERED": "1"}
 
 
+def prompts_key(args: Args) -> str | None:
+    """Where a local jsonl: task's file goes in the bucket (relative to RUN/), or None."""
+    path = args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else None
+    return f"prompts/{os.path.basename(path)}" if path and not path.startswith("s3://") else None
+
+
 def plan(args: Args, namespace: str, proxy_url: str) -> list[JobSpec]:
     files, task = list(SHIPPED), args.task
-    if task.startswith("jsonl:"):  # ship the user's file too; the jobs read it from /data
-        files.append(task[len("jsonl:"):])
-        task = f"jsonl:/data/{os.path.basename(files[-1])}"
+    if key := prompts_key(args):  # the workers read the prompts from the bucket: one that joins later needs no file
+        task = f"jsonl:s3://{args.bucket}/{args.run}/{key}"
     env = bucket_env(args, namespace)
     bucket_secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
@@ -171,8 +177,10 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--timeout {args.timeout!r}: a number with s, m, h or d (e.g. 6h)")
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,62}", args.bucket):
         raise SystemExit(f"bucket {args.bucket!r}: lowercase letters, digits, '-' and '.' (env BUCKET or --bucket)")
-    if args.task.startswith("jsonl:") and not os.path.isfile(args.task[len("jsonl:"):]):
-        raise SystemExit(f"--task {args.task}: no such file")
+    if prompts_key(args):  # a bad file fails here, not in every worker after its GPU job started
+        from tasks import parse_jsonl, read_jsonl_source
+        path = args.task[len("jsonl:"):]
+        parse_jsonl(read_jsonl_source(path), path)
 
 
 def missing_env() -> list[str]:
@@ -216,6 +224,24 @@ def ensure_bucket(api, args: Args, namespace: str, endpoint: str) -> str:
     except ClientError:
         s3.create_bucket(Bucket=args.bucket)
     return f"s3://{args.bucket} at {endpoint}"
+
+
+def upload_prompts(args: Args, endpoint: str) -> None:
+    """A local jsonl: task's file -> s3://BUCKET/RUN/prompts/NAME (once: a relaunch with the same file
+    is fine, one with other contents under that name is refused, so a run's prompts never change)."""
+    if not (key := prompts_key(args)):
+        return
+    from common import Bucket, ConflictError
+    path = args.task[len("jsonl:"):]
+    data = open(path, "rb").read()
+    bucket = Bucket(bucket=args.bucket, run=args.run, endpoint=endpoint)
+    try:
+        bucket.put(key, data, if_none_match=True)
+    except ConflictError:
+        if bucket.get(key)[0] != data:
+            raise SystemExit(f"s3://{args.bucket}/{args.run}/{key} already holds other prompts: a run keeps its "
+                             f"prompts; rename {path} or use another --run") from None
+    print(f"prompts: {path} -> s3://{args.bucket}/{args.run}/{key}")
 
 
 def submit(api, job: JobSpec, args: Args, namespace: str, secret_values: dict[str, str]):
@@ -263,6 +289,7 @@ def launch(args: Args) -> None:
     namespace = args.namespace or whoami(api, token)
     endpoint = bucket_env(args, namespace)["S3_ENDPOINT_URL"]
     print(f"run {args.run}: bucket {ensure_bucket(api, args, namespace, endpoint)} (prefix {args.run}/)")
+    upload_prompts(args, endpoint)
     secret_values = {"HF_TOKEN": token, "PROXY_HF_TOKEN": token, "PROXY_TOKEN": os.environ["PROXY_TOKEN"],
                      "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
                      "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"]}
@@ -332,6 +359,12 @@ def dry_run(args: Args) -> None:
         print("# not set yet (required for a real launch):\n" + "\n".join("#" + m for m in missing))
     if "S3_ENDPOINT_URL" not in os.environ:
         print(f"hf buckets create {ns}/{args.bucket} --private --exist-ok")
+    if key := prompts_key(args):
+        path = args.task[len("jsonl:"):]
+        if "S3_ENDPOINT_URL" not in os.environ:
+            print(f"hf buckets cp {shlex.quote(path)} hf://buckets/{ns}/{args.bucket}/{args.run}/{key}")
+        else:
+            print(f"# upload {path} to s3://{args.bucket}/{args.run}/{key} (the launch does it with your S3 keys)")
     print('export PROXY_HF_TOKEN="${HF_TOKEN:-$(hf auth token)}"  # the callers\' token for the --expose gateway')
     jobs = plan(args, ns, proxy_url="https://<proxy-job-id>--8000.hf.jobs")
     print(hf_command(jobs[0], args, namespace))

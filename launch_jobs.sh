@@ -39,11 +39,11 @@ hf_jobs() {
     echo "# note: 'hf' is not on PATH; the commands below need it (pip install -U 'huggingface_hub>=1.13')"
   fi
   for a in .venv/bin/python python3; do
-    if command -v "$a" >/dev/null 2>&1 && "$a" -c 'import huggingface_hub, tyro, boto3' 2>/dev/null; then py=$a; break; fi
+    if command -v "$a" >/dev/null 2>&1 && "$a" -c 'import huggingface_hub, tyro, boto3, httpx, pydantic, tenacity' 2>/dev/null; then py=$a; break; fi
   done
   if [ -n "$py" ]; then exec "$py" launch_hf.py "$@"; fi
   if command -v uv >/dev/null 2>&1; then exec uv run --script launch_hf.py "$@"; fi
-  echo "launch_jobs.sh: launch_hf.py needs huggingface_hub>=1.13, tyro and boto3:" \
+  echo "launch_jobs.sh: launch_hf.py needs huggingface_hub>=1.13, tyro, boto3, httpx, pydantic and tenacity:" \
        "pip install -r requirements.txt, or install uv (it reads launch_hf.py's header)" >&2
   exit 2
 }

@@ -126,13 +126,13 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     expected = {
-        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env, []),
-        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                       {**base_env, "PROXY_URL": proxy_url}, None),
-        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "PROXY_URL": proxy_url, "TRAINER_ID": "gsm-1-trainer"}, None),
     }
@@ -163,8 +163,7 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
         assert vol["type"] == "bucket" and vol["source"] == "alice/jobs-artifacts" and vol["mountPath"] == "/data"
         bucket, files = uploads[vol["path"]]
         script = cmd[cmd.index("/data/common.py") - 1].removeprefix("/data/")
-        assert bucket == "alice/jobs-artifacts" and files == {script: ROOT / script, "common.py": ROOT / "common.py",
-                                                              "models.py": ROOT / "models.py", "tasks.py": ROOT / "tasks.py"}
+        assert bucket == "alice/jobs-artifacts" and files == {script: ROOT / script, **{m: ROOT / m for m in launch_hf.SHIPPED}}
 
     # the run bucket was created (private) before anything ran
     create = [r for r in fake.requests if r.url.path == "/api/buckets/alice/async-grpo"]
@@ -177,19 +176,45 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
         assert v not in out.out + out.err
 
 
-def test_jsonl_task_file_is_shipped_and_read_from_data(hub, tmp_path, capsys):
+def test_jsonl_task_is_uploaded_to_the_bucket_and_read_from_there(hub, s3_env, monkeypatch, tmp_path, capsys):
+    """The prompts go to s3://BUCKET/RUN/prompts/ before any job starts; the workers are told that
+    path (no file travels with them, so a worker that joins later needs none)."""
+    import common
+    import tasks
     fake = hub()
+    for k in ("S3_ENDPOINT_URL", "BUCKET"):    # this run's bucket: the local S3 server
+        monkeypatch.setenv(k, s3_env[k])
     data = tmp_path / "my_tasks.jsonl"
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:10] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
-                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/my_tasks.jsonl"]
-    assert roll["command"][roll["command"].index("--task") + 1] == "jsonl:/data/my_tasks.jsonl"
-    shipped = [dict((d.split("/")[1], s) for s, d in files) for _, files in fake.uploads]
-    assert {"rollout.py": ROOT / "rollout.py", "common.py": ROOT / "common.py", "models.py": ROOT / "models.py",
-            "tasks.py": ROOT / "tasks.py",
-            "my_tasks.jsonl": data} in shipped
+    assert roll["command"][:11] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py"]
+    url = "s3://tests/mine/prompts/my_tasks.jsonl"
+    assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
+    assert all("my_tasks.jsonl" not in str(src) for _, files in fake.uploads for src, _ in files)
+    assert common.Bucket(run="mine").get("prompts/my_tasks.jsonl")[0] == data.read_bytes()
+    assert tasks.load_task(f"jsonl:{url}").prompts == ["2+2?"]            # what a worker reads
+    # a relaunch with the same file is fine; other contents under that name are refused, before any job
+    launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}"])
+    data.write_text('{"prompt": "5+5?", "answer": 10}\n{"prompt": "3+3?", "answer": 6}\n')
+    n = len(fake.jobs)
+    with pytest.raises(SystemExit, match="already holds other prompts"):
+        launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}"])
+    assert len(fake.jobs) == n
+    # a task already in a bucket is passed through as it is
+    launch_hf.main(["--run", "other", "--workers", "1", "--task", f"jsonl:{url}"])
+    roll = [j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1"][-1]
+    assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
+
+
+def test_a_bad_jsonl_fails_the_launch_before_any_job(hub, tmp_path):
+    fake = hub()
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected"):
+        launch_hf.main(["--run", "bad", "--task", f"jsonl:{data}"])
+    assert not fake.jobs and not fake.requests
 
 
 def test_proxy_that_dies_stops_the_launch(hub, capsys):
@@ -260,7 +285,7 @@ def test_dry_run_prints_a_complete_run_and_no_secret(tmp_path):
     assert roles == ["role=proxy", "role=rollout-1", "role=rollout-2", "role=rollout-3", "role=trainer"]
     for c in cmds:
         script = next(a for a in c if a.endswith(".py"))
-        assert c[c.index(script) + 1:c.index(script) + 3] == ["common.py", "models.py"]  # shipped beside it
+        assert c[c.index(script) + 1:c.index(script) + 5] == list(launch_hf.SHIPPED)  # shipped beside it
         assert c[c.index("--timeout") + 1] == "6h" and "--detach" in c and "--namespace" in c
         assert "async-grpo-run=dry1" in c and "S3_ENDPOINT_URL=https://s3.hf.co/my-org" in c
         assert "PROXY_TOKEN" in c and "AWS_SECRET_ACCESS_KEY" in c       # secrets by name
