@@ -30,14 +30,15 @@ def test_an_old_cache_is_repaired_in_place(converted, tmp_path, monkeypatch):
     cache = tmp_path / "old-cache"
     shutil.copytree(converted, cache / "SmolLM2-135M-Instruct")
     d = cache / "SmolLM2-135M-Instruct"
-    clean = json.loads((d / "config.json").read_text())
+    clean = {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "quantization_config"}
     old = {**clean, "quantization_config": {"quant_method": "gguf", "dequantize": False,
                                             "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
     (d / "config.json").write_text(json.dumps(old))
     weights = (d / "model.safetensors").stat()
     monkeypatch.setenv("ASYNC_GRPO_CACHE", str(cache))
     assert models.local_smollm2() == str(d)           # no conversion: the weights stay as they are
-    assert json.loads((d / "config.json").read_text()) == clean
+    repaired = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in repaired and repaired == clean   # everything else as it was
     after = (d / "model.safetensors").stat()
     assert (after.st_ino, after.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)
     assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []   # no temporary file left
