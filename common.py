@@ -9,9 +9,9 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
   6. http + metrics  the proxy client with retries/backoff, JSONL metrics to the bucket (and trackio)
-  7. configuration   every role start recorded in the bucket (arguments, versions, sha256), secrets redacted
 
-Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py.
+Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py,
+the configuration each role records at start in runconfig.py, the Hub side in hub.py.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import resource
 import sys
 import time
@@ -492,100 +491,3 @@ class TrackioSink:
                 run.finish()
             except Exception as e:  # noqa: BLE001
                 print(f"trackio finish failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------------------------
-# 7. the configuration of every role start, in the bucket: config/{role}-{time}-{id}.json
-
-# versions worth knowing to reproduce a run (those installed; None where not)
-RECORDED_PACKAGES = ("torch", "transformers", "peft", "vllm", "huggingface_hub", "datasets", "math-verify",
-                     "trackio", "safetensors", "accelerate", "fastapi", "boto3")
-# environment worth recording (never a secret: those are matched by SECRET_NAME and left out)
-RECORDED_ENV = ("BUCKET", "RUN_NAME", "S3_ENDPOINT_URL", "AWS_REGION", "PROXY_URL", "TRAINER_ID", "SPOOL_DIR",
-                "REPORT_TO", "TRACKIO_PROJECT", "TRACKIO_SPACE_ID", "JOB_ID", "ACCELERATOR", "OMP_NUM_THREADS",
-                "CUDA_VISIBLE_DEVICES", "HF_ENDPOINT")
-SECRET_NAME = re.compile(r"token|secret|password|passwd|credential|api_?key|access_?key|private_?key", re.I)
-REDACTED = "<redacted>"
-
-
-def _redact_argv(argv: list[str]) -> list[str]:
-    """--proxy-token X and --proxy-token=X keep the flag and lose the value."""
-    out, hide = [], False
-    for a in argv:
-        if hide:
-            out.append(REDACTED)
-            hide = False
-        elif a.startswith("--") and SECRET_NAME.search(a.split("=", 1)[0]):
-            out.append(f"{a.split('=', 1)[0]}={REDACTED}" if "=" in a else a)
-            hide = "=" not in a
-        else:
-            out.append(a)
-    return out
-
-
-def args_command(script: str, args: Any) -> str:
-    """`python SCRIPT --flag value ...` for every argument that differs from its default (tyro's
-    spelling: --max-steps 40, --no-scale-std); secrets are left out (they come from the environment)."""
-    import dataclasses
-    import shlex
-    cmd = ["python", os.path.basename(script)]
-    default = type(args)()
-    for f in dataclasses.fields(args):
-        v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
-        if v == getattr(default, f.name) or SECRET_NAME.search(f.name) or v is None:
-            continue
-        if isinstance(v, bool):
-            cmd.append(flag if v else f"--no-{flag[2:]}")
-        elif isinstance(v, (list, tuple)):
-            cmd += [x for item in v for x in (flag, str(item))]
-        else:
-            cmd += [flag, str(v)]
-    return shlex.join(cmd)
-
-
-def _installed(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def role_config(role: str, args: Any, script: str) -> dict:
-    """Everything needed to run this role again: its arguments (secrets redacted), the command that
-    sets them, the argv it got, package versions, the sha256 of the script and of each of our modules it loaded, host, start time."""
-    import dataclasses
-    import platform
-    import shlex
-    import socket
-    here = os.path.dirname(os.path.abspath(script))
-    loaded = {os.path.abspath(f) for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
-    files = [os.path.abspath(script)] + sorted(f for f in loaded if os.path.dirname(f) == here and os.path.isfile(f))
-    fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(args)
-    fields = {k: REDACTED if SECRET_NAME.search(k) and v else v for k, v in fields.items()}
-    argv = [os.path.basename(script), *_redact_argv(script_args(sys.argv[1:]))]
-    cfg = {"role": role, "started_at": time.time(), "started_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "host": socket.gethostname(), "pid": os.getpid(), "script": os.path.basename(script),
-           "command": args_command(script, args) if dataclasses.is_dataclass(args) else "python " + shlex.join(argv),
-           "argv": argv, "args": fields,
-           "sha256": {os.path.basename(f): sha256_file(f) for f in dict.fromkeys(files)},
-           "versions": {"python": platform.python_version(), **{p: _installed(p) for p in RECORDED_PACKAGES}},
-           "env": {k: os.environ[k] for k in RECORDED_ENV if os.environ.get(k)}}
-    if "torch" in sys.modules:  # the proxy never loads it
-        t = sys.modules["torch"]
-        cfg["device"] = t.cuda.get_device_name(0) if t.cuda.is_available() else "cpu"
-    # last line of defence: no secret value from the environment survives anywhere in the record
-    text = re.sub(r"(//)[^/@\s]+@", rf"\1{REDACTED}@", json.dumps(cfg, default=str))  # user:pass@ in URLs
-    for k, v in os.environ.items():
-        if SECRET_NAME.search(k) and len(v) >= 6:
-            text = text.replace(json.dumps(v)[1:-1], REDACTED)
-    return json.loads(text)
-
-
-def record_config(bucket: Bucket, role: str, args: Any, script: str) -> dict:
-    """Write role_config(...) to config/{role}-{UTC time}-{random}.json, never over an earlier one
-    (one object per start: a run's restarts stay visible); report.py prints them."""
-    cfg = role_config(role, args, script)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(cfg["started_at"]))
-    bucket.put_json(f"config/{role}-{stamp}-{uuid.uuid4().hex[:8]}.json", cfg, if_none_match=True)
-    return cfg

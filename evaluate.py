@@ -35,8 +35,9 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
 
-from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, record_config, script_args  # noqa: E402
+from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
+from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 

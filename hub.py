@@ -43,7 +43,7 @@ def eval_results(bucket: Bucket) -> list[dict]:
 
 
 def recorded_configs(bucket: Bucket) -> list[dict]:
-    """The configs every role wrote at start (common.record_config), oldest first."""
+    """The configs every role wrote at start (runconfig.record_config), oldest first."""
     cfgs = [bucket.get_json(k) for k in bucket.list("config/") if k.endswith(".json")]
     return sorted((c for c in cfgs if c), key=lambda c: c.get("started_at", 0))
 

@@ -16,7 +16,7 @@ proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket cre
 keys of the Storage Buckets S3 gateway, or your S3 provider's) exported. Secrets travel to the jobs
 as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py /data/hub.py ARGS`: huggingface_hub
+Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py /data/hub.py /data/runconfig.py ARGS`: huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
 mounts the job's folder at /data, so the shared modules land beside the script (which drops them from its argv).
 """
@@ -99,7 +99,7 @@ class JobSpec:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py", "hub.py")  # the shared modules, uploaded beside every script
+SHIPPED = ("common.py", "models.py", "tasks.py", "hub.py", "runconfig.py")  # the shared modules, uploaded beside every script
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:

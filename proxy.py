@@ -45,7 +45,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
-from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb, record_config  # noqa: E402
+from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from runconfig import record_config  # noqa: E402
 
 @dataclass
 class Args:

@@ -70,7 +70,7 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
 
 
 def read_configs(bucket: Bucket) -> list[dict]:
-    """Every role start's recorded configuration (common.record_config), oldest first."""
+    """Every role start's recorded configuration (runconfig.record_config), oldest first."""
     cfgs = [bucket.get_json(k) for k in bucket.list("config/") if k.endswith(".json")]
     return sorted((c for c in cfgs if c), key=lambda c: c.get("started_at", 0))
 

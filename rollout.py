@@ -37,8 +37,9 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
-                    new_group_id, record_config)
+                    new_group_id)
 from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
+from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 

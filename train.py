@@ -42,8 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import torch  # noqa: E402
 
 from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
-                    publish_adapter, record_config)
+                    publish_adapter)
 from models import LOCAL_MODEL, completion_logprobs, load_base, pad_right  # noqa: E402
+from runconfig import record_config  # noqa: E402
 
 
 @dataclass

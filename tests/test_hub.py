@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard, set_client_factory
 from huggingface_hub.utils._http import default_client_factory
 
 import common
+import runconfig
 import hub
 import train
 from conftest import ROOT
@@ -114,7 +115,7 @@ def test_push_adapter_builds_the_repository_and_card(fake_hub, bucket, run_name,
     # what the roles record at start; a secret in the environment must not reach the repository
     monkeypatch.setenv("PROXY_TOKEN", "proxy-secret-should-never-leave")
     import rollout
-    common.record_config(bucket, "rollout-w1", rollout.Args(model=tiny_model, task="addition", backend="hf"),
+    runconfig.record_config(bucket, "rollout-w1", rollout.Args(model=tiny_model, task="addition", backend="hf"),
                          str(ROOT / "rollout.py"))
 
     url = hub.push_adapter(bucket, 2, "alice/tiny-grpo")
@@ -190,7 +191,7 @@ def test_trainer_pushes_every_version_and_records_its_config(fake_hub, start_pro
     assert re.search(r"python train\.py .*--push-to-hub alice/tiny-trained.*# train", card.text)
     (key,) = [k for k in bucket.list("config/") if k.startswith("config/train-")]
     cfg = bucket.get_json(key)
-    assert cfg["args"]["max_steps"] == 2 and cfg["args"]["proxy_token"] == common.REDACTED
+    assert cfg["args"]["max_steps"] == 2 and cfg["args"]["proxy_token"] == runconfig.REDACTED
     assert proxy.token not in json.dumps(cfg) and cfg["sha256"]["train.py"] == common.sha256_file(ROOT / "train.py")
 
 

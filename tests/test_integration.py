@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import common
+import runconfig
 from conftest import ROOT, stop
 
 
@@ -59,5 +60,5 @@ def test_end_to_end_tiny(tiny_model, start_proxy, bucket, run_name, tmp_path):
     configs = {bucket.get_json(k)["role"]: bucket.get_json(k) for k in bucket.list("config/")}
     assert set(configs) == {"proxy", "rollout-w1", "train"}
     assert configs["rollout-w1"]["args"]["group_size"] == 4 and configs["train"]["args"]["max_steps"] == 5
-    assert "--max-steps 5" in configs["train"]["command"] and configs["proxy"]["args"]["token"] == common.REDACTED
+    assert "--max-steps 5" in configs["train"]["command"] and configs["proxy"]["args"]["token"] == runconfig.REDACTED
     assert proxy.token not in json.dumps(configs)

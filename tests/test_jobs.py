@@ -126,13 +126,13 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     expected = {
-        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "/data/runconfig.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env, []),
-        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "/data/runconfig.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                       {**base_env, "PROXY_URL": proxy_url}, None),
-        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py", "/data/runconfig.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "PROXY_URL": proxy_url, "TRAINER_ID": "gsm-1-trainer"}, None),
     }
@@ -188,8 +188,9 @@ def test_jsonl_task_is_uploaded_to_the_bucket_and_read_from_there(hub, s3_env, m
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:11] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
-                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py"]
+    assert roll["command"][:12] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py",
+                                    "/data/runconfig.py"]
     url = "s3://tests/mine/prompts/my_tasks.jsonl"
     assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
     assert all("my_tasks.jsonl" not in str(src) for _, files in fake.uploads for src, _ in files)
@@ -285,7 +286,7 @@ def test_dry_run_prints_a_complete_run_and_no_secret(tmp_path):
     assert roles == ["role=proxy", "role=rollout-1", "role=rollout-2", "role=rollout-3", "role=trainer"]
     for c in cmds:
         script = next(a for a in c if a.endswith(".py"))
-        assert c[c.index(script) + 1:c.index(script) + 5] == list(launch_hf.SHIPPED)  # shipped beside it
+        assert c[c.index(script) + 1:c.index(script) + 1 + len(launch_hf.SHIPPED)] == list(launch_hf.SHIPPED)  # shipped beside it
         assert c[c.index("--timeout") + 1] == "6h" and "--detach" in c and "--namespace" in c
         assert "async-grpo-run=dry1" in c and "S3_ENDPOINT_URL=https://s3.hf.co/my-org" in c
         assert "PROXY_TOKEN" in c and "AWS_SECRET_ACCESS_KEY" in c       # secrets by name

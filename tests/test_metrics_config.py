@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import common
+import runconfig
 import report
 import train
 from conftest import ROOT
@@ -93,8 +94,8 @@ def test_config_records_every_start_without_secrets(bucket, monkeypatch, capsys,
                                       "--hf-token=argv-secret-0005", "--no-scale-std"])
     args = train.Args(lr=1e-4, scale_std=False, proxy_token="argv-secret-0004", hf_token="argv-secret-0005",
                       proxy_url="https://user:url-secret-0006@proxy.example:8000", push_to_hub="alice/x")
-    a = common.record_config(bucket, "train", args, str(ROOT / "train.py"))
-    b = common.record_config(bucket, "train", args, str(ROOT / "train.py"))   # a restart: a second object
+    a = runconfig.record_config(bucket, "train", args, str(ROOT / "train.py"))
+    b = runconfig.record_config(bucket, "train", args, str(ROOT / "train.py"))   # a restart: a second object
     keys = [k for k in bucket.list("config/")]
     assert len(keys) == 2 and all(k.startswith("config/train-") for k in keys)
     stored = [bucket.get(k)[0].decode() for k in keys]
@@ -102,8 +103,8 @@ def test_config_records_every_start_without_secrets(bucket, monkeypatch, capsys,
         for secret in [*SECRETS.values(), "argv-secret-0004", "argv-secret-0005", "url-secret-0006"]:
             assert secret not in text, secret
     cfg = json.loads(stored[0])
-    assert cfg["args"]["proxy_token"] == common.REDACTED and cfg["args"]["lr"] == 1e-4
-    assert cfg["argv"] == ["train.py", "--proxy-token", common.REDACTED, "--lr", "1e-4", f"--hf-token={common.REDACTED}",
+    assert cfg["args"]["proxy_token"] == runconfig.REDACTED and cfg["args"]["lr"] == 1e-4
+    assert cfg["argv"] == ["train.py", "--proxy-token", runconfig.REDACTED, "--lr", "1e-4", f"--hf-token={runconfig.REDACTED}",
                            "--no-scale-std"]
     assert cfg["command"].startswith("python train.py ") and "--lr 0.0001" in cfg["command"]
     assert "--no-scale-std" in cfg["command"] and "--push-to-hub alice/x" in cfg["command"]
