@@ -48,14 +48,16 @@ def _redact_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def args_command(script: str, args: Any) -> str:
-    """`python SCRIPT --flag value ...` for every argument that differs from its default (tyro's
-    spelling: --max-steps 40, --no-scale-std); secrets are left out (they come from the environment)."""
+def args_command(script: str, args: Any, argv: list[str]) -> str:
+    """`python SCRIPT --flag value ...` for every argument given on the command line or different from
+    its default (a default can depend on the machine: the rollout backend), in tyro's spelling
+    (--max-steps 40, --no-scale-std); secrets are left out (they come from the environment)."""
+    given = {a.split("=", 1)[0][2:].removeprefix("no-").replace("-", "_") for a in argv if a.startswith("--")}
     cmd = ["python", os.path.basename(script)]
     default = type(args)()
     for f in dataclasses.fields(args):
         v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
-        if v == getattr(default, f.name) or SECRET_NAME.search(f.name) or v is None:
+        if (v == getattr(default, f.name) and f.name not in given) or SECRET_NAME.search(f.name) or v is None:
             continue
         if isinstance(v, bool):
             cmd.append(flag if v else f"--no-{flag[2:]}")
@@ -86,7 +88,7 @@ def role_config(role: str, args: Any, script: str) -> dict:
     argv = [os.path.basename(script), *_redact_argv(script_args(sys.argv[1:]))]
     cfg = {"role": role, "started_at": time.time(), "started_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "host": socket.gethostname(), "pid": os.getpid(), "script": os.path.basename(script),
-           "command": args_command(script, args) if dataclasses.is_dataclass(args) else "python " + shlex.join(argv),
+           "command": args_command(script, args, argv) if dataclasses.is_dataclass(args) else "python " + shlex.join(argv),
            "argv": argv, "args": fields,
            "sha256": {os.path.basename(f): sha256_file(f) for f in dict.fromkeys(files)},
            "versions": {"python": platform.python_version(), **{p: _installed(p) for p in RECORDED_PACKAGES}},
