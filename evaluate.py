@@ -17,8 +17,8 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
         -e S3_ENDPOINT_URL=https://s3.hf.co/<namespace> \
         evaluate.py common.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
 
-Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition and jsonl:PATH a
-fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
+Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition
+and jsonl:PATH a fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
 must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
 the mean of the task's `correct` reward component.
 """

@@ -16,7 +16,7 @@ proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket cre
 keys of the Storage Buckets S3 gateway, or your S3 provider's) exported. Secrets travel to the jobs
 as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py /data/hub.py /data/runconfig.py ARGS`: huggingface_hub
+Each job runs `uv run /data/SCRIPT /data/common.py ... /data/runconfig.py ARGS` (the SHIPPED modules): huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
 mounts the job's folder at /data, so the shared modules land beside the script (which drops them from its argv).
 """

@@ -97,7 +97,8 @@ class Args:
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
-    report_to: Literal["none", "trackio"] = field(default_factory=lambda: os.environ.get("REPORT_TO") or "none")  # type: ignore[assignment]
+    report_to: Literal["none", "trackio"] = field(
+        default_factory=lambda: os.environ.get("REPORT_TO") or "none")  # type: ignore[assignment]
     """also log every metric row to trackio (a local project; a Space with --trackio-space); the JSONL
     in the bucket is written either way (env REPORT_TO: workers and proxy read it too)"""
     trackio_project: str = field(default_factory=lambda: os.environ.get("TRACKIO_PROJECT", "async-grpo"))

@@ -37,7 +37,8 @@ print(json.dumps({{name: SQLiteStorage.get_logs("grpo-test", name) for name in s
 
 
 def test_trackio_gets_the_same_metric_names_offline(s3_env, bucket, run_name, tmp_path):
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "REPORT_TO": "trackio", "TRACKIO_PROJECT": "grpo-test", "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "REPORT_TO": "trackio", "TRACKIO_PROJECT": "grpo-test",
+           "HF_HUB_OFFLINE": "1",
            "HF_ENDPOINT": "http://127.0.0.1:9"}   # nothing listens there: trackio must not need the network
     p = subprocess.run([sys.executable, "-c", LOG.format(root=str(ROOT), run=run_name), json.dumps(ROWS)], env=env,
                        capture_output=True, text=True, timeout=300)
