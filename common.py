@@ -9,11 +9,14 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
   6. http + metrics  the proxy's address record, the proxy client with retries/backoff, JSONL metrics
+                     to the bucket (and trackio)
 
-Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py.
+Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py,
+the configuration each role records at start in runconfig.py, the Hub side in hub.py.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -476,20 +479,34 @@ def peak_rss_mb() -> float:
 
 class Metrics:
     """One JSON object per line in `metrics/{name}.jsonl` in the bucket (and a local copy).
-    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`."""
+    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`.
 
-    def __init__(self, bucket: Bucket | None, name: str, flush_s: float = 10.0):
+    With report_to="trackio" every row also goes to trackio under the same names (numbers only:
+    lists and dicts stay in the JSONL): a local project by default, a Hugging Face Space when
+    `trackio_space` is given. Unset arguments come from the environment (REPORT_TO, TRACKIO_PROJECT,
+    TRACKIO_SPACE_ID), which is how the workers and the proxy are switched on."""
+
+    def __init__(self, bucket: Bucket | None, name: str, flush_s: float = 10.0, report_to: str | None = None,
+                 trackio_project: str | None = None, trackio_space: str | None = None, config: dict | None = None):
         self.bucket, self.name, self.flush_s = bucket, name, flush_s
         # a restarted role continues its file instead of overwriting it
         got = bucket.get(f"metrics/{name}.jsonl") if bucket is not None else None
         self.lines: list[str] = got[0].decode().splitlines() if got else []
         self._last = 0.0
+        report_to = os.environ.get("REPORT_TO", "") if report_to is None else report_to
+        self.trackio: TrackioSink | None = None
+        if "trackio" in report_to.split(","):
+            run = bucket.run if bucket is not None else "local"
+            self.trackio = TrackioSink(trackio_project or os.environ.get("TRACKIO_PROJECT") or "async-grpo",
+                                       f"{run}-{name}", run, trackio_space or os.environ.get("TRACKIO_SPACE_ID"), config)
 
     def log(self, row: dict) -> None:
         row = {"time": time.time(), **row, "mem/peak_rss_mb": round(peak_rss_mb(), 1)}
         # a NaN (say, a diverged grad norm) is logged as null rather than killing the run
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         self.lines.append(json.dumps(row, allow_nan=False, default=float))
+        if self.trackio is not None:
+            self.trackio.log(row)
         if time.time() - self._last > self.flush_s:
             self.flush()
 
@@ -500,3 +517,47 @@ class Metrics:
                 self.bucket.put(f"metrics/{self.name}.jsonl", ("\n".join(self.lines) + "\n").encode())
             except BucketError as e:  # metrics must never kill a run
                 print(f"metrics upload failed (will retry): {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Flush the JSONL and finish the trackio run (its rows are written by a background thread)."""
+        self.flush()
+        if self.trackio is not None:
+            self.trackio.finish()
+
+
+class TrackioSink:
+    """A trackio run that takes metric rows. trackio is imported only here, when asked for (it
+    brings gradio_client, orjson, pillow); a failure to start or to log is reported once and then
+    ignored: the JSONL in the bucket is the record, the dashboard a view of it."""
+
+    def __init__(self, project: str, run_name: str, group: str, space_id: str | None, config: dict | None):
+        self.run = None
+        try:
+            import trackio
+            # resume="allow": a restarted role continues its own trackio run
+            self.run = trackio.init(project=project, name=run_name, group=group, space_id=space_id, config=config,
+                                    resume="allow", embed=False)
+            atexit.register(self.finish)  # a role that exits without close() still drains trackio's queue
+        except Exception as e:  # noqa: BLE001 - any trackio failure: keep training, say why once
+            print(f"trackio disabled: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def log(self, row: dict) -> None:
+        if self.run is None:
+            return
+        # numbers only, under their own names; trackio reserves "time" and "step" (the step is the x axis)
+        scalars = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("time", "step")}
+        step = row.get("step") if isinstance(row.get("step"), int) else None
+        try:
+            self.run.log(scalars, step=step)
+        except Exception as e:  # noqa: BLE001
+            print(f"trackio disabled: {type(e).__name__}: {e}", file=sys.stderr)
+            self.run = None
+
+    def finish(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as e:  # noqa: BLE001
+                print(f"trackio finish failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 # dependencies = [
 #   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
+#   "math-verify[antlr4_13_2]>=0.9",
 # ]
 # ///
 """Greedy accuracy of published adapter versions on a task's held-out split, written to the bucket
@@ -14,10 +15,10 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        evaluate.py common.py models.py tasks.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
+        evaluate.py common.py models.py tasks.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
 
-Held-out split (tasks.load_task(name, "eval")): GSM8K's test split; for addition and jsonl:PATH a
-fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
+Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition
+and jsonl:PATH a fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
 must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
 the mean of the task's `correct` reward component.
 """
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 
 from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
+from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 
@@ -48,7 +50,7 @@ class Args:
     model: str = LOCAL_MODEL
     """the base model the run trains (a Hub id, a local dir, or the local SmolLM2)"""
     task: str = "addition"
-    """addition, gsm8k or jsonl:PATH"""
+    """addition, gsm8k, math or jsonl:PATH (PATH may be s3://BUCKET/KEY)"""
     limit: int = 0
     """only the first N held-out prompts (0: all of them)"""
     batch_size: int = 32
@@ -111,6 +113,7 @@ def main(args: Args) -> None:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
     bucket = Bucket()
+    record_config(bucket, "evaluate", args, __file__)
     task = load_task(args.task, "eval")
     published = published_versions(bucket)
     if args.all:

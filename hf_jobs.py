@@ -49,11 +49,6 @@ class JobSpec:
     dependencies: list[str] = field(default_factory=list)
 
 
-def shipped_name(path: str) -> str:
-    """The name a local file gets in the job's /data: huggingface_hub replaces spaces with '_'."""
-    return os.path.basename(path).replace(" ", "_")
-
-
 def stage(job) -> str:
     return str(getattr(job.status.stage, "value", job.status.stage))
 

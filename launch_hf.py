@@ -18,7 +18,7 @@ or HF_TOKEN); PROXY_TOKEN (the proxy's shared secret) and AWS_ACCESS_KEY_ID / AW
 (bucket credentials: the HFAK... keys of the Storage Buckets S3 gateway, or your S3 provider's)
 exported. Secrets travel to the jobs as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py /data/models.py /data/tasks.py ARGS`: huggingface_hub
+Each job runs `uv run /data/SCRIPT /data/common.py ... /data/runconfig.py ARGS` (the SHIPPED modules): huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
 mounts the job's folder at /data, so the shared modules land beside the script (which drops them from
 its argv). The launcher first stores the run's layout and those files under s3://BUCKET/RUN/launch/
@@ -42,7 +42,7 @@ import tyro
 
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
                      load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
-                     secret_values, shipped_name, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+                     secret_values, stage, submit, timeout_seconds, wait_for_proxy, whoami)
 from supervisor import Policy, Supervisor
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -64,7 +64,8 @@ class Args:
     """rollout jobs"""
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     task: str = "gsm8k"
-    """gsm8k, addition or jsonl:PATH (the file is shipped to the jobs beside the scripts)"""
+    """gsm8k, math, addition or jsonl:PATH (the file is uploaded to s3://BUCKET/RUN/prompts/, where the
+    workers read it) or jsonl:s3://BUCKET/KEY (already in a bucket)"""
     steps: int = 200
     """trainer optimizer steps"""
     group_size: int = 8
@@ -109,8 +110,8 @@ class Args:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py")  # the shared modules, uploaded beside every role script
-SUPERVISOR_SHIPPED = ("hf_jobs.py", "supervisor.py", "common.py")  # beside launch_hf.py in a supervisor job
+SHIPPED = ("common.py", "models.py", "tasks.py", "hub.py", "runconfig.py")  # the shared modules, uploaded beside every role script
+SUPERVISOR_SHIPPED = ("hf_jobs.py", "supervisor.py", "common.py", "tasks.py")  # beside launch_hf.py in a supervisor job
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:
@@ -120,26 +121,24 @@ def bucket_env(args: Args, namespace: str) -> dict[str, str]:
             "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1"), "PYTHONUNBUFFERED": "1"}
 
 
-def task_file(args: Args) -> str | None:
-    return args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else None
+def prompts_key(args: Args) -> str | None:
+    """Where a local jsonl: task's file goes in the bucket (relative to RUN/), or None."""
+    path = args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else None
+    return f"prompts/{os.path.basename(path)}" if path and not path.startswith("s3://") else None
 
 
 def sources(args: Args) -> dict[str, Path]:
     """Every file a job of the run ships, by the name it has in the job's /data -> where it is here."""
     names = {"proxy.py", "rollout.py", "train.py", "launch_hf.py", *SHIPPED, *SUPERVISOR_SHIPPED}
-    out = {n: Path(ROOT) / n for n in sorted(names)}
-    if path := task_file(args):
-        out[shipped_name(path)] = Path(path)
-    return out
+    return {n: Path(ROOT) / n for n in sorted(names)}
 
 
 def plan(args: Args, namespace: str) -> list[JobSpec]:
     """The run's layout. No job is told the proxy's URL: a relaunched proxy has a new one, so workers
     and trainer read it from the run's proxy/endpoint.json (written once the proxy answers)."""
     files, task = list(SHIPPED), args.task
-    if path := task_file(args):  # ship the user's file too; the jobs read it from /data, by its shipped name
-        files.append(shipped_name(path))
-        task = f"jsonl:/data/{files[-1]}"
+    if key := prompts_key(args):  # the workers read the prompts from the bucket: one that joins later needs no file
+        task = f"jsonl:s3://{args.bucket}/{args.run}/{key}"
     env = bucket_env(args, namespace)
     bucket_secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
@@ -217,12 +216,10 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--timeout: {e} (e.g. 6h)") from None
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,62}", args.bucket):
         raise SystemExit(f"bucket {args.bucket!r}: lowercase letters, digits, '-' and '.' (env BUCKET or --bucket)")
-    if path := task_file(args):
-        if not os.path.isfile(path):
-            raise SystemExit(f"--task {args.task}: no such file")
-        if shipped_name(path) in sources(Args(task="gsm8k")):
-            raise SystemExit(f"--task {args.task}: a task file may not be named {shipped_name(path)!r} "
-                             "(a script of the run has that name in the job's /data)")
+    if prompts_key(args):  # a bad file fails here, not in every worker after its GPU job started
+        from tasks import parse_jsonl, read_jsonl_source
+        path = args.task[len("jsonl:"):]
+        parse_jsonl(read_jsonl_source(path), path)
 
 
 def missing_env() -> list[str]:
@@ -269,6 +266,24 @@ def ensure_bucket(api, args: Args, namespace: str, endpoint: str) -> str:
     return f"s3://{args.bucket} at {endpoint}"
 
 
+def upload_prompts(args: Args, endpoint: str) -> None:
+    """A local jsonl: task's file -> s3://BUCKET/RUN/prompts/NAME (once: a relaunch with the same file
+    is fine, one with other contents under that name is refused, so a run's prompts never change)."""
+    if not (key := prompts_key(args)):
+        return
+    from common import Bucket, ConflictError
+    path = args.task[len("jsonl:"):]
+    data = open(path, "rb").read()
+    bucket = Bucket(bucket=args.bucket, run=args.run, endpoint=endpoint)
+    try:
+        bucket.put(key, data, if_none_match=True)
+    except ConflictError:
+        if bucket.get(key)[0] != data:
+            raise SystemExit(f"s3://{args.bucket}/{args.run}/{key} already holds other prompts: a run keeps its "
+                             f"prompts; rename {path} or use another --run") from None
+    print(f"prompts: {path} -> s3://{args.bucket}/{args.run}/{key}")
+
+
 def launch(args: Args) -> None:
     from huggingface_hub import HfApi
     token = local_token()
@@ -286,6 +301,7 @@ def launch(args: Args) -> None:
     with hub_errors("creating the bucket"):
         print(f"run {args.run}: bucket {ensure_bucket(api, args, namespace, endpoint)} (prefix {args.run}/)")
     bucket = run_bucket(args.bucket, args.run, endpoint)
+    upload_prompts(args, endpoint)
     specs = plan(args, namespace)
     save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket}, specs, sources(args))
     workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
@@ -457,6 +473,12 @@ def dry_run(args: Args) -> None:
         print(': "${HF_NAMESPACE:?not logged in: run hf auth login, or export HF_NAMESPACE=an-org}"')
     if "S3_ENDPOINT_URL" not in os.environ:
         print(f"hf buckets create {sh(f'{ns}/{args.bucket}')} --private --exist-ok")
+    if key := prompts_key(args):
+        path = args.task[len("jsonl:"):]
+        if "S3_ENDPOINT_URL" not in os.environ:
+            print(f"hf buckets cp {sh(path)} {sh(f'hf://buckets/{ns}/{args.bucket}/{args.run}/{key}')}")
+        else:
+            print(f"# upload {path} to s3://{args.bucket}/{args.run}/{key} (the launch does it with your S3 keys)")
     print('export PROXY_HF_TOKEN="${HF_TOKEN:-$(hf auth token)}"  # the callers\' token for the --expose gateway')
     jobs, local = plan(args, ns), sources(args)
     print(f"# the launcher also stores the layout and these files in s3://{args.bucket}/{args.run}/launch/ "

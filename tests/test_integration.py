@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import common
+import runconfig
 from conftest import ROOT, stop
 
 
@@ -54,3 +56,9 @@ def test_end_to_end_tiny(tiny_model, start_proxy, bucket, run_name, tmp_path):
     assert stats["groups_acked"] == 10 and stats["batches_acked"] == 5
     roll = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
     assert any("perf/weight_sync_s" in r for r in roll) and any("rollout/version_lag_s" in r for r in roll)
+    # each role recorded its configuration at start
+    configs = {bucket.get_json(k)["role"]: bucket.get_json(k) for k in bucket.list("config/")}
+    assert set(configs) == {"proxy", "rollout-w1", "train"}
+    assert configs["rollout-w1"]["args"]["group_size"] == 4 and configs["train"]["args"]["max_steps"] == 5
+    assert "--max-steps 5" in configs["train"]["command"] and configs["proxy"]["args"]["token"] == runconfig.REDACTED
+    assert proxy.token not in json.dumps(configs)

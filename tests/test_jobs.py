@@ -148,7 +148,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    shipped = ["/data/common.py", "/data/models.py", "/data/tasks.py"]
+    shipped = [f"/data/{m}" for m in launch_hf.SHIPPED]
     expected = {
         "proxy": (["/data/proxy.py", *shipped, "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
@@ -159,7 +159,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "TRAINER_ID": "gsm-1-trainer"}),
         "supervisor": (["/data/launch_hf.py", "/data/hf_jobs.py", "/data/supervisor.py", "/data/common.py",
-                        "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
+                        "/data/tasks.py", "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
                        {"HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
     }
     uploads = uploaded(fake)
@@ -222,26 +222,46 @@ def test_an_hf_storage_bucket_is_created_private(hub, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["my_tasks.jsonl", "my tasks.jsonl"])
-def test_jsonl_task_file_is_shipped_under_the_name_the_worker_is_told(hub, tmp_path, capsys, name):
+def test_jsonl_task_is_uploaded_to_the_bucket_and_read_from_there(hub, s3_env, monkeypatch, tmp_path, capsys, name):
+    """The prompts go to s3://BUCKET/RUN/prompts/ before any job starts; the workers are told that
+    path (no file travels with them, so a worker that joins later needs none)."""
+    import common
+    import tasks
     fake = hub()
-    data = tmp_path / name
+    for k in ("S3_ENDPOINT_URL", "BUCKET"):    # this run's bucket: the local S3 server
+        monkeypatch.setenv(k, s3_env[k])
+    data = tmp_path / name  # a space in the name too: the worker is told the key the file has in the bucket
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:11] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
-                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/my_tasks.jsonl"]
-    # the name the worker is told is the name the file has in the job's /data (no space: huggingface_hub
-    # would have uploaded "my tasks.jsonl" as my_tasks.jsonl)
-    assert roll["command"][roll["command"].index("--task") + 1] == "jsonl:/data/my_tasks.jsonl"
-    (files,) = [f for _, f in uploaded(fake).values() if "rollout.py" in f]
-    assert files["my_tasks.jsonl"] == data.read_bytes()
-    assert set(files) == {"rollout.py", "common.py", "models.py", "tasks.py", "my_tasks.jsonl"}
+    assert roll["command"][:12] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py",
+                                    "/data/runconfig.py"]
+    url = f"s3://tests/mine/prompts/{name}"
+    assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
+    assert all(name not in str(src) for _, files in fake.uploads for src, _ in files)
+    assert common.Bucket(run="mine").get(f"prompts/{name}")[0] == data.read_bytes()
+    assert tasks.load_task(f"jsonl:{url}").prompts == ["2+2?"]            # what a worker reads
+    # a relaunch with the same file is fine; other contents under that name are refused, before any job
+    launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}"])
+    data.write_text('{"prompt": "5+5?", "answer": 10}\n{"prompt": "3+3?", "answer": 6}\n')
+    n = len(fake.jobs)
+    with pytest.raises(SystemExit, match="already holds other prompts"):
+        launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}"])
+    assert len(fake.jobs) == n
+    # a task already in a bucket is passed through as it is
+    launch_hf.main(["--run", "other", "--workers", "1", "--task", f"jsonl:{url}"])
+    roll = [j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1"][-1]
+    assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
 
 
-def test_a_task_file_named_like_a_script_is_refused(tmp_path):
-    (tmp_path / "tasks.py").write_text("")
-    with pytest.raises(SystemExit, match="may not be named 'tasks.py'"):
-        launch_hf.check_args(launch_hf.Args(task=f"jsonl:{tmp_path / 'tasks.py'}"))
+def test_a_bad_jsonl_fails_the_launch_before_any_job(hub, tmp_path):
+    fake = hub()
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected"):
+        launch_hf.main(["--run", "bad", "--task", f"jsonl:{data}"])
+    assert not fake.jobs and not fake.requests
 
 
 def test_proxy_that_dies_stops_the_launch(hub, capsys):

@@ -157,3 +157,137 @@ def test_script_args_drop_files_shipped_beside_the_script(tmp_path, monkeypatch)
     assert common.script_args() == [str(other / "common.py"), "--x", "1"]
     assert common.script_args(["--out", str(tmp_path / "common.py")]) == ["--out", str(tmp_path / "common.py")]
     assert os.path.isfile(tmp_path / "common.py")
+
+
+# --- math-verify: real MATH- and GSM8K-style answers -------------------------------------------
+# (completion, reference answer, correct?, what the number regex alone said: the verdict of tasks.py
+# before math-verify, where GSM8K used final_number and a non-numeric answer compared the last line as text)
+MATH_CASES = [   # MATH-500 and MATH train style: the reference is LaTeX without $
+    (r"so $r = 3$ and $\theta = \frac{\pi}{2}$. The answer is $\boxed{\left( 3, \frac{\pi}{2} \right)}$.",
+     r"\left( 3, \frac{\pi}{2} \right)", True, False),                                  # a tuple with pi
+    (r"$f(-2)+f(-1)+f(0) = 2 + \frac{5}{3} + 1 = \boxed{\frac{14}{3}}$", r"\frac{14}{3}", True, False),
+    (r"$\boxed{\dfrac{28}{6}}$", r"\frac{14}{3}", True, False),                          # unreduced fraction
+    (r"so the sum is $\boxed{4\frac{2}{3}}$", r"\frac{14}{3}", True, False),             # mixed number
+    (r"$\boxed{\frac{13}{3}}$", r"\frac{14}{3}", False, False),
+    (r"The hypotenuse is $\boxed{\sqrt{8}}$.", r"2\sqrt{2}", True, False),               # roots
+    (r"$\boxed{0.5}$", r"\frac{1}{2}", True, False),
+    (r"The domain is $\boxed{[2,5)}$.", "[2,5)", True, False),                          # intervals
+    (r"The domain is $\boxed{[2,5]}$.", "[2,5)", False, False),
+    (r"$x\in\boxed{(-\infty,-3)\cup(3,\infty)}$", r"(-\infty,-3)\cup(3,\infty)", True, False),
+    (r"$\boxed{\{1,2,3\}}$", r"\{3,2,1\}", True, False),                                  # sets, any order
+    (r"The solutions are $\boxed{-2, 1}$.", "1,-2", True, False),
+    (r"The side is $\boxed{5\text{ cm}}$.", "5", True, True),                            # units
+    (r"The angle is $\boxed{90^\circ}$.", "90", True, True),
+    (r"First I thought 12, but the answer is $\boxed{27}$.", "27", True, True),
+    (r"I am not sure.", r"\frac{14}{3}", False, False),
+]
+GSM8K_CASES = [
+    ("Half of 14 is 14/2.\n#### 14/2", "7", True, False),                               # a fraction after ####
+    ("The answer is 5 \\times 3 = 15", "15", True, False),                               # an expression, then its value
+    ("Each gets $\\frac{24}{3} = 8$ cookies.\n#### \\frac{24}{3}", "8", True, False),
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72", True, True),
+    ("It pays $62,400 in a year.", "62,400", True, True),
+    ("#### 62,000", "62,400", False, False),
+    ("#### 18 \n then I wrote 5 more", "18", True, True),                               # the #### line wins
+    ("I do not know", "18", False, False),
+]
+
+
+def regex_verdict(completion: str, answer: str) -> bool:
+    """What the regex-only scoring said (tasks.py before math-verify): numbers via final_number, anything
+    else the last line as text."""
+    if tasks._NUM.fullmatch(answer.strip()):
+        pred, gold = final_number(completion), final_number(answer)
+        return pred is not None and gold is not None and abs(pred - gold) < 1e-6
+    last = completion.rsplit("####", 1)[-1] if "####" in completion else completion.strip().splitlines()[-1]
+    return " ".join(last.lower().split()).strip(" .") == " ".join(answer.lower().split()).strip(" .")
+
+
+@pytest.mark.parametrize("completion,answer,right,regex", MATH_CASES)
+def test_math_answers_verified(completion, answer, right, regex):
+    assert tasks.math_reward(completion, answer)["correct"] == float(right)
+    if answer != "1,-2":   # a jsonl task with such answers ("1,-2" has no LaTeX or bracket: compared as text)
+        assert tasks.text_reward(completion, answer)["correct"] == float(right)
+    assert regex_verdict(completion, answer) == regex
+
+
+@pytest.mark.parametrize("completion,answer,right,regex", GSM8K_CASES)
+def test_gsm8k_answers_verified(completion, answer, right, regex):
+    assert numeric_reward(completion, answer)["correct"] == float(right)
+    assert regex_verdict(completion, answer) == regex
+
+
+def test_the_regex_alone_got_these_wrong():
+    """The cases above include ones the regex parser scored wrong (10 MATH-style, 3 GSM8K-style)."""
+    wrong = [c for c, a, right, regex in MATH_CASES + GSM8K_CASES if right != regex]
+    assert len(wrong) == 13
+
+
+def test_math_format_is_separate_from_correctness():
+    assert tasks.math_reward(r"so $\boxed{3}$", "3") == {"correct": 1.0, "format": tasks.FORMAT_WEIGHT}
+    assert tasks.math_reward("so it is 3", "3") == {"correct": 1.0, "format": 0.0}
+    assert tasks.math_reward(r"$\boxed{4}$", "3") == {"correct": 0.0, "format": tasks.FORMAT_WEIGHT}
+    assert tasks.last_boxed(r"a \boxed{\frac{1}{2}} then \boxed{\{1, 2\}}.") == r"\{1, 2\}"
+    assert tasks.last_boxed(r"\boxed{unclosed") is None
+
+
+def test_math_verify_works_off_the_main_thread():
+    """Its timeouts use SIGALRM (main thread only): elsewhere they are off instead of raising."""
+    import threading
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=tasks.math_reward(r"$\boxed{\sqrt{8}}$", r"2\sqrt{2}")))
+    t.start()
+    t.join(60)
+    assert out["r"]["correct"] == 1.0
+
+
+# three MATH-style rows (problem, solution with \boxed{}) and a MATH-500 row that is one of them
+MATH_ROWS = [
+    {"problem": "What is the value of $\\sqrt{36 \\times \\sqrt{16}}$?",
+     "solution": "$\\sqrt{36 \\times \\sqrt{16}} = \\sqrt{36 \\times 4} = \\sqrt{144} = \\boxed{12}$."},
+    {"problem": "Find the domain of the expression  $\\frac{\\sqrt{x-2}}{\\sqrt{5-x}}$.",
+     "solution": "We need $x-2 \\ge 0$ and $5-x>0$, so the domain is $\\boxed{[2,5)}$."},
+    {"problem": "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express your answer "
+                "as a common fraction.",
+     "solution": "$f(-2)+f(-1)+f(0)=\\frac{-8}{-4}+\\frac{-5}{-3}+\\frac{-2}{-2}=2+\\frac{5}{3}+1=\\boxed{\\frac{14}{3}}$"},
+]
+MATH500_ROWS = [{"problem": "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express "
+                            "your answer as a common fraction.", "answer": "\\frac{14}{3}", "subject": "Algebra"}]
+
+
+def test_math_task_from_datasets(monkeypatch):
+    """The real math_task code path, `datasets.load_dataset` answering local rows instead of the Hub:
+    training never sees a MATH-500 problem, answers come from the solutions' last \\boxed{}."""
+    import datasets
+    calls = []
+
+    def local(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(MATH500_ROWS if path == tasks.MATH_500 else MATH_ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", local)
+    train, ev = load_task("math"), load_task("math", "eval")
+    assert calls[:2] == [(tasks.MATH_500, None, "test"), (tasks.MATH_ALL, "default", "train+test")]
+    assert train.answers == ["12", "[2,5)"] and ev.answers == ["\\frac{14}{3}"]
+    assert "\\boxed{}" in train.prompts[0] and not set(train.prompts) & set(ev.prompts)
+    for i, row in enumerate(MATH_ROWS[:2]):   # the reference solutions score full marks
+        assert train.reward(row["solution"], i) == (pytest.approx(1.1), {"correct": 1.0, "format": 0.1})
+    assert ev.reward(MATH_ROWS[2]["solution"], 0)[1]["correct"] == 1.0
+    assert ev.reward("$\\boxed{\\frac{5}{3}}$", 0)[1] == {"correct": 0.0, "format": 0.1}
+
+
+def test_jsonl_task_from_the_bucket(bucket, run_name):
+    """`jsonl:s3://BUCKET/KEY`: a worker reads the prompts the launcher uploaded; no local file."""
+    rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(10)]
+    bucket.put("prompts/sums.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    url = f"s3://{bucket.bucket}/{run_name}/prompts/sums.jsonl"
+    train, ev = load_task(f"jsonl:{url}"), load_task(f"jsonl:{url}", "eval")
+    assert train.name == "jsonl-sums" and len(train.prompts) == 9 and ev.prompts == ["What is 9 + 1?"]
+    assert train.reward("#### 1", 0)[1] == {"correct": 1.0, "format": 0.1}
+    with pytest.raises(SystemExit, match="no such object in the bucket"):
+        load_task(f"jsonl:s3://{bucket.bucket}/{run_name}/prompts/other.jsonl")
+    with pytest.raises(SystemExit, match="expected s3://BUCKET/KEY"):
+        load_task("jsonl:s3://only-a-bucket")
+    bucket.put("prompts/bad.jsonl", b'{"prompt": "a", "answer": 1}\n{oops\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON"):
+        load_task(f"jsonl:s3://{bucket.bucket}/{run_name}/prompts/bad.jsonl")
