@@ -315,8 +315,8 @@ def table(lay: Layout = Layout()) -> str:
             m16 = trainer_memory(a, replace(t, lora_r=16), lay)["total"] / GiB
             t64 = replace(t, lora_r=64)
             m64 = trainer_memory(a, t64, lay)["total"] / GiB
-            # T4 has no bf16: a bf16 setup there runs (and is counted) in float32
-            fits = [trainer_verdict(a, t64 if FLAVORS[f][2] or t.four_bit else replace(t64, dtype="float32"), f, lay)[0]
+            # T4 has no bf16: --dtype auto runs (and is counted) in float32 there, 4-bit's compute too
+            fits = [trainer_verdict(a, t64 if FLAVORS[f][2] else replace(t64, dtype="float32"), f, lay)[0]
                     for f in TABLE_FLAVORS]
             rows.append(f"| {name.split('/')[1]} | {a.params() / 1e9:.2f}B | {label} | {m16:.1f} | {m64:.1f} | "
                         f"{_smallest(fits)} |")
