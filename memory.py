@@ -4,7 +4,7 @@ before it creates anything; the README's table of model sizes against Jobs flavo
 
     python memory.py --table                                   # the README table (markdown)
     python memory.py --model Qwen/Qwen2.5-7B-Instruct          # one model: trainer and worker, per flavor
-    python memory.py --model ./my-model --load-in-4bit --lora-r 64 --flavor a10g-small
+    python memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
 
 Where a config comes from (config_for): a local folder with config.json, the configs/ the project
 carries (Hub id with "/" as "--"), or the Hub when it answers; otherwise None and the caller says it
@@ -15,6 +15,7 @@ against measured peaks on CPU by bench/memory_check.py.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -228,21 +229,21 @@ def train_args(opts: list[str]) -> str:
 
 
 def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> str:
-    """What would make the trainer fit: options on this flavor first (each on top of the previous
-    ones), then the cheapest flavor that holds it as it is, then with 4-bit weights."""
+    """What would make the trainer fit: the fewest options on this flavor (checkpointing, 16-bit
+    weights, one group per micro-batch, 4-bit weights), else the smallest flavor that holds it as is."""
     half = "bfloat16" if FLAVORS[flavor][2] else "float16"
     steps = [(["--gradient-checkpointing", "on"], lambda t, lay: (replace(t, checkpointing=True), lay)),
              (["--dtype", half], lambda t, lay: (replace(t, dtype=half) if t.dtype == "float32" else t, lay)),
              (["--micro-groups", "1"], lambda t, lay: (t, replace(lay, micro_groups=1))),
              (["--load-in-4bit"], lambda t, lay: (replace(t, four_bit=True), lay))]
-    opts, tt, ll = [], t, lay
-    for opt, change in steps:
-        nt, nl = change(tt, ll)
-        if (nt, nl) == (tt, ll):
-            continue
-        opts, tt, ll = opts + opt, nt, nl
-        if trainer_verdict(a, tt, flavor, ll)[0]:
-            return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
+    useful = [(opt, change) for opt, change in steps if change(t, lay) != (t, lay)]
+    for n in range(1, len(useful) + 1):
+        for combo in itertools.combinations(useful, n):
+            tt, ll, opts = t, lay, []
+            for opt, change in combo:
+                (tt, ll), opts = change(tt, ll), opts + opt
+            if trainer_verdict(a, tt, flavor, ll)[0]:
+                return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
     for f in sorted(FLAVORS, key=flavor_gib):
         ft = replace(t, dtype="float32") if not FLAVORS[f][2] and t.dtype == "bfloat16" else t
         if trainer_verdict(a, ft, f, lay)[0]:
