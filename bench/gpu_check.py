@@ -5,8 +5,8 @@ rollout.VLLMSampler / rollout.sample, models.completion_logprobs) it measures:
 
   1. trainer: step time and peak GPU memory in bf16 (checkpointing on, the GPU default) for
      Qwen2.5-0.5B and 1.5B at the Jobs layout (8 groups a step, 2 per micro-batch, G=8, prompts of
-     256 tokens, completions of 512), against memory.py's prediction; then Qwen2.5-7B in 4-bit if
-     the time budget allows (it writes 15 GB of random bf16 weights to disk first)
+     256 tokens, completions of 512), against memory.py's prediction; last, Qwen2.5-7B in 4-bit
+     (LoRA r=64) if the time budget allows (it writes 15 GB of random bf16 weights to disk first)
   2. vLLM (bf16, Qwen2.5-0.5B architecture): tokens/s without and with a LoRA, hot-swap latency
      (swap_in + the first token with the new version), engine start; the hf backend's tokens/s
   3. precision: the logprobs vLLM recorded while sampling (bf16) against the trainer's recompute of
@@ -19,6 +19,7 @@ rollout.VLLMSampler / rollout.sample, models.completion_logprobs) it measures:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -224,7 +225,7 @@ def vllm_checks(model_dir: str, work: str, P: int, G: int, NEW: int, swaps: int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu_check_results.json"))
-    p.add_argument("--budget-s", type=float, default=540, help="skip the 7B 4-bit step when less than 4 min are left")
+    p.add_argument("--budget-s", type=float, default=560, help="skip the 7B 4-bit step when less than 4 min are left")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
@@ -246,26 +247,18 @@ def main() -> None:
     else:
         lay, shrink, steps, bg = memory.Layout(), 0, a.steps, 8
 
-    # 1. trainer
+    def save() -> None:  # after every part: a run cut short by the 10-minute limit keeps what it measured
+        res["wall_s"] = round(time.time() - T0, 1)
+        with open(a.out, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
+
+    # 1. trainer, bf16
     for name in ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"):
         d = random_model_dir(name, work, torch.bfloat16, device, shrink)
         r = trainer_check(d, name, "bfloat16", False, lay, steps, bg, 16, device)
         res["trainer"].append(r)
         log(f"trainer {json.dumps(r)}")
-    left = a.budget_s - (time.time() - T0)
-    if a.cpu_smoke:  # the 4-bit path (bitsandbytes' CPU backend) on the small 2-layer model
-        d = random_model_dir("Qwen/Qwen2.5-0.5B-Instruct", work, torch.float32, device, shrink)
-        res["trainer"].append(trainer_check(d, "Qwen/Qwen2.5-0.5B-Instruct", "float32", True, lay, steps, bg, 64, device))
-    elif left > 240:
-        d = random_model_dir("Qwen/Qwen2.5-7B-Instruct", work, torch.bfloat16, device)
-        try:
-            r = trainer_check(d, "Qwen/Qwen2.5-7B-Instruct", "bfloat16", True, lay, steps, bg, 64, device)
-            res["trainer"].append(r)
-            log(f"trainer {json.dumps(r)}")
-        except Exception as e:  # record it and go on to vLLM
-            res["trainer_7b_4bit_error"] = f"{type(e).__name__}: {e}"[:500]
-    else:
-        res["trainer_7b_4bit_skipped"] = f"{left:.0f} s left of the budget"
+        save()
 
     # 2-3. vLLM, precision, hf backend
     try:
@@ -274,13 +267,31 @@ def main() -> None:
     except Exception as e:
         res["vllm_error"] = f"vllm does not import: {e}"[:300]
     if cuda and "vllm_version" in res:
+        gc.collect()
+        torch.cuda.empty_cache()  # vLLM checks that its share of the GPU is free when it starts
         d = random_model_dir("Qwen/Qwen2.5-0.5B-Instruct", work, torch.bfloat16, device)
-        vllm_checks(d, work, a.prompts, a.group_size, a.new_tokens, a.swaps, res)
-    res["wall_s"] = round(time.time() - T0, 1)
-    with open(a.out, "w") as f:
-        f.write(json.dumps(res, indent=1) + "\n")
+        try:
+            vllm_checks(d, work, a.prompts, a.group_size, a.new_tokens, a.swaps, res)
+        except Exception as e:  # record it: the 4-bit step below still runs
+            res["vllm_checks_error"] = f"{type(e).__name__}: {e}"[:500]
+        save()
+
+    # 1b. trainer, 7B in 4-bit, if the time budget allows (15 GB of random bf16 weights go to disk first)
+    left = a.budget_s - (time.time() - T0)
+    if a.cpu_smoke:  # the 4-bit path (bitsandbytes' CPU backend) on the small 2-layer model
+        d = random_model_dir("Qwen/Qwen2.5-0.5B-Instruct", work, torch.float32, device, shrink)
+        res["trainer"].append(trainer_check(d, "Qwen/Qwen2.5-0.5B-Instruct", "float32", True, lay, steps, bg, 64, device))
+    elif left > 240:
+        gc.collect()
+        torch.cuda.empty_cache()
+        d = random_model_dir("Qwen/Qwen2.5-7B-Instruct", work, torch.bfloat16, device)
+        try:
+            r = trainer_check(d, "Qwen/Qwen2.5-7B-Instruct", "bfloat16", True, lay, steps, bg, 64, device)
+            res["trainer"].append(r)
+            log(f"trainer {json.dumps(r)}")
+        except Exception as e:
+            res["trainer_7b_4bit_error"] = f"{type(e).__name__}: {e}"[:500]
+    else:
+        res["trainer_7b_4bit_skipped"] = f"{left:.0f} s left of the budget"
+    save()
     print(json.dumps(res, indent=1))
-
-
-if __name__ == "__main__":
-    main()

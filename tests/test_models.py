@@ -54,42 +54,41 @@ def test_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model):
             assert (lp1[n, len(c):] == 0).all()
 
 
+def kept_bytes(model, checkpoint, comps=tuple([list(range(20, 60))] * 4)) -> int:
+    """Bytes autograd keeps for backward outside checkpointed regions (a checkpointed region hands
+    its saved tensors to torch.utils.checkpoint's own hooks instead), parameters left out."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        completion_logprobs(model, PROMPTS, list(comps), T, pad=0, checkpoint=checkpoint)
+    return sum(v for k, v in seen.items() if k not in params)
+
+
 def test_checkpointing_keeps_fewer_tensors_for_backward(tiny_model):
-    """Engaged, not just equal: outside the checkpointed regions autograd keeps far fewer bytes
-    (a checkpointed region hands its saved tensors to torch.utils.checkpoint's own hooks)."""
+    """Engaged, not just equal: far fewer bytes are kept for backward."""
     model = lora_model(tiny_model)
-    comps = [list(range(20, 60))] * 4
-
-    def kept(checkpoint):
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            completion_logprobs(model, PROMPTS, comps, T, pad=0, checkpoint=checkpoint)
-        return sum(v for k, v in seen.items() if k not in params)
-    plain, ckpt = kept(False), kept(True)
+    plain, ckpt = kept_bytes(model, False), kept_bytes(model, True)
     assert ckpt < plain / 3, (plain, ckpt)
 
 
 def test_enable_checkpointing_switches_completion_logprobs(tiny_model):
+    """The trainer's switch (build_model -> enable_checkpointing): completion_logprobs without an
+    explicit `checkpoint` follows it, and falls back to the plain path when gradients are off."""
     model = lora_model(tiny_model)
-    calls = []
-    orig = models.checkpointed_logprobs
-    models.checkpointed_logprobs = lambda *a, **k: calls.append(1) or orig(*a, **k)
-    try:
-        completion_logprobs(model, PROMPTS, COMPS, T, pad=0)
-        assert calls == []
-        models.enable_checkpointing(model)
-        completion_logprobs(model, PROMPTS, COMPS, T, pad=0)
-        assert calls == [1]
-        with torch.no_grad():  # no backward, nothing to save: the plain path
-            completion_logprobs(model, PROMPTS, COMPS, T, pad=0)
-        assert calls == [1]
-    finally:
-        models.checkpointed_logprobs = orig
+    plain = kept_bytes(model, None)
+    assert plain == kept_bytes(model, False)
+    models.enable_checkpointing(model)
+    assert kept_bytes(model, None) == kept_bytes(model, True) < plain / 3
+    with torch.no_grad():
+        lp_ng, _ = completion_logprobs(model, PROMPTS, COMPS, T, pad=0)
+    lp, _ = completion_logprobs(model, PROMPTS, COMPS, T, pad=0)
+    assert torch.allclose(lp_ng, lp.detach(), atol=1e-6)
+    models.enable_checkpointing(model, False)
+    assert kept_bytes(model, None) == plain
 
 
 def test_dtype_auto_and_bad_names():
