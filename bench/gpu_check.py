@@ -295,3 +295,7 @@ def main() -> None:
         res["trainer_7b_4bit_skipped"] = f"{left:.0f} s left of the budget"
     save()
     print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
