@@ -37,7 +37,8 @@ import torch  # noqa: E402
 
 from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
                     new_group_id)
-from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
+from engines import VLLMSampler, default_backend, published_lora_rank, sample, swap_in  # noqa: E402
+from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 
@@ -81,42 +82,6 @@ class Args:
     vllm_max_model_len: int = 2048
     vllm_gpu_memory_utilization: float = 0.5
     """vllm: share of GPU memory for weights + KV cache (the rest is left to other jobs)"""
-
-
-# ---------------------------------------------------------------------------------------------
-# sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
-
-
-@torch.no_grad()
-def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: float, eos: set[int], pad: int):
-    """G completions per prompt; returns [(token_ids, logprobs, finish_reason)] group-major."""
-    lm = _causal_lm(model)
-    head, body = lm.get_output_embeddings(), lm.get_decoder()
-    cache, h, mask, pos = prefill(model, prompts, G, pad)
-    N = h.shape[0]
-    eos_t = torch.tensor(sorted(eos))
-    logits = head(h).float() / temperature
-    toks, lps = [], []
-    done = torch.zeros(N, dtype=torch.bool)
-    for t in range(max_new):
-        logp = torch.log_softmax(logits, -1)
-        nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
-        toks.append(nxt)
-        lps.append(logp.gather(1, nxt[:, None]).squeeze(1))
-        done |= torch.isin(nxt, eos_t)
-        if done.all() or t == max_new - 1:
-            break
-        mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype)], 1)
-        out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
-                   use_cache=True, **cache_kw(body, cache))
-        logits = head(out.last_hidden_state[:, -1]).float() / temperature
-    toks_t, lps_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
-    out = []
-    for ids, lp in zip(toks_t, lps_t):
-        stop = next((i for i, x in enumerate(ids) if x in eos), None)
-        n = len(ids) if stop is None else stop + 1  # keep the EOS token: it was sampled too
-        out.append((ids[:n], lp[:n], "length" if stop is None else "stop"))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,101 +151,6 @@ def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
         raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
 
 
-def swap_in(model, new: dict):
-    """Hot-load a verified adapter. Same LoRA config as the loaded one: copy the tensors in place
-    (milliseconds). First adapter, or a changed config: wrap/replace the peft adapter."""
-    from peft import PeftModel, set_peft_model_state_dict
-    if not isinstance(model, PeftModel):
-        model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
-    else:
-        res = set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
-        if getattr(res, "unexpected_keys", None):
-            raise AdapterError(f"adapter tensors do not fit the loaded LoRA layout: {res.unexpected_keys[:3]}")
-    model.eval()
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# backend vllm: one engine for the worker's life; vllm is imported only here (hf runs without it).
-# Each adapter version becomes a LoRARequest with a name and an integer id never used before in
-# this engine: vLLM does not reload an id it already holds even if the path changed, and keys its
-# prefix cache by adapter, so a reused name/id could serve old weights or old KV blocks. The
-# superseded version is removed as soon as the new one is loaded.
-
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
-def default_backend() -> str:
-    import importlib.util
-    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
-        return "hf"
-    try:
-        import vllm  # noqa: F401
-        return "vllm"
-    except Exception as e:  # a broken install: say so, run on transformers
-        print(f"vllm does not import ({e}); using the hf backend", file=sys.stderr)
-        return "hf"
-
-
-class VLLMSampler:
-    """The vLLM engine and the adapter it serves; sample() returns what the hf sample() returns."""
-
-    def __init__(self, args: Args, bucket: Bucket | None):
-        from transformers import AutoTokenizer
-        from vllm import LLM
-        path = local_smollm2() if args.model == LOCAL_MODEL else args.model
-        # LoRA buffers are sized by max_lora_rank: take the rank of the adapters this run publishes
-        r = args.vllm_lora_rank
-        if not r and bucket is not None and (latest := bucket.get_json("adapters/latest.json")):
-            r = (bucket.get_json(f"adapters/v{latest['version']:06d}/meta.json") or {}).get("lora", {}).get("r", 0)
-        self.rank = next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
-        args.max_lora_rank = min(args.max_lora_rank, self.rank)  # AdapterSync refuses bigger ones
-        cpu = not torch.cuda.is_available()
-        if cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes 4
-        # float32 on CPU: the trainer recomputes logprobs in float32, and bf16 sampling would put
-        # its rounding noise into every importance ratio
-        dtype = "float32" if args.vllm_dtype == "auto" and cpu else args.vllm_dtype
-        # models.local_smollm2's config.json keeps the GGUF's quantization_config though the saved
-        # weights are plain float32; vLLM would refuse "gguf" without the file: drop it
-        quirk = {"quantization_config": None} if args.model == LOCAL_MODEL else {}
-        self.llm = LLM(model=path, tokenizer=path, dtype=dtype, hf_overrides=quirk, seed=args.seed + hash(args.worker_id) % 10_000,
-                       enable_lora=True, max_lora_rank=self.rank, max_loras=1, max_cpu_loras=2,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       max_model_len=args.vllm_max_model_len,
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        self.tok = AutoTokenizer.from_pretrained(path)  # the hf backend's tokenizer: same prompt ids
-        self.lora = None   # the LoRARequest being served (None: version 0, the base model)
-        self.next_id = 0
-
-    def swap_in(self, new: dict) -> None:
-        from vllm.lora.request import LoRARequest
-        self.next_id += 1
-        req = LoRARequest(f"v{new['version']:06d}-{self.next_id}", self.next_id, new["dir"])
-        try:
-            ok = self.llm.llm_engine.add_lora(req)  # loads now, not in the middle of the next round
-        except Exception as e:
-            raise AdapterError(f"vLLM could not load version {new['version']}: {e}") from e
-        if not ok:
-            raise AdapterError(f"vLLM refused to load version {new['version']} ({new['dir']})")
-        old, self.lora = self.lora, req
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-
-    def loaded(self) -> set[int]:
-        return set(self.llm.llm_engine.list_loras())
-
-    def sample(self, prompts: list[list[int]], G: int, max_new: int, temperature: float):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        sp = SamplingParams(n=G, temperature=temperature, max_tokens=max_new, logprobs=0, top_k=0, top_p=1.0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                                 lora_request=self.lora, use_tqdm=False)
-        # logprobs=0: one dict per position holding the sampled token's (processed) logprob
-        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
-                for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
-
-
 # ---------------------------------------------------------------------------------------------
 # spool: a finished group is on local disk before we try to send it, and leaves only once the
 # proxy answered for it, so a proxy outage (or our own restart) loses nothing
@@ -335,7 +205,13 @@ def main(args: Args) -> None:
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
     metrics = Metrics(bucket, f"rollout-{args.worker_id}")
     task = load_task(args.task)
-    engine = VLLMSampler(args, bucket) if args.backend == "vllm" else None
+    engine = None
+    if args.backend == "vllm":
+        engine = VLLMSampler(args.model, lora_rank=args.vllm_lora_rank or published_lora_rank(bucket),
+                             dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
+                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             seed=args.seed + hash(args.worker_id) % 10_000)
+        args.max_lora_rank = min(args.max_lora_rank, engine.rank)  # AdapterSync refuses bigger ones
     model, tok = (None, engine.tok) if engine else load_base(args.model)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
