@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
 from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from routing import router as inference_router  # noqa: E402
 
 @dataclass
 class Args:
@@ -378,6 +379,7 @@ def guard(app):
     return asgi
 
 app.add_middleware(guard)
+app.include_router(inference_router)  # POST /v1/chat/completions answered by serving workers (routing.py)
 
 @app.get("/health")
 async def health() -> dict:
