@@ -371,7 +371,10 @@ class ServerSampler:
         cmd, env = server_command(kind, model, port, lora_rank, python=python, **kw)
         managed = ManagedServer(cmd, env, f"http://127.0.0.1:{port}", key, log_path, start_timeout_s)
         print(f"starting the inference server: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
+        t0 = time.time()
         managed.start()
+        print(f"inference server pid {managed.proc.pid} ready at {managed.url} after {time.time() - t0:.0f} s",
+              file=sys.stderr, flush=True)
         return cls(managed.url, kind, model, key, managed, **engine_kw)
 
     # -- HTTP, with outages turned into ServerDown -------------------------------------------------
@@ -426,6 +429,7 @@ class ServerSampler:
                 self.managed.stop()
                 try:
                     self.managed.start()
+                    self.on_down(f"inference server pid {self.managed.proc.pid} ready at {self.url}")
                 except RuntimeError as e:
                     self.on_down(f"restart failed: {e}")
             try:
