@@ -284,7 +284,7 @@ def server_command(kind: str, model: str, port: int, lora_rank: int = 16, dtype:
 class ManagedServer:
     """An inference server process started (and owned) by this worker. It runs in its own process
     group (vLLM's engine lives in child processes) that dies with the worker (PR_SET_PDEATHSIG) and
-    is stopped at exit; `restart` brings it back after a crash."""
+    is stopped at exit; after a crash, `stop` clears what is left of it and `start` starts it again."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, api_key: str, log_path: str,
                  start_timeout_s: float = 1200.0):
@@ -305,8 +305,9 @@ class ManagedServer:
         t0 = time.time()
         while not self.healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the inference server exited with {self.proc.returncode} while starting; "
-                                   f"see {self.log_path}")
+                code = self.proc.returncode
+                self.stop()  # what its group left behind
+                raise RuntimeError(f"the inference server exited with {code} while starting; see {self.log_path}")
             if time.time() - t0 > self.start_timeout_s:
                 self.stop()
                 raise RuntimeError(f"the inference server did not answer {self.url}/health within "

@@ -305,7 +305,9 @@ def main(args: Args) -> None:
     sync.start()
     spool = Spool(args.spool_dir, bucket.run, args.worker_id)
     client.should_stop = lambda: stop.is_set() or sync.done  # the run is over: stop waiting on a full buffer
-    routed = RoutedServing(client, args.worker_id, args.serve_per_round if args.serve else 0, log)
+    # its own client, retrying little: serving is opportunistic, and a proxy outage must not hold the round up
+    routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=2), args.worker_id,
+                           args.serve_per_round if args.serve else 0, log)
 
     def chat(req: dict) -> dict:  # the adapter served right now (`model` is rebound by each hf swap)
         return engine.chat([req])[0] if engine else hf_chat(model, tok, req)
