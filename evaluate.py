@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from common import AdapterError, Bucket, ProxyClient, adapter_prefix, fetch_adapter, script_args  # noqa: E402
@@ -73,6 +74,8 @@ class Args:
     """--live: the proxy token (env PROXY_TOKEN)"""
     hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
     """--live: HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
+    live_wait_s: float = 900.0
+    """--live: how long one request may wait for its answer (the proxy gives up first: ROUTE_TIMEOUT_S, 300 s)"""
 
 
 def result_key(version: int, task_name: str) -> str:
@@ -124,6 +127,8 @@ def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) 
 def evaluate_live(args: Args, task) -> dict:
     """Greedy answers of the live policy through the proxy, `batch_size` requests in flight."""
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=3)
+    # a routed request waits for a worker's round to end: longer than ProxyClient's usual read timeout
+    client.http.timeout = httpx.Timeout(10, read=args.live_wait_s)
     n = len(task.prompts) if args.limit <= 0 else min(args.limit, len(task.prompts))
 
     def ask(i: int) -> dict:
