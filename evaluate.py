@@ -16,11 +16,17 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
         evaluate.py common.py models.py tasks.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
+    python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
 Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition
 and jsonl:PATH a fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
 must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
 the mean of the task's `correct` reward component.
+
+--live loads no model: it sends each held-out prompt as a greedy chat request to the proxy
+(POST /v1/chat/completions, routing.py), where the run's serving rollout workers answer with the
+adapter they serve at that moment; the result counts which adapter versions answered. It needs only
+the proxy's URL and token (no bucket keys), and is written to the bucket (evals/) when BUCKET is set.
 """
 from __future__ import annotations
 
@@ -30,13 +36,16 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
+from common import AdapterError, Bucket, ProxyClient, adapter_prefix, fetch_adapter, script_args  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
 from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
@@ -62,6 +71,16 @@ class Args:
     """base model dtype (auto: bfloat16 on a GPU that has it, else float32)"""
     overwrite: bool = False
     """re-evaluate a version that already has a result"""
+    live: bool = False
+    """evaluate the policy the run's workers serve now, through the proxy's routed chat endpoint (no model here)"""
+    proxy_url: str = field(default_factory=lambda: os.environ.get("PROXY_URL", "http://127.0.0.1:8000"))
+    """--live: the proxy (env PROXY_URL)"""
+    proxy_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_TOKEN"))
+    """--live: the proxy token (env PROXY_TOKEN)"""
+    hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
+    """--live: HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
+    live_wait_s: float = 900.0
+    """--live: how long one request may wait for its answer (the proxy gives up first: ROUTE_TIMEOUT_S, 300 s)"""
 
 
 def result_key(version: int, task_name: str) -> str:
@@ -110,7 +129,43 @@ def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) 
                          for i in range(min(3, n))]}
 
 
+def evaluate_live(args: Args, task) -> dict:
+    """Greedy answers of the live policy through the proxy, `batch_size` requests in flight."""
+    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=3)
+    # a routed request waits for a worker's round to end: longer than ProxyClient's usual read timeout
+    client.http.timeout = httpx.Timeout(10, read=args.live_wait_s)
+    n = len(task.prompts) if args.limit <= 0 else min(args.limit, len(task.prompts))
+
+    def ask(i: int) -> dict:
+        return client.post("/v1/chat/completions", {"messages": [{"role": "user", "content": task.prompts[i]}],
+                                                     "max_tokens": args.max_new_tokens, "temperature": 0.0})
+    t0 = time.time()
+    with ThreadPoolExecutor(max(1, args.batch_size)) as pool:
+        answers = list(pool.map(ask, range(n)))
+    completions = [a["choices"][0]["message"]["content"] for a in answers]
+    scored = [task.reward(c, i) for i, c in enumerate(completions)]
+    parts = [p for _, p in scored]
+    versions = Counter(a["adapter_version"] for a in answers)
+    return {"live": True, "task": task.name, "split": "eval", "n": n, "proxy_url": args.proxy_url,
+            "accuracy": sum(p["correct"] for p in parts) / n, "reward_mean": sum(r for r, _ in scored) / n,
+            "components": {k: sum(p[k] for p in parts) / n for k in parts[0]},
+            "adapter_versions": {str(v): c for v, c in sorted(versions.items())},
+            "workers": sorted({a["worker_id"] for a in answers}), "max_new_tokens": args.max_new_tokens,
+            "eval_s": round(time.time() - t0, 2), "created_at": time.time(),
+            "examples": [{"prompt": task.prompts[i], "answer": task.answers[i], "completion": completions[i],
+                          "adapter_version": answers[i]["adapter_version"]} for i in range(min(3, n))]}
+
+
 def main(args: Args) -> None:
+    if args.live:
+        task = load_task(args.task, "eval")
+        res = evaluate_live(args, task)
+        if os.environ.get("BUCKET"):
+            key = f"evals/live_{re.sub(r'[^A-Za-z0-9_.-]', '-', task.name)}_{int(res['created_at'])}.json"
+            Bucket().put_json(key, res)
+            print(f"written to {key}", file=sys.stderr)
+        print(json.dumps({k: res[k] for k in ("task", "n", "accuracy", "reward_mean", "adapter_versions")}), flush=True)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batch_size < 1 or args.max_new_tokens < 1:

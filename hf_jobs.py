@@ -16,7 +16,9 @@ and `proxy/endpoint.json` (common.write_proxy_endpoint): where the proxy answers
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -33,6 +35,25 @@ HF_S3_GATEWAY = "https://s3.hf.co"
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")   # huggingface_hub's TERMINAL_JOB_STAGES
 PLAN, STOP, LEASE, FILES = "launch/plan.json", "launch/stop.json", "launch/supervisor.json", "launch/files"
 CALLER_SECRETS = ("HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+ROOT = Path(__file__).resolve().parent
+
+
+@functools.cache
+def shipped(script: str) -> tuple[str, ...]:
+    """The repository's modules `script` imports, directly or through one another, lazily imported ones
+    included: exactly the files that must travel beside it to a job (`hf jobs uv run SCRIPT FILE...`).
+    Read from the code, so a new module can never be forgotten in a job's file list."""
+    ours = {p.stem for p in ROOT.glob("*.py")}
+    found, todo = set(), [script]
+    while todo:
+        for node in ast.walk(ast.parse((ROOT / todo.pop()).read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for m in {n.split(".")[0] for n in names} & ours - {script[:-3]}:
+                if f"{m}.py" not in found:
+                    found.add(f"{m}.py")
+                    todo.append(f"{m}.py")
+    return tuple(sorted(found))
 
 
 @dataclass

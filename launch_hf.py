@@ -18,7 +18,7 @@ or HF_TOKEN); PROXY_TOKEN (the proxy's shared secret) and AWS_ACCESS_KEY_ID / AW
 (bucket credentials: the HFAK... keys of the Storage Buckets S3 gateway, or your S3 provider's)
 exported. Secrets travel to the jobs as HF Jobs secrets; this file prints their names only.
 
-Each job runs `uv run /data/SCRIPT /data/common.py ... /data/runconfig.py ARGS` (the SHIPPED modules): huggingface_hub
+Each job runs `uv run /data/SCRIPT /data/common.py ... ARGS` (hf_jobs.shipped: the modules SCRIPT imports): huggingface_hub
 uploads every script argument that is a local file to the private bucket <namespace>/jobs-artifacts and
 mounts the job's folder at /data, so the shared modules land beside the script (which drops them from
 its argv). The launcher first stores the run's layout and those files under s3://BUCKET/RUN/launch/
@@ -43,7 +43,7 @@ import tyro
 import memory
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
                      load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
-                     secret_values, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+                     secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
 from supervisor import Policy, Supervisor
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -113,8 +113,7 @@ class Args:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py", "hub.py", "runconfig.py")  # the shared modules, uploaded beside every role script
-SUPERVISOR_SHIPPED = ("hf_jobs.py", "supervisor.py", "common.py", "tasks.py", "memory.py")  # beside launch_hf.py in a supervisor job
+ROLE_SCRIPTS = ("proxy.py", "rollout.py", "train.py", "launch_hf.py")  # launch_hf.py: the supervisor job
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:
@@ -132,14 +131,14 @@ def prompts_key(args: Args) -> str | None:
 
 def sources(args: Args) -> dict[str, Path]:
     """Every file a job of the run ships, by the name it has in the job's /data -> where it is here."""
-    names = {"proxy.py", "rollout.py", "train.py", "launch_hf.py", *SHIPPED, *SUPERVISOR_SHIPPED}
+    names = {n for script in ROLE_SCRIPTS for n in (script, *shipped(script))}
     return {n: Path(ROOT) / n for n in sorted(names)}
 
 
 def plan(args: Args, namespace: str) -> list[JobSpec]:
     """The run's layout. No job is told the proxy's URL: a relaunched proxy has a new one, so workers
     and trainer read it from the run's proxy/endpoint.json (written once the proxy answers)."""
-    files, task = list(SHIPPED), args.task
+    task = args.task
     if key := prompts_key(args):  # the workers read the prompts from the bucket: one that joins later needs no file
         task = f"jsonl:s3://{args.bucket}/{args.run}/{key}"
     env = bucket_env(args, namespace)
@@ -147,15 +146,15 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
-    jobs = [JobSpec("proxy", "proxy.py", files, ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G, *args.proxy_arg],
+    jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G, *args.proxy_arg],
                     args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
     for i in range(1, args.workers + 1):
-        jobs.append(JobSpec(f"rollout-{i}", "rollout.py", files,
+        jobs.append(JobSpec(f"rollout-{i}", "rollout.py", list(shipped("rollout.py")),
                             ["--model", args.model, "--task", task, *G, "--max-new-tokens", str(args.max_new_tokens),
                              "--worker-id", f"{args.run}-w{i}", "--seed", str(i), *args.rollout_arg],
                             args.rollout_flavor, caller_secrets, env, args.timeout,
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
-    jobs.append(JobSpec("trainer", "train.py", list(SHIPPED), ["--model", args.model, "--max-steps", str(args.steps),
+    jobs.append(JobSpec("trainer", "train.py", list(shipped("train.py")), ["--model", args.model, "--max-steps", str(args.steps),
                                                               *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
@@ -163,7 +162,7 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
     # the supervisor: lists, relaunches and cancels the run's jobs (HF token), reads the bucket (keys)
     policy = [a for f in fields(Policy) if getattr(args.policy, f.name) != getattr(Policy(), f.name)
               for a in (f"--policy.{f.name.replace('_', '-')}", str(getattr(args.policy, f.name)))]
-    jobs.append(JobSpec("supervisor", "launch_hf.py", list(SUPERVISOR_SHIPPED),
+    jobs.append(JobSpec("supervisor", "launch_hf.py", list(shipped("launch_hf.py")),
                         ["--watch", args.run, "--namespace", namespace, "--bucket", args.bucket, *policy],
                         args.supervisor_flavor, ["HF_TOKEN", "PROXY_TOKEN", *bucket_secrets], env, args.timeout))
     return jobs

@@ -15,7 +15,7 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
         --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        proxy.py common.py runconfig.py --host 0.0.0.0 --port 8000
+        proxy.py common.py routing.py runconfig.py --host 0.0.0.0 --port 8000
 
 Durability: the bucket is my only disk. Every change an answer depends on is in an append-only journal
 in the bucket before the answer goes out: each group commit is one object rollouts/{incarnation:06d}-{seq:08d}.jsonl
@@ -50,6 +50,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
 from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from routing import router as inference_router  # noqa: E402
 from runconfig import record_config  # noqa: E402
 
 @dataclass
@@ -384,6 +385,7 @@ def guard(app):
     return asgi
 
 app.add_middleware(guard)
+app.include_router(inference_router)  # POST /v1/chat/completions answered by serving workers (routing.py)
 
 @app.get("/health")
 async def health() -> dict:

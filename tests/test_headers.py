@@ -119,13 +119,11 @@ def test_parser_reads_a_known_header():
     assert {"torch", "transformers", "peft", "boto3", "datasets"} <= set(deps)
 
 
-@pytest.mark.parametrize("script", ["proxy.py", "rollout.py", "train.py", "evaluate.py"])
-def test_every_shared_module_a_job_script_imports_is_shipped_with_it(script):
+def test_every_job_of_a_run_ships_every_shared_module_its_script_imports():
+    """Each job of the launcher's plan (the supervisor's `launch_hf.py --watch RUN` included) carries the
+    modules its script imports, as this file finds them (independently of hf_jobs.shipped)."""
     import launch_hf
-    assert {f"{m}.py" for m in local_modules(script)} <= set(launch_hf.SHIPPED), script
-
-
-def test_the_supervisor_job_ships_every_shared_module_launch_hf_imports():
-    """A supervisor job runs `launch_hf.py --watch RUN` with SUPERVISOR_SHIPPED beside it."""
-    import launch_hf
-    assert {f"{m}.py" for m in local_modules("launch_hf.py")} <= set(launch_hf.SUPERVISOR_SHIPPED)
+    jobs = launch_hf.plan(launch_hf.Args(run="r", workers=2), "ns")
+    assert {j.script for j in jobs} == {"proxy.py", "rollout.py", "train.py", "launch_hf.py"}
+    for job in jobs:
+        assert {f"{m}.py" for m in local_modules(job.script)} <= set(job.files), job.role

@@ -148,18 +148,17 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    shipped = [f"/data/{m}" for m in launch_hf.SHIPPED]
+    shipped = lambda script: [f"/data/{m}" for m in hf_jobs.shipped(script)]  # noqa: E731
     expected = {
-        "proxy": (["/data/proxy.py", *shipped, "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+        "proxy": (["/data/proxy.py", *shipped("proxy.py"), "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
-        "rollout-1": (["/data/rollout.py", *shipped, "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "rollout-1": (["/data/rollout.py", *shipped("rollout.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
-        "trainer": (["/data/train.py", *shipped, "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+        "trainer": (["/data/train.py", *shipped("train.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "TRAINER_ID": "gsm-1-trainer"}),
-        "supervisor": (["/data/launch_hf.py", "/data/hf_jobs.py", "/data/supervisor.py", "/data/common.py",
-                        "/data/tasks.py", "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
+        "supervisor": (["/data/launch_hf.py", *shipped("launch_hf.py"), "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
                        {"HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
     }
     uploads = uploaded(fake)
@@ -234,9 +233,9 @@ def test_jsonl_task_is_uploaded_to_the_bucket_and_read_from_there(hub, s3_env, m
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:12] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
-                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/hub.py",
-                                    "/data/runconfig.py"]
+    assert roll["command"][:7 + len(hf_jobs.shipped("rollout.py"))] == [
+        "uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+        *(f"/data/{m}" for m in hf_jobs.shipped("rollout.py"))]
     url = f"s3://tests/mine/prompts/{name}"
     assert roll["command"][roll["command"].index("--task") + 1] == f"jsonl:{url}"
     assert all(name not in str(src) for _, files in fake.uploads for src, _ in files)

@@ -117,9 +117,11 @@ def test_bad_inputs_get_their_4xx_and_change_nothing(bucket, start_proxy):
 # schemathesis: property-based requests from /openapi.json against the live proxy, no 5xx
 
 
-def test_openapi_fuzz_no_5xx(bucket, start_proxy):
+def test_openapi_fuzz_no_5xx(bucket, start_proxy, monkeypatch):
     """Every operation of /openapi.json, 25 generated requests each (schemathesis' strategies driven by
-    hypothesis here, not its pytest plugin)."""
+    hypothesis here, not its pytest plugin). Routed chat requests answer 503 (no worker serving) or 504
+    (nobody answered within ROUTE_TIMEOUT_S) by design: those two, with their messages, are not errors."""
+    monkeypatch.setenv("ROUTE_TIMEOUT_S", "1")
     p = start_proxy("--group-size", "4", "--lease-s", "2")
     publish(bucket, p, 1)
     schema = schemathesis.openapi.from_url(f"{p.url}/openapi.json")
@@ -137,7 +139,10 @@ def test_openapi_fuzz_no_5xx(bucket, start_proxy):
                     part["wait_s"] = 0.2
             r = case.call(headers={"X-Proxy-Token": p.token}, timeout=30)
             calls.append(r.status_code)
-            assert r.status_code < 500, f"{case.method} {case.path}: {r.status_code} {r.text[:300]}"
+            designed = case.path == "/v1/chat/completions" and (
+                (r.status_code == 503 and "no worker is serving" in r.text)
+                or (r.status_code == 504 and "no worker answered within" in r.text))
+            assert r.status_code < 500 or designed, f"{case.method} {case.path}: {r.status_code} {r.text[:300]}"
         run()
     assert len(calls) >= 5 * len(ops) and any(c == 200 for c in calls)
     assert p.http.get("/health").status_code == 200

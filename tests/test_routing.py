@@ -1,0 +1,189 @@
+"""Inference routing through the proxy (routing.py): the contract through the real proxy under uvicorn
+(the test plays the workers' side over HTTP), then end to end with a real rollout worker process on
+the tiny model answering a real client, and evaluate.py --live through it."""
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import common
+import engines
+import routing
+from conftest import ROOT, stop
+
+CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
+
+
+def test_every_route_declares_its_scope():
+    routes = {(m, r.path) for r in routing.router.routes for m in r.methods}
+    assert routes == set(routing.SCOPES), routes ^ set(routing.SCOPES)
+    assert set(routing.SCOPES.values()) == {"inference", "worker"}
+
+
+def ask(proxy, body=CHAT, out=None, timeout=60):
+    """POST a chat request; with `out`, in a thread that appends the response there."""
+    def go():
+        r = proxy.http.post("/v1/chat/completions", json=body, timeout=timeout)
+        if out is not None:
+            out.append(r)
+        return r
+    if out is None:
+        return go()
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def lease(proxy, worker, n=4, wait_s=10.0):
+    return proxy.http.post("/v1/inference/lease", json={"worker_id": worker, "max_requests": n, "wait_s": wait_s}).json()["requests"]
+
+
+def answer(proxy, worker, rid, version=3, **kw):
+    a = {"request_id": rid, "adapter_version": version, **(kw or {"text": "7", "finish_reason": "stop",
+                                                                  "prompt_tokens": 10, "completion_tokens": 1})}
+    return proxy.http.post("/v1/inference/answers", json={"worker_id": worker, "answers": [a]})
+
+
+def test_routing_contract(start_proxy, monkeypatch):
+    for k, v in {"ROUTE_MAX_QUEUE": "2", "ROUTE_TIMEOUT_S": "4", "ROUTE_LEASE_S": "1", "ROUTE_MAX_TOKENS": "64"}.items():
+        monkeypatch.setenv(k, v)
+    proxy = start_proxy(use_bucket=False)
+
+    assert httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT).status_code == 401
+    r = ask(proxy)  # nobody serves yet: an immediate, clear 503
+    assert r.status_code == 503 and "no worker is serving" in r.text and r.headers["Retry-After"] == "10"
+    assert lease(proxy, "w1", wait_s=0) == []
+
+    # bad requests: 422 naming the problem, nothing queued
+    bad = [({**CHAT, "n": 2}, "n"), ({**CHAT, "stream": True}, "stream"), ({**CHAT, "tools": []}, "tools"),
+           ({**CHAT, "max_tokens": 65}, "over this proxy's limit 64"), ({**CHAT, "messages": []}, "messages"),
+           ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "role"),
+           ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "content"),
+           ({**CHAT, "messages": [{"role": "user", "content": "x" * 40000}]}, "limit is 32768"),
+           ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "at most 4"), ({**CHAT, "temperature": -1}, "temperature")]
+    for body, says in bad:
+        r = ask(proxy, body)
+        assert r.status_code == 422 and says in r.text, (body, r.status_code, r.text)
+    assert proxy.http.get("/v1/inference/stats").json()["requests"] == 0
+
+    # a round trip: the worker gets the normalised body, the client the OpenAI answer with the version
+    got = []
+    t = ask(proxy, {**CHAT, "stop": "\n", "seed": 5}, out=got)
+    (req,) = lease(proxy, "w1")
+    assert {k: v for k, v in req.items() if k != "request_id"} == {
+        "messages": CHAT["messages"], "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 5, "stop": ["\n"]}
+    assert answer(proxy, "w1", req["request_id"]).json() == {"accepted": 1, "unknown": []}
+    t.join()
+    r = got[0]
+    assert r.status_code == 200 and r.headers["X-Adapter-Version"] == "3", r.text
+    d = r.json()
+    assert d["object"] == "chat.completion" and d["adapter_version"] == 3 and d["worker_id"] == "w1"
+    assert d["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}]
+    assert d["usage"] == {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}
+
+    # a full queue: 429 with Retry-After; a silent worker's lease goes back to the queue once
+    got = []
+    threads = [ask(proxy, out=got) for _ in range(2)]
+    while proxy.http.get("/v1/inference/stats").json()["waiting"] < 2:
+        time.sleep(0.05)
+    r = ask(proxy)
+    assert r.status_code == 429 and "queue full (2 requests)" in r.text and r.headers["Retry-After"] == "2"
+    held = lease(proxy, "w1")
+    assert len(held) == 2
+    time.sleep(1.5)  # w1 says nothing for longer than ROUTE_LEASE_S
+    again = lease(proxy, "w2")
+    assert sorted(x["request_id"] for x in again) == sorted(x["request_id"] for x in held)
+    assert answer(proxy, "w1", held[0]["request_id"]).json() == {"accepted": 0, "unknown": [held[0]["request_id"]]}
+    answer(proxy, "w2", again[0]["request_id"], version=4)
+    answer(proxy, "w2", again[1]["request_id"], error="prompt too long for the model")
+    [t.join() for t in threads]
+    codes = sorted(r.status_code for r in got)
+    assert codes == [200, 502], [r.text for r in got]
+    assert "worker w2 could not answer: prompt too long for the model" in next(r.text for r in got if r.status_code == 502)
+    assert next(r.json() for r in got if r.status_code == 200)["adapter_version"] == 4
+
+    # nobody takes it: 504 after ROUTE_TIMEOUT_S, and the queue is empty again
+    t0 = time.time()
+    r = ask(proxy)
+    assert r.status_code == 504 and "no worker answered within 4 s" in r.text and time.time() - t0 >= 3.9
+
+    # malformed answers
+    bad_answer = {"request_id": "abc", "adapter_version": 1, "text": "x", "error": "y"}
+    r = proxy.http.post("/v1/inference/answers", json={"worker_id": "w1", "answers": [bad_answer]})
+    assert r.status_code == 422 and "either error, or text" in r.text
+    r = proxy.http.post("/v1/inference/lease", json={"worker_id": "bad id!", "max_requests": 1})
+    assert r.status_code == 422 and "worker_id" in r.text
+    s = proxy.http.get("/v1/inference/stats").json()
+    assert (s["waiting"], s["being_answered"], s["answered"], s["worker_errors"], s["timed_out"], s["rejected_full"],
+            s["rejected_no_worker"], s["requeued"], s["late_answers"]) == (0, 0, 2, 1, 1, 1, 1, 2, 1)
+    assert set(s["serving_workers"]) == {"w1", "w2"}
+
+
+@pytest.fixture
+def adapter_v1(tiny_model, bucket, tmp_path):
+    """A published LoRA with random B (it changes greedy outputs), and the peft model holding it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                           LoraConfig(r=4, lora_alpha=64, target_modules="all-linear", init_lora_weights=False))
+    model.save_pretrained(tmp_path / "v1")
+    common.publish_adapter(bucket, tmp_path / "v1", 1, step=1, base_model=tiny_model)
+    return model.eval()
+
+
+def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model, start_proxy, run_name, tmp_path,
+                                                                     adapter_v1):
+    from transformers import AutoTokenizer
+    proxy = start_proxy("--group-size", "4")
+    assert proxy.stats()["latest_version"] == 1  # adopted from adapters/latest.json at start
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "wr", "--poll-s", "1",
+                               "--serve-per-round", "2"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    rounds = lambda: re.findall(r"round (\d+) v(\d+):[^\n]*", log.read_text())  # noqa: E731
+    try:
+        t0 = time.time()
+        while not any(v == "1" for _, v in rounds()):
+            assert time.time() - t0 < 300 and worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        # a real client through the proxy: the worker answers with the adapter it serves (v1)
+        body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6, "temperature": 0}
+        r = proxy.http.post("/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert d["adapter_version"] == 1 and d["worker_id"] == "wr" and r.headers["X-Adapter-Version"] == "1"
+        tok = AutoTokenizer.from_pretrained(tiny_model)
+        req = {"messages": body["messages"], "max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
+        want_v1 = engines.hf_chat(adapter_v1, tok, req)
+        with adapter_v1.disable_adapter():
+            want_base = engines.hf_chat(adapter_v1, tok, req)
+        assert want_v1["text"] != want_base["text"], "the adapter does not change the greedy answer: the test cannot tell"
+        assert d["choices"][0]["message"]["content"] == want_v1["text"]
+        assert d["usage"]["completion_tokens"] == want_v1["completion_tokens"]
+
+        # evaluate.py --live: 8 held-out prompts, 4 in flight, all answered by v1; rollouts went on meanwhile
+        n_before = len(rounds())
+        p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--live", "--limit", "8", "--batch-size", "4",
+                            "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        assert res["n"] == 8 and res["adapter_versions"] == {"1": 8} and 0.0 <= res["accuracy"] <= 1.0
+        stored = [k for k in common.Bucket(run=run_name).list("evals/") if k.startswith("evals/live_addition_")]
+        assert len(stored) == 1
+        served = [int(m) for m in re.findall(r"(\d+) routed request\(s\) answered", log.read_text())]
+        assert sum(served) >= 8 and max(served) <= 2   # never more than --serve-per-round between two rounds
+        assert len(rounds()) > n_before                  # rollout rounds went on while serving
+        worker.terminate()  # SIGTERM: it finishes its round and exits cleanly
+        assert worker.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        stop(worker)
