@@ -80,8 +80,9 @@ CASES = [
 
 
 def comparable(stats: dict) -> dict:
-    out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers")}
-    out["workers"] = {w: d["groups"] for w, d in stats["workers"].items()}  # last_seen_s_ago moves with the clock
+    out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers", "participants")}
+    for table in ("workers", "participants"):  # last_seen_s_ago moves with the clock
+        out[table] = {w: d["groups"] for w, d in stats[table].items()}
     return out
 
 
