@@ -5,6 +5,7 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
 
   1. bucket          S3 client from the environment, put/get with botocore retries, JSON helpers
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
+                     (from the bucket, or through the URLs the proxy hands out: no bucket keys)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
@@ -228,15 +229,7 @@ def fetch_adapter_via_proxy(client: "ProxyClient", version: int, dest: str | Pat
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     files = client.get(f"/v1/adapters/{version}/files")["files"]
-    try:
-        meta = json.loads(_download(client, files["meta.json"], None, f"version {version}: meta.json"))
-    except ValueError as e:
-        raise AdapterError(f"version {version}: meta.json is not JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("version") != version:
-        raise AdapterError(f"version {version}: meta.json describes version {meta.get('version') if isinstance(meta, dict) else meta!r}")
-    if set(meta.get("files", {})) != set(ADAPTER_FILES):
-        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
-                           f"expected {list(ADAPTER_FILES)}")
+    meta = proxy_adapter_meta(client, version, files)
     for name, want in meta["files"].items():
         part = dest / f".{name}.part"
         digest = _download(client, files[name], part, f"version {version}: {name}")
@@ -244,6 +237,22 @@ def fetch_adapter_via_proxy(client: "ProxyClient", version: int, dest: str | Pat
             part.unlink(missing_ok=True)
             raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
         os.replace(part, dest / name)
+    return meta
+
+
+def proxy_adapter_meta(client: "ProxyClient", version: int, files: dict | None = None) -> dict:
+    """Version `version`'s meta.json through the proxy's URLs, checked to describe that version's files."""
+    files = files or client.get(f"/v1/adapters/{version}/files")["files"]
+    try:
+        meta = json.loads(_download(client, files["meta.json"], None, f"version {version}: meta.json"))
+    except ValueError as e:
+        raise AdapterError(f"version {version}: meta.json is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("version") != version:
+        raise AdapterError(f"version {version}: meta.json describes version "
+                           f"{meta.get('version') if isinstance(meta, dict) else None}")
+    if set(meta.get("files", {})) != set(ADAPTER_FILES):
+        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
+                           f"expected {list(ADAPTER_FILES)}")
     return meta
 
 

@@ -15,7 +15,6 @@ against the real proxy process and the real S3 server (each of these fails on th
 """
 import http.client
 import os
-import resource
 import secrets
 import signal
 import socket
@@ -24,44 +23,13 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import httpx
 import pytest
 
-from conftest import ROOT, ProxyProc, free_port, stop, wait_http
+from conftest import ROOT, free_port, stop
+from proxyproc import rss_hwm_mb, spawn  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
-
-
-@pytest.fixture
-def spawn(s3_env, run_name, tmp_path):
-    """Start proxy.py with extra flags, environment and an optional soft file limit; stopped at the end."""
-    procs = []
-
-    def start(*flags, env=None, nofile=None, port=None) -> ProxyProc:
-        port, token = port or free_port(), secrets.token_urlsafe(16)
-        full_env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": token, **(env or {})}
-        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))) if nofile else None
-        log = open(tmp_path / f"proxy-{port}-{len(procs)}.log", "w")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4", *flags],
-                                env=full_env, stdout=log, stderr=log, preexec_fn=limit)
-        procs.append(proc)
-        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=60)
-        p = ProxyProc(f"http://127.0.0.1:{port}", token, proc)
-        p.log, p.port = log.name, port
-        return p
-
-    yield start
-    for p in procs:
-        stop(p)
-
-
-def rss_hwm_mb(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 # ---- 1 ---------------------------------------------------------------------------------------------
