@@ -224,7 +224,7 @@ def fetch_adapter(bucket: Bucket, version: int, dest: str | Path) -> dict:
 def fetch_adapter_via_proxy(client: "ProxyClient", version: int, dest: str | Path) -> dict:
     """fetch_adapter for a worker without bucket keys: the files come through the URLs the proxy hands
     out (`GET /v1/adapters/{version}/files`: a presigned bucket URL, or the proxy streaming the file;
-    see downloads.py), and every file is checked against meta.json's sha256 the same way. Files are
+    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. Files are
     streamed to disk (an adapter can be a GB) and renamed into place only once they verify."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,8 @@ class JobSpec:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py", "journal.py", "access.py", "serving.py", "downloads.py")  # shared modules, uploaded beside every script
+SHIPPED = ("common.py", "models.py", "tasks.py", "journal.py", "access.py", "serving.py", "adapter_files.py", "prompts.py",
+           "participants.py")  # shared modules, uploaded beside every script
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:

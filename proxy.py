@@ -11,14 +11,17 @@ make outbound HTTP calls to it; it never calls them.
 
     python proxy.py --port 8000                      # loopback, token from PROXY_TOKEN
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --secrets PROXY_TOKEN \
-        proxy.py common.py journal.py access.py serving.py downloads.py --host 0.0.0.0   # on HF Jobs (README)
+        proxy.py common.py journal.py access.py serving.py adapter_files.py prompts.py participants.py \
+        --host 0.0.0.0                                   # on HF Jobs (README)
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal
 (journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
 (as sent) or event (lease, renew, ack, expire, version, prompt cursor, duplicate, stale arrival), in
 order, and a snapshot of the counters. On start the proxy replays that log, so `kill -9` at any moment
 is fine. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
-server's own limits are serving.py; how workers without bucket keys get adapter files is downloads.py.
+server's own limits are serving.py; checking published versions and handing their files to workers
+without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
+(per participant and worker) is participants.py.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import re
 import sys
 import time
 import uuid
-from collections import OrderedDict, deque, namedtuple
+from collections import OrderedDict, namedtuple
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
@@ -47,8 +50,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 import access  # noqa: E402
 import journal  # noqa: E402
 from access import ADMIN, scope  # noqa: E402
-from common import ADAPTER_FILES, Bucket, BucketError, Metrics, TrajectoryGroup, adapter_prefix, peak_rss_mb  # noqa: E402
-from downloads import FILES, Downloads  # noqa: E402
+from common import Bucket, BucketError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from adapter_files import FILES, Downloads, check_published  # noqa: E402
+from participants import Senders  # noqa: E402
+from prompts import Cursors, PromptError  # noqa: E402
 from serving import Limits, serve  # noqa: E402
 
 @dataclass
@@ -114,9 +119,8 @@ class State:
     versions: list = field(default_factory=lambda: [{"version": 0, "step": 0, "published_at": None, "registered": None}])
     pending_version: int = 0                        # a version whose journal write is in flight
     done: bool = False                              # the trainer registered its final version
-    cursors: dict = field(default_factory=dict)     # dataset -> {size, epoch, pos}
-    workers: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)  # participant/worker_id -> {last_seen, groups, recent}
-    participants: dict = field(default_factory=dict)  # participant -> {groups, last_seen}
+    cursors: Cursors = field(default_factory=lambda: Cursors(0, MAX_DATASETS))  # prompt dispatch
+    senders: Senders = field(default_factory=lambda: Senders(MAX_WORKERS))  # groups per participant and worker
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ["groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_rejected_full",
          "groups_leased", "groups_acked", "batches_leased", "batches_acked", "leases_expired"], 0))
@@ -183,34 +187,15 @@ async def wait_until(ready, wait_s: float) -> bool:
             await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
     return True
 
-def touch_worker(participant: str | None, worker: str, at: float, groups: int = 0, live: bool = True) -> None:
-    """A participant's worker sent a group. Workers are keyed `participant/worker_id` (the run's own jobs, on
-    the admin token: `worker_id`), so no participant can pass for another's worker."""
-    key = worker if participant is None else f"{participant}/{worker}"
-    d = S.workers.pop(key, None) or {"last_seen": 0.0, "groups": 0, "recent": deque(maxlen=100_000)}
-    S.workers[key] = d  # most recent last, so the least recently seen is evicted first
-    if len(S.workers) > MAX_WORKERS:
-        S.workers.popitem(last=False)
-    d["last_seen"] = at
-    d["groups"] += groups
-    p = S.participants.setdefault(participant or ADMIN, {"groups": 0, "last_seen": 0.0})
-    p["groups"] += groups
-    p["last_seen"] = at
-    if groups and live:  # the groups/s of the last minute (replayed ones are older)
-        d["recent"].append(at)
-
 def stats() -> dict:
-    now, tokens = time.time(), POLICY.tokens
-    people = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None}
-              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
-    for n, d in S.participants.items():
-        people.setdefault(n, {}).update(groups=d["groups"], last_seen_s_ago=round(now - d["last_seen"], 1))
+    tokens = POLICY.tokens
+    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None}
+             for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.buffer), "latest_version": S.latest, "done": S.done, "open_leases": len(S.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
             "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
-            "participants": {n: {"groups": 0, **d} for n, d in people.items()},
-            "workers": {w: {"last_seen_s_ago": round(now - d["last_seen"], 1), "groups": d["groups"]} for w, d in S.workers.items()},
-            "cursors": S.cursors, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            **S.senders.stats(time.time(), roles),
+            "cursors": S.cursors.table, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 # ---- replay: the journal's lines, applied in log order --------------------------------------------
@@ -233,7 +218,7 @@ def replay(bucket: Bucket) -> None:
             accepted += gid not in S.seen
             S.seen.add(gid)
             S.buffer[gid] = Entry(gid, int(m[3]), line)
-            touch_worker(tail[1].decode() if tail else None, m[2].decode(), at, groups=1, live=False)
+            S.senders.touch(tail[1].decode() if tail else None, m[2].decode(), at, groups=1, live=False)
             continue
         e = json.loads(line)
         t = e["t"]
@@ -262,11 +247,11 @@ def replay(bucket: Bucket) -> None:
             S.versions.append({**{k: e[k] for k in ("version", "step", "published_at")}, "registered": None})
             S.done = e["final"]
         elif t == "cursor":
-            S.cursors[e["dataset"]] = {k: e[k] for k in ("size", "epoch", "pos")}
+            S.cursors.apply(e)
         elif t == "stale":  # refused as stale on arrival: a resubmission is a duplicate
             S.seen.add(e["group_id"])
             stale += 1
-            touch_worker(e.get("participant"), e["worker_id"], at, live=False)
+            S.senders.touch(e.get("participant"), e["worker_id"], at, live=False)
         elif t == "counters":
             snapshot = e
     drop_stale(count=False)
@@ -309,17 +294,7 @@ class StateCollector:
         for k, v in (("buffer_size", len(S.buffer)), ("open_leases", len(S.leases)), ("latest_version", S.latest),
                      ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
             yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
-        seen = GaugeMetricFamily("proxy_worker_last_seen_timestamp", "unix time of a worker's last group", labels=["worker"])
-        rate = GaugeMetricFamily("proxy_worker_groups_per_second", "a worker's groups over the last 60 s", labels=["worker"])
-        part = GaugeMetricFamily("proxy_participant_groups", "groups accepted from a participant", labels=["participant"])
-        for w, d in S.workers.items():
-            while d["recent"] and d["recent"][0] < time.time() - 60:
-                d["recent"].popleft()
-            seen.add_metric([w], d["last_seen"])
-            rate.add_metric([w], len(d["recent"]) / 60.0)
-        for n, d in S.participants.items():
-            part.add_metric([n], d["groups"])
-        yield from (seen, rate, part)
+        yield from S.senders.collect()
 
 REGISTRY.register(StateCollector())
 
@@ -341,6 +316,7 @@ async def lifespan(app: FastAPI):
     global BUCKET, METRICS, JOURNAL, DOWNLOADS
     POLICY.max_body, POLICY.body_timeout_s, POLICY.observe = int(ARGS.max_body_mb * 2**20), ARGS.body_timeout_s, _observe
     POLICY.tokens = access.Tokens(None, ARGS.token)
+    S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket()
         S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
@@ -457,7 +433,7 @@ async def submit_group(request: Request) -> SubmitResponse:
         except journal.JournalWriteError:
             S.counters["groups_dropped_stale"] -= 1
             raise
-        touch_worker(participant, group.worker_id, time.time())
+        S.senders.touch(participant, group.worker_id, time.time())
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
     if len(S.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
         S.counters["groups_rejected_full"] += 1
@@ -473,7 +449,7 @@ async def submit_group(request: Request) -> SubmitResponse:
     await journaled(gid, raw)
     async with S.cond:
         S.counters["groups_accepted"] += 1
-        touch_worker(participant, group.worker_id, time.time(), groups=1)
+        S.senders.touch(participant, group.worker_id, time.time(), groups=1)
         if too_stale(entry.version):  # a version registered while this group was being written
             S.counters["groups_dropped_stale"] += 1
             return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
@@ -613,27 +589,6 @@ class RegisterRequest(Strict):
     final: bool = False
     """the trainer is done: workers stop after this version; nothing registers after it"""
 
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-def check_published(bucket: Bucket, version: int) -> None:
-    """422 unless version's meta.json is JSON for this version with a sha256 per adapter file, and the files are there."""
-    got = bucket.get(f"{adapter_prefix(version)}/meta.json")
-    if got is None:
-        raise HTTPException(422, f"version {version} has no meta.json in the bucket: publish it first")
-    try:
-        meta = json.loads(got[0])
-    except ValueError:
-        raise HTTPException(422, f"meta.json of version {version} is not JSON") from None
-    if not isinstance(meta, dict) or meta.get("version") != version:
-        raise HTTPException(422, f"meta.json of version {version} describes version "
-                                 f"{meta.get('version') if isinstance(meta, dict) else None}")
-    files = meta.get("files")
-    if not isinstance(files, dict) or set(files) != set(ADAPTER_FILES) or not all(SHA256.match(str(v)) for v in files.values()):
-        raise HTTPException(422, f"meta.json of version {version} must give a sha256 for each of {list(ADAPTER_FILES)}")
-    present = {k.rsplit("/", 1)[1] for k in bucket.list(f"{adapter_prefix(version)}/")}
-    if missing := sorted(set(ADAPTER_FILES) - present):
-        raise HTTPException(422, f"version {version}: {missing} missing from the bucket")
-
 @app.post("/v1/adapters", openapi_extra=scope("trainer"))
 async def register_adapter(req: RegisterRequest) -> dict:
     """Register a version the trainer has published to the bucket (monotonic, complete, else 409/422)."""
@@ -695,58 +650,21 @@ class PromptLeaseRequest(Strict):
     size: int = Field(ge=1, le=1 << 22)
     n: int = Field(ge=1, le=4096)
 
-M64 = (1 << 64) - 1
-
-def _mix(z: int) -> int:  # splitmix64's finalizer: a cheap, well-spread 64-bit hash
-    z = (z * 0x9E3779B97F4A7C15) & M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-def shuffled(positions: range, size: int, key: str) -> list[int]:
-    """Position -> index under a seeded random permutation of range(size), computed per position (nothing the
-    size of the dataset is built): a 4-round Feistel network on the smallest even number of bits that covers
-    size, cycle-walking past the values >= size. A bijection, so no index comes twice in an epoch."""
-    bits = max(2, (size - 1).bit_length())
-    half = (bits + 1) // 2
-    mask = (1 << half) - 1
-    keys = [int.from_bytes(hashlib.blake2b(f"{key}:{r}".encode(), digest_size=8).digest(), "little") for r in range(4)]
-    out = []
-    for x in positions:
-        while True:
-            left, right = x >> half, x & mask
-            for k in keys:
-                left, right = right, left ^ (_mix(right ^ k) & mask)
-            x = (left << half) | right
-            if x < size:
-                break
-        out.append(x)
-    return out
-
 @app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
 async def lease_prompts(req: PromptLeaseRequest) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out)."""
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
-        if req.dataset not in S.cursors and len(S.cursors) >= MAX_DATASETS:
-            raise HTTPException(409, f"this run already has {MAX_DATASETS} datasets")
-        cur = S.cursors.setdefault(req.dataset, {"size": req.size, "epoch": 0, "pos": 0})
-        if cur["size"] != req.size:
-            raise HTTPException(409, f"dataset {req.dataset!r} has size {cur['size']} in this run, not {req.size}")
-        spans, need = [], req.n
-        while need:
-            take = min(need, req.size - cur["pos"])
-            spans.append((cur["epoch"], range(cur["pos"], cur["pos"] + take)))
-            cur["pos"], need = cur["pos"] + take, need - take
-            if cur["pos"] >= req.size:
-                cur["epoch"], cur["pos"] = cur["epoch"] + 1, 0
+        try:
+            spans, record = S.cursors.reserve(req.dataset, req.size, req.n)
+        except PromptError as e:
+            raise HTTPException(409, str(e)) from None
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
-        fut = JOURNAL.append({"t": "cursor", "dataset": req.dataset, **cur})
+        fut = JOURNAL.append(record)
     await fut
-    def indices() -> list[int]:
-        return [i for epoch, pos in spans for i in shuffled(pos, req.size, f"{ARGS.seed}:{req.dataset}:{epoch}")]
-    out = indices() if req.n <= 64 else await asyncio.to_thread(indices)  # ~5 us an index: big asks off the loop
-    return {"indices": out, "epochs": [epoch for epoch, pos in spans for _ in pos]}
+    if req.n <= 64:
+        return S.cursors.indices(req.dataset, req.size, spans)
+    return await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans)  # ~5 us an index: off the loop
 
 @app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:

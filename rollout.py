@@ -231,7 +231,7 @@ def default_backend() -> str:
 class VLLMSampler:
     """The vLLM engine and the adapter it serves; sample() returns what the hf sample() returns."""
 
-    def __init__(self, args: Args, bucket: Bucket | None, client: ProxyClient):
+    def __init__(self, args: Args, bucket: Bucket | None, client: ProxyClient | None = None):
         from transformers import AutoTokenizer
         from vllm import LLM
         path = local_smollm2() if args.model == LOCAL_MODEL else args.model
@@ -239,7 +239,7 @@ class VLLMSampler:
         r = args.vllm_lora_rank
         if not r and bucket is not None and (latest := bucket.get_json("adapters/latest.json")):
             r = (bucket.get_json(f"adapters/v{latest['version']:06d}/meta.json") or {}).get("lora", {}).get("r", 0)
-        elif not r and bucket is None and (latest := client.get("/v1/adapters/latest")["version"]):
+        elif not r and client is not None and (latest := client.get("/v1/adapters/latest")["version"]):
             r = proxy_adapter_meta(client, latest).get("lora", {}).get("r", 0)
         self.rank = next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
         args.max_lora_rank = min(args.max_lora_rank, self.rank)  # AdapterSync refuses bigger ones

@@ -1,5 +1,8 @@
-"""How a worker without bucket keys gets the files of an adapter version: the proxy answers
-`GET /v1/adapters/{version}/files` with, for meta.json and each adapter file, a `url` and a `path`.
+"""A published adapter version's files, as the proxy handles them: checking that a version being
+registered is complete (check_published), and handing its files to workers without bucket keys.
+
+The proxy answers `GET /v1/adapters/{version}/files` with, for meta.json and each adapter file, a `url`
+and a `path`:
 
   - presigned: `url` is a short-lived presigned GET URL (query-string SigV4) straight to the bucket, so
     the bytes never pass through the proxy. It names the bucket's endpoint and the object's key.
@@ -17,7 +20,9 @@ bytes come back.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import sys
 
 import boto3
@@ -30,9 +35,31 @@ from fastapi.responses import Response
 from common import ADAPTER_FILES, Bucket, adapter_prefix
 
 FILES = ("meta.json", *ADAPTER_FILES)
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROBE_KEY = "access/presign-probe.bin"
 CHUNK = 1 << 20
 SEND_TIMEOUT_S = 60.0  # a client that reads nothing for this long loses its download (and its slot)
+
+
+def check_published(bucket: Bucket, version: int) -> None:
+    """422 unless version's meta.json is JSON for this version with a sha256 per adapter file, and the files
+    are in the bucket (the trainer writes files, then meta.json, then registers: all must be there)."""
+    got = bucket.get(f"{adapter_prefix(version)}/meta.json")
+    if got is None:
+        raise HTTPException(422, f"version {version} has no meta.json in the bucket: publish it first")
+    try:
+        meta = json.loads(got[0])
+    except ValueError:
+        raise HTTPException(422, f"meta.json of version {version} is not JSON") from None
+    if not isinstance(meta, dict) or meta.get("version") != version:
+        raise HTTPException(422, f"meta.json of version {version} describes version "
+                                 f"{meta.get('version') if isinstance(meta, dict) else None}")
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != set(ADAPTER_FILES) or not all(SHA256.match(str(v)) for v in files.values()):
+        raise HTTPException(422, f"meta.json of version {version} must give a sha256 for each of {list(ADAPTER_FILES)}")
+    present = {k.rsplit("/", 1)[1] for k in bucket.list(f"{adapter_prefix(version)}/")}
+    if missing := sorted(set(ADAPTER_FILES) - present):
+        raise HTTPException(422, f"version {version}: {missing} missing from the bucket")
 
 
 class Downloads:
@@ -43,7 +70,7 @@ class Downloads:
         cfg = bucket.s3.meta.config.merge(Config(signature_version="s3v4"))
         self.s3 = boto3.client("s3", endpoint_url=bucket.endpoint, config=cfg, region_name=bucket.s3.meta.region_name)
         self.mode = "presigned" if mode == "auto" and self.probe() else ("proxy" if mode == "auto" else mode)
-        print(f"downloads: adapter files for workers via {self.mode} URLs", file=sys.stderr, flush=True)
+        print(f"adapter files: for workers for workers via {self.mode} URLs", file=sys.stderr, flush=True)
 
     def presign(self, rel: str, ttl_s: float) -> str:
         return self.s3.generate_presigned_url("get_object", Params={"Bucket": self.bucket.bucket,
@@ -60,7 +87,7 @@ class Downloads:
         except Exception as e:  # noqa: BLE001 - any failure means: do not hand such URLs out
             ok, why = False, f"{type(e).__name__}: {e}"
         if not ok:
-            print(f"downloads: a presigned GET of a probe object failed ({why}); the proxy streams adapter "
+            print(f"adapter files: a presigned GET of a probe object failed ({why}); the proxy streams adapter "
                   "files itself", file=sys.stderr, flush=True)
         return ok
 
