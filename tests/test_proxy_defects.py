@@ -163,6 +163,38 @@ def test_4_idle_and_half_sent_connections_are_closed_and_health_stays_fast(spawn
             s.close()
 
 
+def test_4_trickling_clients_are_cut_off(spawn):
+    """A client that sends its next request a byte at a time after an answer (uvicorn's keep-alive timer
+    stops at the first byte), and one whose body trickles in: both are closed at their deadline."""
+    p = spawn("--head-timeout-s", "2", "--body-timeout-s", "2")
+
+    def answer(s) -> bytes:
+        s.settimeout(30)
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        return data
+
+    slow_head = socket.create_connection(("127.0.0.1", p.port))
+    slow_head.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    slow_head.settimeout(10)
+    assert slow_head.recv(4096).startswith(b"HTTP/1.1 200")
+    slow_body = socket.create_connection(("127.0.0.1", p.port))
+    slow_body.sendall(f"POST /v1/groups HTTP/1.1\r\nHost: x\r\nX-Proxy-Token: {p.token}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+    t0 = time.monotonic()
+    try:
+        for byte in b"GET /health HTTP/1.1\r\n":  # one byte every 0.3 s: the head takes 7 s
+            slow_head.sendall(bytes([byte]))
+            slow_body.sendall(b" ")
+            time.sleep(0.3)
+    except OSError:  # closed under us: what we wanted
+        pass
+    assert b"HTTP/1.1 408 Request Timeout" in answer(slow_head)  # after the rest of the first answer
+    assert answer(slow_body).startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 20
+    assert p.stats()["groups_accepted"] == 0
+
+
 def test_4_request_heads_are_capped(spawn):
     p = spawn()
     before = rss_hwm_mb(p.proc.pid)
