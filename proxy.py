@@ -213,7 +213,7 @@ def replay(bucket: Bucket) -> None:
     snapshot, accepted, stale, legacy_hist, at = {}, 0, 0, False, 0.0
     for line in journal.read_lines(bucket, keys):
         if line.startswith(b'{"group_id"'):  # one we wrote: id and version lead, no full parse
-            m, tail = _HEAD.match(line), _TAIL.search(line)
+            m, tail = _HEAD.match(line), _TAIL.search(line, max(0, len(line) - 64))  # the tail only: lines are ~33 kB
             gid = m[1].decode()
             accepted += gid not in S.seen
             S.seen.add(gid)
@@ -314,7 +314,7 @@ def _observe(scope: dict, seconds: float) -> None:
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     global BUCKET, METRICS, JOURNAL, DOWNLOADS
-    POLICY.max_body, POLICY.body_timeout_s, POLICY.observe = int(ARGS.max_body_mb * 2**20), ARGS.body_timeout_s, _observe
+    POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), _observe
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     if ARGS.use_bucket and os.environ.get("BUCKET"):
@@ -348,7 +348,6 @@ async def lifespan(app: FastAPI):
 
 # FastAPI's OpenTelemetry hooks off: /metrics is our telemetry, and they cost a lookup per request
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
-app.include_router(access.router)
 
 @app.exception_handler(RequestValidationError)
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -370,14 +369,6 @@ app.add_middleware(access.guard, policy=POLICY)
 @app.get("/health", openapi_extra=scope("open"))
 async def health() -> dict:
     return {"ok": True, "latest_version": S.latest}
-
-@app.get("/v1/whoami", openapi_extra=scope("worker"))
-async def whoami(request: Request) -> dict:
-    """Who this token is, and what a worker must agree on with the run. run_id identifies the run (for a
-    worker's spool) without naming its bucket or prefix."""
-    who = request.scope["principal"]
-    return {"participant": who.name, "role": who.role.name, "max_rps": who.max_rps, "run_id": S.run_id,
-            "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
 
 class SubmitResponse(BaseModel):
     status: str  # accepted | duplicate | stale
@@ -666,6 +657,14 @@ async def lease_prompts(req: PromptLeaseRequest) -> dict:
         return S.cursors.indices(req.dataset, req.size, spans)
     return await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans)  # ~5 us an index: off the loop
 
+@app.get("/v1/whoami", openapi_extra=scope("worker"))
+async def whoami(request: Request) -> dict:
+    """Who this token is, and what a worker must agree on with the run. run_id identifies the run (for a
+    worker's spool) without naming its bucket or prefix."""
+    who = request.scope["principal"]
+    return {"participant": who.name, "role": who.role.name, "max_rps": who.max_rps, "run_id": S.run_id,
+            "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
+
 @app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:
     return stats()
@@ -675,6 +674,8 @@ async def metrics() -> Response:
     """Prometheus text exposition (scrape with a trainer or admin token as a bearer token)."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
+
 if __name__ == "__main__":
     import tyro
 
@@ -683,4 +684,4 @@ if __name__ == "__main__":
     if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
     sys.setswitchinterval(0.001)  # the journal writes from a thread: hand it the GIL back sooner (p99 -15% in A/B runs)
-    serve(app, ARGS.host, ARGS.port, Limits(ARGS.head_timeout_s, ARGS.max_head_kb << 10, ARGS.max_connections))
+    serve(app, ARGS.host, ARGS.port, Limits(ARGS.head_timeout_s, ARGS.body_timeout_s, ARGS.max_head_kb << 10, ARGS.max_connections))
