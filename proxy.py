@@ -337,7 +337,7 @@ async def lifespan(app: FastAPI):
         if latest and latest["version"] > S.latest:
             try:
                 await register(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
-                                                       published_at=latest.get("created_at", time.time())), adopted=True)
+                                               published_at=latest.get("created_at", time.time())), adopted=True)
             except HTTPException as e:
                 print(f"proxy: not adopting version {latest['version']} from adapters/latest.json: {e.detail}", file=sys.stderr)
     yield
