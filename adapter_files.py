@@ -70,7 +70,7 @@ class Downloads:
         cfg = bucket.s3.meta.config.merge(Config(signature_version="s3v4"))
         self.s3 = boto3.client("s3", endpoint_url=bucket.endpoint, config=cfg, region_name=bucket.s3.meta.region_name)
         self.mode = "presigned" if mode == "auto" and self.probe() else ("proxy" if mode == "auto" else mode)
-        print(f"adapter files: for workers for workers via {self.mode} URLs", file=sys.stderr, flush=True)
+        print(f"adapter files: for workers via {self.mode} URLs", file=sys.stderr, flush=True)
 
     def presign(self, rel: str, ttl_s: float) -> str:
         return self.s3.generate_presigned_url("get_object", Params={"Bucket": self.bucket.bucket,
