@@ -25,6 +25,9 @@ without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N roll
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
          bash launch_jobs.sh --watch RUN [--detach]          (supervise: relaunch every job that ends early)
+participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):
+         bash launch_jobs.sh --token-create NAME [--role worker|trainer|admin] [--max-rps R]
+         bash launch_jobs.sh --token-revoke NAME | --token-limit NAME --max-rps R | --token-list
 EOF
 }
 # --- Hugging Face Jobs (no --local): launch_hf.py submits through huggingface_hub's own API -----

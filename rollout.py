@@ -11,6 +11,7 @@
 restarting, samples G completions per prompt, scores them and posts each group to the proxy.
 
     python rollout.py --proxy-url http://127.0.0.1:8000           # env: BUCKET, S3_ENDPOINT_URL, PROXY_TOKEN
+    PROXY_TOKEN=agrpo_... python rollout.py --proxy-url URL       # no bucket keys: adapters through the proxy
     # one more worker for a run on Hugging Face Jobs (README, "Run on Hugging Face Jobs"); it finds the
     # proxy in the run's proxy/endpoint.json, which the launcher and the supervisor keep current
     hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
@@ -48,7 +49,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
-                    new_group_id)
+                    fetch_adapter_via_proxy, new_group_id, proxy_adapter_meta)
 from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,  # noqa: E402
                      sample, swap_in, vllm_rank)
 from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
@@ -61,7 +62,7 @@ class Args:
     proxy_url: str = field(default_factory=lambda: os.environ.get("PROXY_URL", "http://127.0.0.1:8000"))
     """the proxy (env PROXY_URL)"""
     proxy_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_TOKEN"))
-    """shared proxy secret (env PROXY_TOKEN)"""
+    """the run's PROXY_TOKEN, or a participant's worker token (env PROXY_TOKEN)"""
     hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
     """HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
     model: str = LOCAL_MODEL
@@ -121,12 +122,13 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------
-# adapter sync: a background thread long-polls the proxy, downloads and verifies the new version,
-# and reads its tensors; the main loop swaps them in between generation rounds.
+# adapter sync: a background thread long-polls the proxy, downloads and verifies the new version (from
+# the bucket, or without bucket keys through the URLs the proxy hands out), and reads its tensors; the
+# main loop swaps them in between generation rounds.
 
 
 class AdapterSync(threading.Thread):
-    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket):
+    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket | None):
         super().__init__(daemon=True)
         self.args, self.client, self.bucket = args, client, bucket
         self.seen = 0      # newest version downloaded and verified
@@ -147,21 +149,25 @@ class AdapterSync(threading.Thread):
                 print(f"[{self.args.worker_id}] adapter poll failed: {e}", file=sys.stderr)
                 time.sleep(2.0)
                 continue
+            # when it was registered, on our own clock: the proxy says how long ago (age_s), so no two hosts'
+            # clocks are compared; without that (a proxy restarted since) the publisher's wall clock
+            published = time.time() - r["age_s"] if r.get("age_s") is not None else r.get("published_at")
             self.max_staleness = r.get("max_staleness", self.max_staleness)
             self.latest = max(self.latest, r["version"])
             if r["version"] > self.seen:
                 v = r["version"]
                 try:
                     d = os.path.join(self.workdir, f"v{v:06d}")
-                    meta = fetch_adapter(self.bucket, v, d)
+                    meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
+                            else fetch_adapter_via_proxy(self.client, v, d))
                     check_fits(meta, self.args, self.module_names)
                     tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
                     with self.lock:
                         self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
-                                      "published_at": r.get("published_at") or meta["created_at"],
+                                      "published_at": published or meta["created_at"],
                                       "ready_at": time.time()}
                     self.seen = v
-                except (AdapterError, BucketError) as e:
+                except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                     # never load what does not verify: keep the previous version, retry shortly
                     print(f"[{self.args.worker_id}] not loading version {v}: {e}", file=sys.stderr)
                     time.sleep(2.0)
@@ -186,6 +192,15 @@ def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
     if meta.get("base_model") not in (None, args.model):
         raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
 
+
+
+def run_lora_rank(bucket: Bucket | None, client: ProxyClient) -> int:
+    """The LoRA rank of the run's latest adapter (0: none yet): from the bucket, or through the proxy when
+    this worker has no bucket keys. vLLM sizes its LoRA buffers by it."""
+    if bucket is not None:
+        return published_lora_rank(bucket)
+    latest = client.get("/v1/adapters/latest")["version"]
+    return proxy_adapter_meta(client, latest).get("lora", {}).get("r", 0) if latest else 0
 
 # ---------------------------------------------------------------------------------------------
 # spool: a finished group is on local disk before we try to send it, and leaves only once the
@@ -226,6 +241,36 @@ class Spool:
                 log(f"proxy unreachable ({type(e).__name__}); {len(self.pending())} group(s) stay spooled")
                 break
         return statuses
+
+
+class LocalMetrics(Metrics):
+    """A worker without bucket keys keeps its rows on its own disk, in metrics.jsonl beside its spool (the
+    run still sees its groups' timings in the trainer's rows, and its groups per second in the proxy's
+    /v1/stats and /metrics)."""
+
+    def __init__(self, path: str):
+        super().__init__(None, "local")
+        self.path = path
+        if os.path.exists(path):  # a restarted worker continues its file
+            with open(path) as f:
+                self.lines = f.read().splitlines()
+
+    def flush(self) -> None:
+        self._last = time.time()
+        with open(self.path + ".tmp", "w") as f:
+            f.write("".join(line + "\n" for line in self.lines))
+        os.replace(self.path + ".tmp", self.path)
+
+
+def run_name(client: ProxyClient, log) -> str:
+    """The spool's run directory when there is no bucket: the proxy's run_id (a hash that names no bucket
+    or prefix), asked until the proxy answers."""
+    while True:
+        try:
+            return "run-" + client.get("/v1/whoami")["run_id"]
+        except httpx.HTTPError as e:
+            log(f"proxy unreachable ({type(e).__name__}); retrying")
+            time.sleep(2.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,10 +324,15 @@ def main(args: Args) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
-    bucket = Bucket()
-    record_config(bucket, f"rollout-{args.worker_id}", args, __file__)
+    # a contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
+    bucket = Bucket() if os.environ.get("BUCKET") else None
+    if bucket is not None:  # a contributor's config stays with them, like its metrics
+        record_config(bucket, f"rollout-{args.worker_id}", args, __file__)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
-    metrics = Metrics(bucket, f"rollout-{args.worker_id}")
+    log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log), args.worker_id)
+    metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
+               else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     task = load_task(args.task)
     log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     engine = None
@@ -292,7 +342,7 @@ def main(args: Args) -> None:
         if args.server_url:
             engine = ServerSampler(args.server_url, args.server_kind, api_key=args.server_api_key, **kw)
         else:
-            rank = args.vllm_lora_rank or published_lora_rank(bucket)
+            rank = args.vllm_lora_rank or run_lora_rank(bucket, client)
             engine = ServerSampler.start(
                 args.server_kind, lora_rank=rank, python=args.server_python, start_timeout_s=args.server_start_timeout_s,
                 log_path=args.server_log or os.path.join(tempfile.gettempdir(), f"inference-server-{args.worker_id}.log"),
@@ -301,7 +351,7 @@ def main(args: Args) -> None:
             args.max_lora_rank = min(args.max_lora_rank, vllm_rank(rank) if args.server_kind == "vllm" else rank or 16)
         engine.check_processed_logprobs(engine.tok.encode("Once upon a time, there was"), args.temperature)
     elif args.backend == "vllm":
-        engine = VLLMSampler(args.model, lora_rank=args.vllm_lora_rank or published_lora_rank(bucket),
+        engine = VLLMSampler(args.model, lora_rank=args.vllm_lora_rank or run_lora_rank(bucket, client),
                              dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                              seed=args.seed + hash(args.worker_id) % 10_000)
@@ -312,7 +362,6 @@ def main(args: Args) -> None:
     sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
-    spool = Spool(args.spool_dir, bucket.run, args.worker_id)
     client.should_stop = lambda: stop.is_set() or sync.done  # the run is over: stop waiting on a full buffer
     # its own client, retrying little: serving is opportunistic, and a proxy outage must not hold the round up
     routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=2), args.worker_id,

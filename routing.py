@@ -1,5 +1,5 @@
 """Inference routing on the proxy: anyone with a token can query the policy being trained, while the
-rollout workers keep making only outbound calls. proxy.py includes `router`; nothing here imports it.
+rollout workers keep making only outbound calls. proxy.py calls `install(app)`; nothing here imports it.
 
     curl -H "Authorization: Bearer $PROXY_TOKEN" -H "Content-Type: application/json" \
          -d '{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}' \
@@ -33,19 +33,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# The token scope each route needs, in one place. Today the proxy has one shared PROXY_TOKEN, which
-# grants everything; with scoped tokens: clients of the policy need "inference" (admin may too),
-# rollout workers need "worker" to take requests and answer them.
-SCOPES = {
-    ("POST", "/v1/chat/completions"): "inference",
-    ("GET", "/v1/inference/stats"): "inference",
-    ("POST", "/v1/inference/lease"): "worker",
-    ("POST", "/v1/inference/answers"): "worker",
-}
+from access import ADMIN, scope
+
 
 
 @dataclass
@@ -66,7 +59,6 @@ class Limits:
 
 LIMITS = Limits()
 MAX_WORKERS = 4096  # serving workers we remember (client-chosen names: bounded)
-router = APIRouter(tags=["inference"])
 
 
 class Strict(BaseModel):
@@ -217,7 +209,6 @@ def stats() -> dict:
 
 # ---- routes --------------------------------------------------------------------------------------------
 
-@router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request) -> JSONResponse:
     """Ask the live policy: answered by a serving worker with its current adapter; the answer says which version."""
     body, now = req.for_worker(), time.monotonic()
@@ -263,12 +254,18 @@ async def chat_completions(req: ChatRequest, request: Request) -> JSONResponse:
     return JSONResponse(out, headers={"X-Adapter-Version": str(a["adapter_version"])})
 
 
-@router.post("/v1/inference/lease")
-async def lease_requests(req: LeaseRequest) -> dict:
+def worker_key(request: Request, worker_id: str) -> str:
+    """`participant/worker_id` (the run's own jobs, on the admin token: `worker_id`), as participants.py keys
+    workers: a participant can neither answer nor take over requests leased to another's worker."""
+    who = request.scope["principal"]
+    return worker_id if who.name == ADMIN else f"{who.name}/{worker_id}"
+
+
+async def lease_requests(req: LeaseRequest, request: Request) -> dict:
     """A serving worker takes up to `max_requests` queued requests, waiting up to `wait_s` for one."""
-    deadline = time.monotonic() + req.wait_s
+    deadline, worker = time.monotonic() + req.wait_s, worker_key(request, req.worker_id)
     async with Q.cond:
-        Q.seen(req.worker_id, time.monotonic())
+        Q.seen(worker, time.monotonic())
         while True:
             Q.expire(time.monotonic())
             if Q.waiting or (left := deadline - time.monotonic()) <= 0:
@@ -276,36 +273,45 @@ async def lease_requests(req: LeaseRequest) -> dict:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(Q.cond.wait(), timeout=min(left, 1.0))
         now, out = time.monotonic(), []
-        Q.seen(req.worker_id, now)  # a worker that long-polled is serving until the poll ends
+        Q.seen(worker, now)  # a worker that long-polled is serving until the poll ends
         while Q.waiting and len(out) < req.max_requests:
             _, r = Q.waiting.popitem(last=False)
             if r.future.done() or now >= r.deadline:
                 continue
-            r.leased_by, r.lease_until, r.attempts = req.worker_id, min(r.deadline, now + LIMITS.lease_s), r.attempts + 1
+            r.leased_by, r.lease_until, r.attempts = worker, min(r.deadline, now + LIMITS.lease_s), r.attempts + 1
             Q.leased[r.id] = r
             out.append({"request_id": r.id, **r.body})
     return {"requests": out}
 
 
-@router.post("/v1/inference/answers")
-async def post_answers(req: AnswersRequest) -> dict:
+async def post_answers(req: AnswersRequest, request: Request) -> dict:
     """A worker's answers. One it no longer holds (timed out, or taken over) is counted and ignored, unless
     the request is still waiting for someone: then the late answer is as good as any."""
-    accepted, unknown = 0, []
+    accepted, unknown, worker = 0, [], worker_key(request, req.worker_id)
     for a in req.answers:
         r = Q.leased.get(a.request_id)
-        if r is None or r.leased_by != req.worker_id:
+        if r is None or r.leased_by != worker:
             r = Q.waiting.get(a.request_id)
         if r is None or r.future.done():
             Q.counters["late_answers"] += 1
             unknown.append(a.request_id)
             continue
         Q.forget(r.id)
-        r.future.set_result({**a.model_dump(), "worker_id": req.worker_id})
+        r.future.set_result({**a.model_dump(), "worker_id": worker})
         accepted += 1
     return {"accepted": accepted, "unknown": unknown}
 
 
-@router.get("/v1/inference/stats")
 async def inference_stats() -> dict:
     return stats()
+
+
+def install(app) -> None:
+    """Add the routes to `app`, each with the least token role that may call it (access.py): clients of the
+    policy need `inference`, the workers that take and answer requests `worker`. On the app itself, not an
+    included APIRouter: FastAPI matches those lazily, at a cost on every request (access.install)."""
+    for method, path, endpoint, role in [("POST", "/v1/chat/completions", chat_completions, "inference"),
+                                         ("GET", "/v1/inference/stats", inference_stats, "inference"),
+                                         ("POST", "/v1/inference/lease", lease_requests, "worker"),
+                                         ("POST", "/v1/inference/answers", post_answers, "worker")]:
+        app.add_api_route(path, endpoint, methods=[method], openapi_extra=scope(role), tags=["inference"])

@@ -16,14 +16,40 @@ import common
 import engines
 import routing
 from conftest import ROOT, stop
+from proxyproc import spawn  # noqa: F401 - a fixture
 
 CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
 
 
-def test_every_route_declares_its_scope():
-    routes = {(m, r.path) for r in routing.router.routes for m in r.methods}
-    assert routes == set(routing.SCOPES), routes ^ set(routing.SCOPES)
-    assert set(routing.SCOPES.values()) == {"inference", "worker"}
+def test_routes_have_their_scopes_and_a_participant_answers_only_its_own_leases(bucket, spawn):
+    """Clients of the policy need an `inference` token (which can do nothing else); workers take and answer
+    requests with a `worker` token, keyed participant/worker_id: another participant using the same
+    worker_id can neither take over nor answer what was leased to the first one."""
+    proxy = spawn()
+    spec = proxy.http.get("/openapi.json").json()["paths"]
+    assert {spec[p][m]["x-role"] for p, m in [("/v1/chat/completions", "post"), ("/v1/inference/stats", "get")]} == {"inference"}
+    assert {spec[p]["post"]["x-role"] for p in ("/v1/inference/lease", "/v1/inference/answers")} == {"worker"}
+    tok = {n: proxy.http.post("/v1/tokens", json={"name": n, "role": r}).json()["token"]
+           for n, r in [("asker", "inference"), ("bob", "worker"), ("carol", "worker")]}
+    as_ = {n: httpx.Client(base_url=proxy.url, headers={"X-Proxy-Token": t}, timeout=30) for n, t in tok.items()}
+    assert as_["asker"].post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1}).status_code == 403
+    assert as_["asker"].post("/v1/groups", content=b"{}").status_code == 403
+    assert as_["asker"].post("/v1/chat/completions", json=CHAT).status_code == 503  # allowed; nobody serves yet
+
+    as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 0})  # now serving
+    got = []
+    t = threading.Thread(target=lambda: got.append(as_["asker"].post("/v1/chat/completions", json=CHAT)))
+    t.start()
+    (req,) = as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 20}).json()["requests"]
+    fake = {"request_id": req["request_id"], "adapter_version": 0, "text": "carol's", "finish_reason": "stop",
+            "prompt_tokens": 1, "completion_tokens": 1}
+    r = as_["carol"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [fake]})
+    assert r.json() == {"accepted": 0, "unknown": [req["request_id"]]}  # leased to bob/w1, not carol/w1
+    r = as_["bob"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": "7"}]})
+    assert r.json()["accepted"] == 1
+    t.join(30)
+    assert got[0].status_code == 200 and got[0].json()["choices"][0]["message"]["content"] == "7"
+    assert got[0].json()["worker_id"] == "bob/w1"
 
 
 def ask(proxy, body=CHAT, out=None, timeout=60):
