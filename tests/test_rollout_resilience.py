@@ -12,23 +12,24 @@ from test_proxy import group
 
 
 def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp_path):
-    spool, said = rollout.Spool(str(tmp_path), "run1", "w1"), []
+    said = []
+    spool = rollout.Spool(str(tmp_path), "run1", "w1", said.append)
     groups = [group() for _ in range(3)]
     for g in groups:
         spool.add(g)
-    down = common.ProxyClient("http://127.0.0.1:9", "t", attempts=1)  # nothing listens there
-    assert spool.flush(down, said.append) == [] and len(spool.pending()) == 3
+    down = common.ProxyClient("http://127.0.0.1:9", "t", patience_s=0)  # nothing listens there; don't wait
+    assert spool.flush(down) == [] and len(spool.pending()) == 3
     assert "proxy unreachable" in said[-1]
 
     proxy = start_proxy("--group-size", "4")
     up = common.ProxyClient(proxy.url, proxy.token)
     spool.add(groups[0])  # the same group again (a worker restarted mid-send): idempotent
-    assert sorted(spool.flush(up, said.append)) == sorted((g["group_id"], "accepted") for g in groups)
+    assert sorted(spool.flush(up)) == sorted((g["group_id"], "accepted") for g in groups)
     assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 3
 
     bad = group(G=3)  # wrong group size: the proxy refuses it; it is kept aside, not retried forever
     spool.add(bad)
-    assert spool.flush(up, said.append) == [(bad["group_id"], "refused")]
+    assert spool.flush(up) == [(bad["group_id"], "refused")]
     assert os.listdir(tmp_path / "run1" / "w1" / "refused") == [f"{bad['group_id']}.json"]
     assert json.loads((tmp_path / "run1" / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
 

@@ -54,6 +54,6 @@ def test_second_trainer_fails_at_once(bucket):
         train.claim_run(bucket, "trainer-b", ttl=60)
     etag = train.heartbeat(bucket, "trainer-a", etag)
     train.claim_run(bucket, "trainer-a", ttl=60)  # the same trainer restarted takes over
-    with pytest.raises(SystemExit, match="claimed by another trainer"):
+    with pytest.raises(train.TakenOver, match="taken over by another trainer"):
         train.heartbeat(bucket, "trainer-a", etag)  # our old ETag is gone: someone else wrote it
     train.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
