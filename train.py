@@ -374,7 +374,7 @@ class Ledger:
 # a step's traffic: lease, publish, register, checkpoint + acks, and the final registration
 
 
-def lease(client: ProxyClient, args: Args, ledger: Ledger, bar, stop: threading.Event) -> dict | None:
+def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, stop: threading.Event) -> dict | None:
     """Wait for a batch with something left to train on (the time spent here is the trainer starving
     for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`."""
     while not stop.is_set():
@@ -384,6 +384,7 @@ def lease(client: ProxyClient, args: Args, ledger: Ledger, bar, stop: threading.
             return None
         if not got["batch_id"]:
             bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
+            owner.check()  # a starving trainer is alive: keep its heartbeat fresh, and notice a takeover
             continue
         got["fresh"], got["skipped"] = ledger.hold(got)
         if got["fresh"]:
@@ -517,7 +518,7 @@ def main(args: Args) -> None:
                total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        got = lease(client, args, ledger, bar, stop)
+        got = lease(client, args, owner, ledger, bar, stop)
         if got is None:
             break
         t1 = time.time()

@@ -130,3 +130,100 @@ while True:
         common.fetch_adapter(bucket, latest["version"], tmp_path / f"check-{latest['version']}")  # verifies sha256
     versions = sorted(int(k.split("/v")[1][:6]) for k in bucket.list("adapters/v") if k.endswith("meta.json"))
     assert versions == list(range(1, len(versions) + 1))  # a killed publisher's successor never reused a number
+
+
+def test_spool_sets_aside_unreadable_files_and_sweeps_stale_temp_files(start_proxy, tmp_path):
+    """What a power cut can leave: a file cut short, a temp file of a write in progress. The cut file
+    is moved to unreadable/ with its name in the log and the rest goes on; old temp files go, a
+    fresh one (a write in progress right now) stays."""
+    d = tmp_path / "run1" / "w1"
+    d.mkdir(parents=True)
+    good = group()
+    (d / f"{good['group_id']}.json").write_text(json.dumps(good))
+    cut = json.dumps(group())[:57]
+    (d / "0badc0ffee0badc0ffee.json").write_text(cut)
+    (d / "latin1.json").write_bytes(b"\xff\xfe not utf-8")
+    (d / ".old.tmp").write_text(cut)
+    os.utime(d / ".old.tmp", (0, 0))
+    (d / ".fresh.tmp").write_text(cut)
+    said = []
+    spool = rollout.Spool(str(tmp_path), "run1", "w1", said.append)
+    assert sorted(p.name for p in d.glob(".*.tmp")) == [".fresh.tmp"]
+    assert any("removed 1 stale temp file" in s for s in said), said
+    proxy = start_proxy("--group-size", "4")
+    assert spool.flush(common.ProxyClient(proxy.url, proxy.token)) == [(good["group_id"], "accepted")]
+    assert sorted(os.listdir(d / "unreadable")) == ["0badc0ffee0badc0ffee.json", "latin1.json"]
+    assert (d / "unreadable" / "0badc0ffee0badc0ffee.json").read_text() == cut  # kept as it was, for inspection
+    for name, err in (("0badc0ffee0badc0ffee.json", "JSONDecodeError"), ("latin1.json", "UnicodeDecodeError")):
+        assert any(f"spool file {d / name} is unreadable ({err}" in s for s in said), said
+    assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 1
+
+
+FULL_DISK = r'''
+import json, os, resource, signal, sys
+sys.path[:0] = [sys.argv[5], os.path.join(sys.argv[5], "tests")]
+import common, rollout
+from test_proxy import group
+root, mode, url, token = sys.argv[1:5]
+said = []
+spool = rollout.Spool(root, "run1", "w1", said.append)
+early = [group() for _ in range(2)]
+for g in early:
+    spool.add(g)                       # on disk before it fills
+if mode == "tmpfs":                    # fill the (small) disk
+    try:
+        with open(os.path.join(root, "filler"), "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+    except OSError:
+        pass
+else:                                  # no tmpfs here: the kernel refuses any file over 16 bytes instead
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+late = [group() for _ in range(3)]
+for g in late:
+    spool.add(g)                       # the disk refuses: held in memory, said so
+state = {"held": len(spool.held), "pending": len(spool.pending()),
+         "tmp": [n for n in os.listdir(spool.dir) if n.endswith(".tmp")]}
+statuses = spool.flush(common.ProxyClient(url, token))
+print(json.dumps({"said": said, "before_flush": state, "statuses": statuses, "held": len(spool.held),
+                  "pending": spool.pending(), "ids": [g["group_id"] for g in early + late]}))
+'''
+
+
+def _tmpfs_works(path) -> bool:
+    import shutil
+    import subprocess
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
+                          capture_output=True).returncode == 0
+
+
+def test_spool_survives_a_full_disk(start_proxy, tmp_path):
+    """The spool's disk fills up mid-run (a real tmpfs of 256 kB in a private mount namespace, or,
+    where unprivileged namespaces are not allowed, a file size limit): what is on disk stays, new
+    groups are held in memory and said so, and all of them reach the proxy; no temp file is left."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    proxy = start_proxy("--group-size", "4")
+    root = tmp_path / "spool"
+    root.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    args = [sys.executable, str(script), str(root), "MODE", proxy.url, proxy.token, str(ROOT)]
+    if _tmpfs_works(root):
+        mode, cmd = "tmpfs", ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"',
+                              str(root), *[a.replace("MODE", "tmpfs") for a in args]]
+    else:
+        mode, cmd = "rlimit", [a.replace("MODE", "rlimit") for a in args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["before_flush"] == {"held": 3, "pending": 2, "tmp": []}, out
+    reason = "No space left on device" if mode == "tmpfs" else "File too large"
+    assert any("cannot write group" in s and reason in s and "held in memory" in s for s in out["said"]), out["said"]
+    assert sorted(g for g, _ in out["statuses"]) == sorted(out["ids"]) and {s for _, s in out["statuses"]} == {"accepted"}
+    assert out["held"] == 0 and out["pending"] == [] and proxy.stats()["groups_accepted"] == 5
