@@ -376,7 +376,9 @@ class Ledger:
 
 def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, stop: threading.Event) -> dict | None:
     """Wait for a batch with something left to train on (the time spent here is the trainer starving
-    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`."""
+    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`
+    (the ids of those left out as already trained, from this batch and any passed over before it)."""
+    skipped: list[str] = []
     while not stop.is_set():
         try:
             got = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
@@ -386,9 +388,10 @@ def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, st
             bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
             owner.check()  # a starving trainer is alive: keep its heartbeat fresh, and notice a takeover
             continue
-        got["fresh"], got["skipped"] = ledger.hold(got)
+        got["fresh"], left_out = ledger.hold(got)
+        skipped += left_out
         if got["fresh"]:
-            return got
+            return {**got, "skipped": skipped}
         ledger.trained_on(got)  # nothing new in it: acked with the next checkpoint's batches
     return None
 
