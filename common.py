@@ -500,7 +500,8 @@ class ProxyClient:
             time.sleep(wait)
         if 400 <= r.status_code < 500:
             raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
-        r.raise_for_status()
+        if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
+            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
         return r.json()
 
     def get(self, path: str, **params) -> Any:
