@@ -5,6 +5,7 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
 
   1. bucket          S3 client from the environment, put/get that wait out outages, JSON helpers
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
+                     (from the bucket, or through the URLs the proxy hands out: no bucket keys)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
@@ -113,15 +114,17 @@ class Bucket:
     `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_REGION`, `BUCKET`, `RUN_NAME`.
 
     Every call waits out an unreachable or failing endpoint (5xx, throttling) for `patience_s`
-    seconds (None: as long as it takes, what the trainer and the workers use), saying what it waits
-    for every 30 s, then raises BucketError; a 4xx raises at once. botocore's own retries cannot do
-    this: in standard mode its retry quota (500 tokens, 14 per retried connection error) is empty
-    after 3-4 failing calls, after which a call fails at its first refused connection (measured:
-    30, 15, 22, 1.3 s, then 0 s per call against a closed port, with 10 attempts).
+    seconds, saying what it waits for every 30 s, then raises BucketError; a 4xx raises at once.
+    None waits as long as it takes (the trainer, the workers); 0 (the default: the proxy, which
+    answers 503 and lets its callers retry) makes one call, with botocore's own 3 attempts for a
+    blip. botocore's retries alone cannot ride out an outage: in standard mode its retry quota (500
+    tokens, 14 per retried connection error) is empty after 3-4 failing calls, after which a call
+    fails at its first refused connection (measured with 10 attempts against a closed port: 30, 15,
+    22, 1.3 s, then 0 s per call).
     """
 
     def __init__(self, bucket: str | None = None, run: str | None = None, endpoint: str | None = None,
-                 patience_s: float | None = 30.0):
+                 patience_s: float | None = 0.0):
         self.endpoint = endpoint or os.environ.get("S3_ENDPOINT_URL") or None
         self.bucket = bucket or os.environ.get("BUCKET", "")
         self.run = (run or os.environ.get("RUN_NAME", "default")).strip("/")
@@ -303,6 +306,74 @@ def fetch_adapter(bucket: Bucket, version: int, dest: str | Path) -> dict:
             raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
         (dest / name).write_bytes(got[0])
     return meta
+
+
+def fetch_adapter_via_proxy(client: "ProxyClient", version: int, dest: str | Path) -> dict:
+    """fetch_adapter for a worker without bucket keys: the files come through the URLs the proxy hands
+    out (`GET /v1/adapters/{version}/files`: a presigned bucket URL, or the proxy streaming the file;
+    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. Files are
+    streamed to disk (an adapter can be a GB) and renamed into place only once they verify."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    files = client.get(f"/v1/adapters/{version}/files")["files"]
+    meta = proxy_adapter_meta(client, version, files)
+    for name, want in meta["files"].items():
+        part = dest / f".{name}.part"
+        digest = _download(client, files[name], part, f"version {version}: {name}")
+        if digest != want:
+            part.unlink(missing_ok=True)
+            raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
+        os.replace(part, dest / name)
+    return meta
+
+
+def proxy_adapter_meta(client: "ProxyClient", version: int, files: dict | None = None) -> dict:
+    """Version `version`'s meta.json through the proxy's URLs, checked to describe that version's files."""
+    files = files or client.get(f"/v1/adapters/{version}/files")["files"]
+    try:
+        meta = json.loads(_download(client, files["meta.json"], None, f"version {version}: meta.json"))
+    except ValueError as e:
+        raise AdapterError(f"version {version}: meta.json is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("version") != version:
+        raise AdapterError(f"version {version}: meta.json describes version "
+                           f"{meta.get('version') if isinstance(meta, dict) else None}")
+    if set(meta.get("files", {})) != set(ADAPTER_FILES):
+        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
+                           f"expected {list(ADAPTER_FILES)}")
+    return meta
+
+
+def _download(client: "ProxyClient", entry: dict, path: Path | None, what: str) -> bytes | str:
+    """GET entry["url"] (falling back to entry["path"] on the proxy): the bytes (path None), or the sha256 of
+    what was written to `path`. The proxy token goes only to the proxy, never to a presigned bucket URL."""
+    errors = []
+    for url in dict.fromkeys([entry["url"], entry["path"]]):
+        on_proxy = url.startswith("/")
+        own = None if on_proxy else httpx.Client(timeout=httpx.Timeout(10, read=120), follow_redirects=True)
+        try:
+            for _ in range(5):  # 503 + Retry-After: the proxy streams a few downloads at a time
+                with (client.http if on_proxy else own).stream("GET", url) as r:
+                    if r.status_code == 503:
+                        time.sleep(float(r.headers.get("Retry-After", "2")))
+                        continue
+                    r.raise_for_status()
+                    if path is None:
+                        return r.read()
+                    h = hashlib.sha256()
+                    with open(path, "wb") as f:
+                        for chunk in r.iter_bytes(1 << 20):
+                            h.update(chunk)
+                            f.write(chunk)
+                    return h.hexdigest()
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: still busy")
+        except httpx.HTTPStatusError as e:
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: HTTP {e.response.status_code}")
+        except httpx.HTTPError as e:
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: {type(e).__name__}")
+        finally:
+            if own is not None:
+                own.close()
+    raise AdapterError(f"{what}: download failed ({'; '.join(errors)})")
 
 
 # ----------------------------------------------------------------------------------------------

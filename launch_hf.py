@@ -10,6 +10,8 @@ code behind `hf jobs uv run`, and `--dry-run` prints the equivalent `hf jobs uv 
     bash launch_jobs.sh --run my-run                # bucket, proxy (waits until it answers), 2 rollout jobs, trainer
     bash launch_jobs.sh --status my-run             # every job of the run (label async-grpo-run=my-run)
     bash launch_jobs.sh --cancel my-run             # cancel every job of the run that is still going
+    bash launch_jobs.sh --run my-run --token-create alice --role worker   # a contributor's token (printed once)
+    bash launch_jobs.sh --run my-run --token-revoke alice                 # their next request gets 401
 
 Needs: `hf` (huggingface_hub >= 1.13) and a login (`hf auth login` or HF_TOKEN); PROXY_TOKEN (the
 proxy's shared secret) and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (bucket credentials: the HFAK...
@@ -28,6 +30,7 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import tyro
 
@@ -79,6 +82,20 @@ class Args:
     """RUN: show every job of that run"""
     cancel: str | None = None
     """RUN: cancel every job of that run that has not ended"""
+    token_create: str | None = None
+    """NAME: create a participant token on the run's proxy (--role, --max-rps); printed once"""
+    token_revoke: str | None = None
+    """NAME: revoke a participant's token (its next request gets 401)"""
+    token_limit: str | None = None
+    """NAME: set a participant's rate limit to --max-rps"""
+    token_list: bool = False
+    """list the run's participants"""
+    role: Literal["worker", "trainer", "admin"] = "worker"
+    """with --token-create: worker (prompts, groups, adapters), trainer (also batches, registrations), admin"""
+    max_rps: float = 0.0
+    """with --token-create / --token-limit: requests per second for that participant (0: no limit)"""
+    proxy_url: str | None = field(default_factory=lambda: os.environ.get("PROXY_URL"))
+    """the proxy for the token commands (env PROXY_URL; default: the exposed URL of --run's proxy job)"""
 
 
 @dataclass
@@ -98,7 +115,8 @@ class JobSpec:
 # the plan: what every job of a run gets (pure: used by --dry-run, the submission and the tests)
 
 
-SHIPPED = ("common.py", "models.py", "tasks.py")  # the shared modules, uploaded beside every script
+SHIPPED = ("common.py", "models.py", "tasks.py", "journal.py", "access.py", "serving.py", "adapter_files.py", "prompts.py",
+           "participants.py")  # shared modules, uploaded beside every script
 
 
 def bucket_env(args: Args, namespace: str) -> dict[str, str]:
@@ -323,6 +341,61 @@ def cancel(args: Args) -> None:
           f"checkpoints and metrics (resume: bash launch_jobs.sh --run {args.cancel})")
 
 
+# ---------------------------------------------------------------------------------------------
+# participants: the proxy's admin endpoints (/v1/tokens), called with PROXY_TOKEN
+
+
+def run_proxy_url(args: Args, token: str) -> str:
+    """The exposed URL of the run's proxy job (label async-grpo-run=RUN, role=proxy)."""
+    from huggingface_hub import HfApi
+    api = HfApi()
+    namespace = args.namespace or whoami(api, token)
+    for j in run_jobs(api, args.run, namespace):
+        stage = str(getattr(j.status.stage, "value", j.status.stage))
+        if (j.labels or {}).get("role") == "proxy" and stage == "RUNNING" and j.status.expose_urls:
+            return j.status.expose_urls[0].rstrip("/")
+    raise SystemExit(f"no running proxy job for run {args.run!r} in {namespace}: pass --proxy-url URL")
+
+
+def tokens(args: Args) -> None:
+    from huggingface_hub.utils import get_session
+    admin = os.environ.get("PROXY_TOKEN")
+    if not admin:
+        raise SystemExit("set PROXY_TOKEN (the run's admin token) first")
+    hf_token = None if args.proxy_url else local_token()
+    url = (args.proxy_url or run_proxy_url(args, hf_token)).rstrip("/")
+    if ".hf.jobs" in url:  # the --expose gateway checks an HF token in Authorization; the proxy, X-Proxy-Token
+        hf_token = hf_token or local_token()
+    headers = {"X-Proxy-Token": admin, "Authorization": f"Bearer {hf_token or admin}"}
+    if args.token_create:
+        method, path, body = "POST", "/v1/tokens", {"name": args.token_create, "role": args.role, "max_rps": args.max_rps}
+    elif args.token_revoke:
+        method, path, body = "DELETE", f"/v1/tokens/{args.token_revoke}", None
+    elif args.token_limit:
+        method, path, body = "PATCH", f"/v1/tokens/{args.token_limit}", {"max_rps": args.max_rps}
+    else:
+        method, path, body = "GET", "/v1/tokens", None
+    try:
+        r = get_session().request(method, url + path, json=body, headers=headers, timeout=30)
+    except Exception as e:  # noqa: BLE001 - unreachable proxy: say where
+        raise SystemExit(f"the proxy at {url} did not answer: {type(e).__name__}: {e}") from None
+    if r.status_code != 200:
+        raise SystemExit(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
+    got = r.json()
+    limit = lambda p: f"{p['max_rps']:g} requests/s" if p["max_rps"] else "no rate limit"  # noqa: E731
+    if args.token_create:
+        print(f"participant {got['name']} ({got['role']}, {limit(got)}) on {url}\n"
+              f"token (shown once; the proxy keeps only its sha256):\n  {got['token']}\n"
+              f"give them:  PROXY_URL={url}  PROXY_TOKEN=<that token>  (README: Join a run from your own machine)")
+    elif args.token_revoke:
+        print(f"participant {got['name']} revoked: its next request gets 401; its accepted groups stay in the run")
+    elif args.token_limit:
+        print(f"participant {got['name']}: {limit(got)} from its next request on")
+    else:
+        for p in got["tokens"]:
+            print(f"{p['name']:20s} {p['role']:8s} {limit(p):22s} {'revoked' if p['revoked_at'] else 'active'}")
+
+
 def dry_run(args: Args) -> None:
     namespace = args.namespace
     ns = namespace or "<your-namespace>"
@@ -354,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         return status(args)
     if args.cancel:
         return cancel(args)
+    if args.token_create or args.token_revoke or args.token_limit or args.token_list:
+        return tokens(args)
     check_args(args)
     if args.dry_run:
         return dry_run(args)

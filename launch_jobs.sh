@@ -24,13 +24,19 @@ options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N 
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
+participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):
+         bash launch_jobs.sh --token-create NAME [--role worker|trainer|admin] [--max-rps R]
+         bash launch_jobs.sh --token-revoke NAME | --token-limit NAME --max-rps R | --token-list
 EOF
 }
 # --- Hugging Face Jobs (no --local): launch_hf.py submits through huggingface_hub's own API -----
 hf_jobs() {
-  local dry=0 py="" a
-  for a in "$@"; do [ "$a" = --dry-run ] && dry=1; done
-  if ! command -v hf >/dev/null 2>&1; then
+  local dry=0 need_hf=1 py="" a
+  for a in "$@"; do
+    [ "$a" = --dry-run ] && dry=1
+    case "$a" in --token-*) need_hf=0 ;; esac  # the token commands only talk to the proxy
+  done
+  if [ $need_hf = 1 ] && ! command -v hf >/dev/null 2>&1; then
     if [ $dry = 0 ]; then
       echo "launch_jobs.sh: the Hugging Face CLI 'hf' is not installed or not on PATH:" \
            "pip install -U 'huggingface_hub>=1.13' (or: uv tool install huggingface_hub)" >&2

@@ -11,33 +11,35 @@ make outbound HTTP calls to it; it never calls them.
 
     python proxy.py --port 8000                      # loopback, token from PROXY_TOKEN
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --secrets PROXY_TOKEN \
-        proxy.py common.py --host 0.0.0.0            # on Hugging Face Jobs (README)
+        proxy.py common.py journal.py access.py serving.py adapter_files.py prompts.py participants.py \
+        --host 0.0.0.0                                   # on HF Jobs (README)
 
-Durability: the bucket is my only disk. Every change an answer depends on is in an append-only journal
-in the bucket before the answer goes out: each group commit is one object rollouts/{incarnation:06d}-{seq:08d}.jsonl
-with one JSON line per accepted group (canonical) or event (lease, ack, expiry, version, prompt cursor,
-counters), in order. On start the proxy replays that log, so `kill -9` at any moment is fine.
+Durability: the bucket is my only disk. Every change an answer depends on is in the journal
+(journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
+(as sent) or event (lease, renew, ack, expire, version, prompt cursor, duplicate, stale arrival), in
+order, and a snapshot of the counters. On start the proxy replays that log, so `kill -9` at any moment
+is fine. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
+server's own limits are serving.py; checking published versions and handing their files to workers
+without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
+(per participant and worker) is participants.py.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-import hmac
+import hashlib
 import json
 import os
-import random
 import re
 import sys
 import time
 import uuid
-from collections import OrderedDict, deque, namedtuple
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from collections import OrderedDict, namedtuple
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from functools import lru_cache
+from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared modules beside this file
 from fastapi import FastAPI, HTTPException, Path, Query, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, Response  # noqa: E402
@@ -45,7 +47,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 
-from common import Bucket, ConflictError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+import access  # noqa: E402
+import journal  # noqa: E402
+from access import ADMIN, scope  # noqa: E402
+from common import Bucket, BucketError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from adapter_files import FILES, Downloads, check_published  # noqa: E402
+from participants import Senders  # noqa: E402
+from prompts import Cursors, PromptError  # noqa: E402
+from serving import Limits, serve  # noqa: E402
 
 @dataclass
 class Args:
@@ -53,7 +62,7 @@ class Args:
     """interface to listen on; a non-loopback address requires a token"""
     port: int = 8000
     token: str | None = field(default_factory=lambda: os.environ.get("PROXY_TOKEN"))
-    """shared secret callers send as X-Proxy-Token or Authorization: Bearer (env PROXY_TOKEN)"""
+    """the admin token, sent as X-Proxy-Token or Authorization: Bearer (env PROXY_TOKEN); participants get their own"""
     group_size: int = 8
     """G: completions per group; groups of another size are refused"""
     max_staleness: int = 3
@@ -61,15 +70,30 @@ class Args:
     max_buffer: int = 512
     """buffered groups; beyond it stale groups go first, then submissions get 429"""
     lease_s: float = 300.0
-    """a lease not acked within this many seconds returns its groups to the buffer"""
+    """a lease not acked or renewed within this many seconds returns its groups to the buffer"""
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
     max_body_mb: float = 8.0
-    """request bodies above this get 413"""
+    """POST /v1/groups bodies above this get 413 (every other route: 64 KiB)"""
+    body_timeout_s: float = 60.0
+    """a request body must arrive within this many seconds (else 408)"""
+    head_timeout_s: float = 10.0
+    """a request's line and headers must arrive within this many seconds of the connection or last answer"""
+    max_head_kb: int = 64
+    """request line + headers above this get 431"""
+    max_connections: int = 4096
+    """open connections; more get 503 (the file limit is raised to fit)"""
     commit_depth: int = 1
     """journal writes in flight; requests arriving meanwhile share the next (1: fewest puts; more: hides latency)"""
     seed: int = 0
     """seed of the per-epoch prompt shuffle"""
+    adapter_urls: Literal["auto", "presigned", "proxy"] = "auto"
+    """how workers without bucket keys get adapter files: presigned bucket URLs, the proxy streaming them,
+    or auto (presigned if the bucket serves a presigned probe at start)"""
+    url_ttl_s: float = 900.0
+    """lifetime of a presigned adapter URL"""
+    max_downloads: int = 8
+    """adapter files the proxy streams at once (more get 503 + Retry-After)"""
     use_bucket: bool = True
     """journal to the bucket and replay it on start, verify registered versions, write metrics (needs BUCKET)"""
 
@@ -77,28 +101,32 @@ ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
 # ---- state ----------------------------------------------------------------------------------------
-# a group is held as the JSON line we logged (cheap to keep, leased without re-encoding); expires_at is
-# wall-clock time: it must mean the same thing after a restart
+# a group is held as the JSON line we logged (cheap to keep, leased without re-encoding). A lease's deadline
+# is on this process's monotonic clock: nothing compares clocks of two hosts, and a replayed lease gets a
+# fresh lease_s from the moment of replay
 Entry = namedtuple("Entry", "gid version raw")
-Lease = namedtuple("Lease", "batch_id entries expires_at")
+Lease = namedtuple("Lease", "batch_id entries deadline lease_s")
 
 @dataclass
 class State:
     buffer: "OrderedDict[str, Entry]" = field(default_factory=OrderedDict)  # group_id -> entry (FIFO)
-    seen: set = field(default_factory=set)          # every group_id ever accepted (idempotency)
+    seen: set = field(default_factory=set)          # every group_id ever accepted or refused as stale (idempotency)
     pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
     leases: dict = field(default_factory=dict)      # batch_id -> Lease
     acked: set = field(default_factory=set)         # batch ids acked
     expired: set = field(default_factory=set)       # batch ids whose lease ran out
-    versions: list = field(default_factory=lambda: [{"version": 0, "step": 0, "published_at": None}])
+    # registered: this process's monotonic time of the registration (None: replayed, or adopted at start)
+    versions: list = field(default_factory=lambda: [{"version": 0, "step": 0, "published_at": None, "registered": None}])
+    pending_version: int = 0                        # a version whose journal write is in flight
     done: bool = False                              # the trainer registered its final version
-    cursors: dict = field(default_factory=dict)     # dataset -> {size, epoch, pos}
-    workers: "OrderedDict[str, dict]" = field(default_factory=OrderedDict)  # worker_id -> {last_seen, groups, recent}
+    cursors: Cursors = field(default_factory=lambda: Cursors(0, MAX_DATASETS))  # prompt dispatch
+    senders: Senders = field(default_factory=lambda: Senders(MAX_WORKERS))  # groups per participant and worker
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ["groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_rejected_full",
          "groups_leased", "groups_acked", "batches_leased", "batches_acked", "leases_expired"], 0))
     staleness_hist: dict = field(default_factory=dict)  # staleness at lease -> groups
     incarnation: int = 0
+    run_id: str = "local"                           # a hash of the bucket, endpoint and run: names none of them
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
@@ -108,34 +136,45 @@ class State:
 S = State()
 BUCKET: Bucket | None = None
 METRICS: Metrics | None = None
+DOWNLOADS: Downloads | None = None
 REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
+POLICY = access.POLICY
+
+def too_stale(version: int, latest: int | None = None) -> bool:
+    return (S.latest if latest is None else latest) - version > ARGS.max_staleness
 
 def drop_stale(count: bool = True) -> int:
     """Remove groups staler than max_staleness from the buffer; returns how many."""
-    stale = [gid for gid, e in S.buffer.items() if S.latest - e.version > ARGS.max_staleness]
+    stale = [gid for gid, e in S.buffer.items() if too_stale(e.version)]
     for gid in stale:
         del S.buffer[gid]
     S.counters["groups_dropped_stale"] += len(stale) * count
     return len(stale)
+
+def fresh_head(n: int) -> list[Entry] | None:
+    """The oldest n groups that may be leased, or None while fewer wait. The buffer never holds a group stale
+    against the latest version; while a registration is being journaled, groups it will make stale are
+    passed over (a lease decided now comes after that version in the log), not dropped: it may yet fail."""
+    if S.pending_version <= S.latest:
+        return [e for _, e in zip(range(n), S.buffer.values())] if len(S.buffer) >= n else None
+    fresh = [e for e in S.buffer.values() if not too_stale(e.version, S.pending_version)]
+    return fresh[:n] if len(fresh) >= n else None
 
 def return_lease(bid: str) -> None:
     """A lease ran out: its groups go back to the front of the buffer (they are the oldest)."""
     lease = S.leases.pop(bid)
     S.expired.add(bid)
     S.counters["leases_expired"] += 1
-    to_front(lease.entries)
-
-def to_front(entries: list[Entry]) -> None:
-    for e in reversed(entries):
+    for e in reversed(lease.entries):
         S.buffer[e.gid] = e
         S.buffer.move_to_end(e.gid, last=False)
     drop_stale()  # the buffer never holds a stale group: a full one has nothing stale to give up
 
 def expire_leases(now: float) -> None:
-    for bid in [b for b, lease in S.leases.items() if lease.expires_at <= now]:
+    for bid in [b for b, lease in S.leases.items() if lease.deadline <= now]:
         return_lease(bid)
-        # not awaited: if this write is lost, replay still expires the lease (by time, or because a
-        # later lease took its groups), so an expiry never needs to be durable before anything else
+        # not awaited: if this write is lost, replay gives the lease a fresh lease_s, or a later lease of its
+        # groups ends it; an expiry never needs to be durable before anything else
         JOURNAL.append({"t": "expire", "batch_id": bid})
 
 async def wait_until(ready, wait_s: float) -> bool:
@@ -144,121 +183,100 @@ async def wait_until(ready, wait_s: float) -> bool:
     while not ready():
         if (left := deadline - time.monotonic()) <= 0:
             return False
-        with contextlib.suppress(asyncio.TimeoutError):
+        with suppress(asyncio.TimeoutError):
             await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
     return True
 
 def stats() -> dict:
+    tokens = POLICY.tokens
+    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None}
+             for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.buffer), "latest_version": S.latest, "done": S.done, "open_leases": len(S.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
             "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
-            "workers": {w: {"last_seen_s_ago": round(time.time() - d["last_seen"], 1), "groups": d["groups"]} for w, d in S.workers.items()},
-            "cursors": S.cursors, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            **S.senders.stats(time.time(), roles),
+            "cursors": S.cursors.table, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
-# ---- journal: group commit to the bucket, and replay on start -------------------------------------
-class Journal:
-    """Callers append a record (group bytes or event dict) and await the future it returns. The writer puts
-    all queued since its last put as one object; up to `depth` puts fly at once, but answers go out in
-    log order: nothing answered depends on a lost write."""
-
-    def __init__(self, bucket: Bucket | None, incarnation: int, depth: int = 1):
-        self.bucket, self.inc, self.seq, self.slots = bucket, incarnation, 0, asyncio.Semaphore(depth)
-        self.queue: list[tuple[bytes | dict, asyncio.Future]] = []
-        self.wake = asyncio.Event()
-
-    def append(self, rec: bytes | dict) -> asyncio.Future:
-        fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may be waiting (expiry)
-        self.queue.append((rec, fut))
-        self.wake.set()
-        return fut
-
-    async def run(self) -> None:
-        prev = None
-        while True:
-            await self.wake.wait()
-            await self.slots.acquire()  # while all slots are busy, the next batch grows
-            self.wake.clear()
-            batch, self.queue = self.queue, []
-            name, self.seq = f"{self.inc:06d}-{self.seq:08d}.jsonl", self.seq + 1
-            prev = asyncio.create_task(self.commit(name, batch, prev))
-
-    async def commit(self, name: str, batch: list, prev: asyncio.Task | None) -> None:
-        lines = [r if isinstance(r, bytes) else json.dumps(r).encode() for r, _ in batch]
-        if len(lines) > sum(isinstance(r, bytes) for r, _ in batch):  # counters the log does not imply
-            lines.append(json.dumps({"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}).encode())
-        t0, err = time.perf_counter(), None
-        try:  # one object per commit, groups and events in the order they were appended
-            if self.bucket:
-                await asyncio.to_thread(self.bucket.put, f"rollouts/{name}", b"\n".join(lines) + b"\n", if_none_match=True)
-        except Exception as e:  # noqa: BLE001 - every waiting answer gets it as a 503
-            err = e
-        COMMIT.observe(time.perf_counter() - t0)
-        self.slots.release()
-        if isinstance(err, ConflictError):  # someone else wrote our key: two proxies on one run
-            print(f"FATAL: {err}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
-            os._exit(3)
-        if prev is not None:
-            await prev
-        for _, fut in batch:  # a failed write: each answer its own 503 (each is raised in its own task)
-            if not fut.done():
-                fut.set_exception(HTTPException(503, f"could not write to the bucket, nothing changed; retry: {err}",
-                                                headers={"Retry-After": "2"})) if err else fut.set_result(None)
-
+# ---- replay: the journal's lines, applied in log order --------------------------------------------
 _HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
+_TAIL = re.compile(rb',"participant":"([a-z0-9_-]+)"\}\s*$')  # appended by us to a participant's group
 
 def replay(bucket: Bucket) -> None:
     """Rebuild the state from the bucket's log (runs before the server accepts requests): one pass in log
     order; a group is always logged before any event that names it."""
     t0 = time.time()
-    keys = sorted(bucket.list("rollouts/") + bucket.list("proxy/log/"),  # proxy/log/: events of runs before 2026-11-29
-                  key=lambda k: (k.rsplit("/", 1)[1], k.startswith("proxy/")))
-    S.incarnation = max((int(k.rsplit("/", 1)[1].split("-")[0]) for k in keys), default=-1) + 1
+    keys = journal.log_keys(bucket)
+    S.incarnation = journal.next_incarnation(keys)
     holder: dict[str, str] = {}  # group_id -> the lease that last took it
     leased: dict[str, int] = {}  # batch_id -> number of groups
-    counters = {}
-    with ThreadPoolExecutor(16) as pool:
-        for blob in pool.map(lambda k: (bucket.get(k) or (b"", ""))[0], keys):
-            for line in blob.splitlines():
-                if line.startswith(b'{"group_id"'):  # one we wrote: id and version lead, no full parse
-                    m = _HEAD.match(line)
-                    gid = m[1].decode()
-                    S.seen.add(gid)
-                    S.buffer[gid] = Entry(gid, int(m[3]), line)
-                    continue
-                e = json.loads(line)
-                t = e["t"]
-                if t == "lease":
-                    # a later lease of the same group means the earlier one ran out (its expiry write was lost)
-                    for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
-                        return_lease(b)
-                    entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
-                    S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, e["expires_at"])
-                    holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
-                    leased[e["batch_id"]] = len(e["group_ids"])
-                elif t == "ack" and e["batch_id"] not in S.acked:  # its groups are consumed for good
-                    S.leases.pop(e["batch_id"], None)
-                    S.acked.add(e["batch_id"])
-                elif t == "expire" and e["batch_id"] in S.leases:
-                    return_lease(e["batch_id"])
-                elif t == "version" and e["version"] > S.latest:
-                    S.versions.append({k: e[k] for k in ("version", "step", "published_at")})
-                    S.done = e["final"]
-                elif t == "cursor":
-                    S.cursors[e["dataset"]] = {k: e[k] for k in ("size", "epoch", "pos")}
-                elif t == "counters":
-                    counters = e["counters"]
-                    S.staleness_hist = {int(k): v for k, v in e["staleness_hist"].items()}
-    # what the log implies exactly is recounted; the rest comes from the last snapshot
-    S.counters.update(counters)
-    S.counters.update(groups_accepted=len(S.seen), batches_leased=len(leased), groups_leased=sum(leased.values()),
-                      batches_acked=len(S.acked), groups_acked=sum(leased.get(b, 0) for b in S.acked), leases_expired=len(S.expired))
-    drop_stale(count=False)  # dropped (and counted) before the crash already
+    snapshot, accepted, stale, legacy_hist, at = {}, 0, 0, False, 0.0
+    for line in journal.read_lines(bucket, keys):
+        if line.startswith(b'{"group_id"'):  # one we wrote: id and version lead, no full parse
+            m, tail = _HEAD.match(line), _TAIL.search(line)
+            gid = m[1].decode()
+            accepted += gid not in S.seen
+            S.seen.add(gid)
+            S.buffer[gid] = Entry(gid, int(m[3]), line)
+            S.senders.touch(tail[1].decode() if tail else None, m[2].decode(), at, groups=1, live=False)
+            continue
+        e = json.loads(line)
+        t = e["t"]
+        if t == "commit":
+            at = e["time"]
+        elif t == "lease":
+            # a later lease of the same group means the earlier one ran out (its expiry write was lost)
+            for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
+                return_lease(b)
+            entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
+            S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, 0.0, e.get("lease_s", ARGS.lease_s))
+            holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
+            leased[e["batch_id"]] = len(e["group_ids"])
+            legacy_hist |= "latest" not in e
+            for x in entries:
+                s = e.get("latest", S.latest) - x.version
+                S.staleness_hist[s] = S.staleness_hist.get(s, 0) + 1
+        elif t == "renew" and e["batch_id"] in S.leases:
+            S.leases[e["batch_id"]] = S.leases[e["batch_id"]]._replace(lease_s=e["lease_s"])
+        elif t == "ack" and e["batch_id"] not in S.acked:  # its groups are consumed for good
+            S.leases.pop(e["batch_id"], None)
+            S.acked.add(e["batch_id"])
+        elif t == "expire" and e["batch_id"] in S.leases:
+            return_lease(e["batch_id"])
+        elif t == "version" and e["version"] > S.latest:
+            S.versions.append({**{k: e[k] for k in ("version", "step", "published_at")}, "registered": None})
+            S.done = e["final"]
+        elif t == "cursor":
+            S.cursors.apply(e)
+        elif t == "stale":  # refused as stale on arrival: a resubmission is a duplicate
+            S.seen.add(e["group_id"])
+            stale += 1
+            S.senders.touch(e.get("participant"), e["worker_id"], at, live=False)
+        elif t == "counters":
+            snapshot = e
+    drop_stale(count=False)
+    for bid, lease in S.leases.items():  # every open lease gets a full lease_s from now: no clock of another host
+        S.leases[bid] = lease._replace(deadline=time.monotonic() + lease.lease_s)  # (or of ours, earlier) is compared
+    # what the log implies is recounted exactly; the rest (429s, and runs journaled before 2026-12) is the
+    # snapshot the last commit carried. Every accepted group is now buffered, leased, acked or was dropped
+    in_leases = sum(len(lease.entries) for lease in S.leases.values()) + sum(leased.get(b, 0) for b in S.acked)
+    old = snapshot.get("counters", {})
+    S.counters.update(old)
+    S.counters.update(groups_accepted=accepted, batches_leased=len(leased), groups_leased=sum(leased.values()),
+                      batches_acked=len(S.acked), groups_acked=sum(leased.get(b, 0) for b in S.acked),
+                      leases_expired=len(S.expired),
+                      groups_dropped_stale=max(stale + accepted - len(S.buffer) - in_leases, old.get("groups_dropped_stale", 0)))
+    if legacy_hist:
+        S.staleness_hist = {int(k): v for k, v in snapshot.get("staleness_hist", {}).items()}
     print(f"proxy: incarnation {S.incarnation}, replayed {len(keys)} objects in {time.time() - t0:.1f}s: "
           f"{len(S.seen)} groups, buffer {len(S.buffer)}, {len(S.leases)} leases, version {S.latest}", file=sys.stderr)
 
-JOURNAL = Journal(None, 0)
+def fatal_foreign_writer(msg: str) -> None:
+    print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
+    os._exit(3)
+
+def counters_trailer() -> list[dict]:  # every commit ends with them: a restart loses no count an answer reported
+    return [{"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}]
 
 # ---- metrics: request latency and staleness as histograms; the state's numbers read at scrape time ----
 REGISTRY = CollectorRegistry()
@@ -268,6 +286,7 @@ COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to th
                    buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
 STALENESS = Histogram("proxy_lease_staleness_versions", "staleness of leased groups (latest - policy_version)",
                       registry=REGISTRY, buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+JOURNAL = journal.Writer(None, 0)
 
 class StateCollector:
     def collect(self):
@@ -275,53 +294,52 @@ class StateCollector:
         for k, v in (("buffer_size", len(S.buffer)), ("open_leases", len(S.leases)), ("latest_version", S.latest),
                      ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
             yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
-        seen = GaugeMetricFamily("proxy_worker_last_seen_timestamp", "unix time of a worker's last group", labels=["worker"])
-        rate = GaugeMetricFamily("proxy_worker_groups_per_second", "a worker's groups over the last 60 s", labels=["worker"])
-        for w, d in S.workers.items():
-            while d["recent"] and d["recent"][0] < time.time() - 60:
-                d["recent"].popleft()
-            seen.add_metric([w], d["last_seen"])
-            rate.add_metric([w], len(d["recent"]) / 60.0)
-        yield from (seen, rate)
+        yield from S.senders.collect()
 
 REGISTRY.register(StateCollector())
-
-def touch_worker(worker: str) -> dict:
-    d = S.workers.pop(worker, None) or {"last_seen": 0.0, "groups": 0, "recent": deque(maxlen=100_000)}
-    S.workers[worker] = d  # most recent last, so the least recently seen is evicted first
-    if len(S.workers) > MAX_WORKERS:
-        S.workers.popitem(last=False)
-    d["last_seen"] = time.time()
-    return d
 
 # ---- app ------------------------------------------------------------------------------------------
 async def _housekeeping() -> None:
     while True:
         await asyncio.sleep(1.0)
         async with S.cond:
-            expire_leases(time.time())
+            expire_leases(time.monotonic())
         if METRICS is not None:
             row = {"buffer/size": len(S.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
             await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
 
+def _observe(scope: dict, seconds: float) -> None:
+    LATENCY.labels(scope["method"], getattr(scope.get("route"), "path", "other")).observe(seconds)
+
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    global BUCKET, METRICS, JOURNAL
+    global BUCKET, METRICS, JOURNAL, DOWNLOADS
+    POLICY.max_body, POLICY.body_timeout_s, POLICY.observe = int(ARGS.max_body_mb * 2**20), ARGS.body_timeout_s, _observe
+    POLICY.tokens = access.Tokens(None, ARGS.token)
+    S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket()
+        S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
+        POLICY.tokens = access.Tokens(BUCKET, ARGS.token)
+        await asyncio.to_thread(POLICY.tokens.load)
         await asyncio.to_thread(replay, BUCKET)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-    JOURNAL = Journal(BUCKET, S.incarnation, ARGS.commit_depth)
+        DOWNLOADS = await asyncio.to_thread(Downloads, BUCKET, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
+    JOURNAL = journal.Writer(BUCKET, S.incarnation, ARGS.commit_depth, trailer=counters_trailer,
+                             on_foreign=fatal_foreign_writer, observe=COMMIT.observe)
     tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
     # each group validated makes dozens of container objects: by default the cyclic GC ran every ~30 groups and
     # walked every module's objects (the p99 doubled). What is alive now is frozen out of the walk; runs are rarer
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
-    if BUCKET is not None:  # a version published while the proxy was down is only in adapters/latest.json
+    if BUCKET is not None and not S.done:  # a version published while the proxy was down is only in latest.json
         latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
         if latest and latest["version"] > S.latest:
-            await register_adapter(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
-                                                   published_at=latest.get("created_at", time.time())))
+            try:
+                await register(RegisterRequest(version=latest["version"], step=latest.get("step", 0),
+                                                       published_at=latest.get("created_at", time.time())), adopted=True)
+            except HTTPException as e:
+                print(f"proxy: not adopting version {latest['version']} from adapters/latest.json: {e.detail}", file=sys.stderr)
     yield
     [t.cancel() for t in tasks]
     if METRICS is not None:
@@ -330,6 +348,7 @@ async def lifespan(app: FastAPI):
 
 # FastAPI's OpenTelemetry hooks off: /metrics is our telemetry, and they cost a lookup per request
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
+app.include_router(access.router)
 
 @app.exception_handler(RequestValidationError)
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -337,51 +356,28 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
     return JSONResponse({"detail": [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]},
                         status_code=422)
 
-OPEN = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no token needed
+@app.exception_handler(journal.JournalWriteError)
+@app.exception_handler(BucketError)
+async def bucket_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # the cause (endpoint, bucket, key) goes to our stderr; a client only learns that it may retry
+    if isinstance(exc, BucketError):
+        print(f"proxy: {request.method} {request.url.path}: {exc}", file=sys.stderr, flush=True)
+    return JSONResponse({"detail": "the bucket is unavailable, nothing changed; retry"}, status_code=503,
+                        headers={"Retry-After": "2"})
 
-def authorized(headers: dict) -> bool:
-    auth = headers.get(b"authorization", b"")
-    got = headers.get(b"x-proxy-token") or (auth[7:] if auth[:7].lower() == b"bearer " else None)
-    return not ARGS.token or (got is not None and hmac.compare_digest(got, ARGS.token.encode()))
+app.add_middleware(access.guard, policy=POLICY)
 
-def guard(app):
-    """Pure ASGI middleware: 401 for a missing or wrong token (every path but OPEN, unknown ones too), 413 for a
-    body over the cap (declared, or chunked and read here) before any endpoint reads it; times requests by route."""
-    async def asgi(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        t0, cap, headers = time.perf_counter(), int(ARGS.max_body_mb * 2**20), dict(scope["headers"])
-        if scope["path"] not in OPEN and not authorized(headers):
-            return await JSONResponse({"detail": "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)"},
-                                      status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        too_big = JSONResponse({"detail": f"request body over max_body_mb={ARGS.max_body_mb}"}, status_code=413)
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > cap):
-            return await too_big(scope, receive, send)
-        if declared is None and b"transfer-encoding" in headers:  # chunked: read it here, up to the cap
-            body, more = bytearray(), True
-            while more:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":  # the client went away mid-body: nothing to answer
-                    return
-                body += msg.get("body", b"")  # in place: an 8 MB body is not copied once per chunk
-                more = msg.get("more_body", False)
-                if len(body) > cap:
-                    return await too_big(scope, receive, send)
-            msgs = [{"type": "http.request", "body": bytes(body), "more_body": False}]
-            async def receive(orig=receive):  # noqa: F811 - hand the buffered body to the app once
-                return msgs.pop() if msgs else await orig()
-        try:
-            await app(scope, receive, send)
-        finally:
-            LATENCY.labels(scope["method"], getattr(scope.get("route"), "path", "other")).observe(time.perf_counter() - t0)
-    return asgi
-
-app.add_middleware(guard)
-
-@app.get("/health")
+@app.get("/health", openapi_extra=scope("open"))
 async def health() -> dict:
     return {"ok": True, "latest_version": S.latest}
+
+@app.get("/v1/whoami", openapi_extra=scope("worker"))
+async def whoami(request: Request) -> dict:
+    """Who this token is, and what a worker must agree on with the run. run_id identifies the run (for a
+    worker's spool) without naming its bucket or prefix."""
+    who = request.scope["principal"]
+    return {"participant": who.name, "role": who.role.name, "max_rps": who.max_rps, "run_id": S.run_id,
+            "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
 
 class SubmitResponse(BaseModel):
     status: str  # accepted | duplicate | stale
@@ -392,10 +388,19 @@ class SubmitResponse(BaseModel):
 # 33 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
 _GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
-@app.post("/v1/groups", response_model=SubmitResponse, openapi_extra=_GROUP_BODY)
+async def journaled(gid: str, rec: bytes | dict) -> None:
+    """Write a record about group `gid`; a second submission of it meanwhile waits for this write."""
+    S.pending[gid] = fut = JOURNAL.append(rec)
+    try:
+        await fut
+        S.seen.add(gid)  # before anything else runs: a duplicate waiting on `fut` must see it
+    finally:
+        del S.pending[gid]
+
+@app.post("/v1/groups", response_model=SubmitResponse, openapi_extra={**_GROUP_BODY, **scope("worker", large_body=True)})
 async def submit_group(request: Request) -> SubmitResponse:
     """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full.
-    A 200 `accepted` means the group is in the bucket."""
+    A 200 `accepted` means the group is in the bucket, recorded with the participant whose token sent it."""
     try:  # strict: a number sent as a string (or an id as 1.0) is a client bug, not something to coerce
         group = TrajectoryGroup.model_validate_json(body := await request.body(), strict=True)
     except ValidationError as e:
@@ -406,105 +411,154 @@ async def submit_group(request: Request) -> SubmitResponse:
             (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
         if n > getattr(ARGS, limit):
             raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
-    gid = group.group_id
+    gid, who = group.group_id, request.scope["principal"]
+    participant = None if who.name == ADMIN else who.name
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
     if gid in S.seen:
-        S.counters["groups_duplicate"] += 1
+        S.counters["groups_duplicate"] += 1  # counted before its record is formed: the commit's snapshot holds it
+        try:
+            await JOURNAL.append({"t": "duplicate", "group_id": gid})
+        except journal.JournalWriteError:
+            S.counters["groups_duplicate"] -= 1
+            raise
         return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(S.buffer))
     if group.policy_version > S.latest:
         raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest registered {S.latest}")
-    w = touch_worker(group.worker_id)
-    if S.latest - group.policy_version > ARGS.max_staleness:
-        S.seen.add(gid)
+    if too_stale(group.policy_version):
         S.counters["groups_dropped_stale"] += 1
+        try:
+            await journaled(gid, {"t": "stale", "group_id": gid, "worker_id": group.worker_id,
+                                  **({"participant": participant} if participant else {})})
+        except journal.JournalWriteError:
+            S.counters["groups_dropped_stale"] -= 1
+            raise
+        S.senders.touch(participant, group.worker_id, time.time())
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
-    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (to_front, register)
+    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
         S.counters["groups_rejected_full"] += 1
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding
     m = _HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
     keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
-    entry = Entry(gid, group.policy_version, body if keep else group.model_dump_json().encode())
-    S.pending[gid] = fut = JOURNAL.append(entry.raw)
-    try:
-        await fut
-        S.seen.add(gid)  # before anything else runs: a duplicate waiting on `fut` must see it
-    finally:
-        del S.pending[gid]
+    raw = body.rstrip() if keep else group.model_dump_json().encode()
+    if participant:  # the sender, as its token says (a client cannot send this field: unknown fields are refused)
+        raw = raw[:-1] + b',"participant":"' + participant.encode() + b'"}'
+    entry = Entry(gid, group.policy_version, raw)
+    await journaled(gid, raw)
     async with S.cond:
-        S.buffer[gid] = entry
         S.counters["groups_accepted"] += 1
-        w["groups"] += 1
-        w["recent"].append(time.time())
+        S.senders.touch(participant, group.worker_id, time.time(), groups=1)
+        if too_stale(entry.version):  # a version registered while this group was being written
+            S.counters["groups_dropped_stale"] += 1
+            return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
+        S.buffer[gid] = entry
         S.cond.notify_all()
     return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(S.buffer))
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a mistake worth a 422
+    # an unknown field is a mistake worth a 422; so is a number sent as a string, a float for an int, or a bool
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 class LeaseRequest(Strict):
     num_groups: int = Field(ge=1, le=1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
 
+class LeasedGroup(TrajectoryGroup):
+    participant: str | None = None
+    """who submitted it (absent: the run's own jobs, on the admin token)"""
+
 class LeaseResponse(BaseModel):
     batch_id: str | None
-    groups: list[TrajectoryGroup]
+    groups: list[LeasedGroup]
     latest_version: int
     buffer_size: int
     dropped_stale: int
+    expires_in_s: float | None
 
-def lease_answer(bid: str | None, entries: list[Entry], dropped: int) -> Response:
+def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 33 kB per group
-    head = json.dumps({"batch_id": bid, "latest_version": S.latest, "buffer_size": len(S.buffer), "dropped_stale": dropped})
+    head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.buffer), "dropped_stale": dropped,
+                       "expires_in_s": ARGS.lease_s if bid else None})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
-@app.post("/v1/batches/lease", response_model=LeaseResponse)
-async def lease_batch(req: LeaseRequest) -> Response:
-    """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive;
-    an empty answer (batch_id null) if they did not."""
+async def _until_disconnect(receive) -> None:
+    """Returns when the client goes away (its body was read already: receive() has nothing else to give)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
     async with S.cond:
-        before = S.counters["groups_dropped_stale"]
-        if not await wait_until(lambda: expire_leases(time.time()) or len(S.buffer) >= req.num_groups, req.wait_s):
-            return lease_answer(None, [], S.counters["groups_dropped_stale"] - before)
-        entries = [S.buffer.popitem(last=False)[1] for _ in range(req.num_groups)]
-        bid = uuid.uuid4().hex
-        S.leases[bid] = Lease(bid, entries, time.time() + ARGS.lease_s)
-        fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries],
-                              "expires_at": S.leases[bid].expires_at})
-    try:
-        await fut  # the trainer must be able to ack this batch after a restart
-    except HTTPException:  # the write failed: undo, so that nothing changed
-        async with S.cond:
-            if S.leases.pop(bid, None) is not None:
-                to_front(entries)
-                S.cond.notify_all()
-        raise
-    S.counters["groups_leased"] += len(entries)
-    S.counters["batches_leased"] += 1
-    for e in entries:
-        s = S.latest - e.version
-        S.staleness_hist[s] = S.staleness_hist.get(s, 0) + 1
-        STALENESS.observe(s)
-    return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before)
+        S.cond.notify_all()
 
-@app.post("/v1/batches/{batch_id}/ack")
-async def ack_batch(batch_id: str = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")) -> dict:
-    """The trainer took its optimizer step on this batch: its groups are consumed for good."""
+BatchId = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+
+@app.post("/v1/batches/lease", response_model=LeaseResponse, openapi_extra=scope("trainer"))
+async def lease_batch(req: LeaseRequest, request: Request) -> Response:
+    """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive; an empty
+    answer (batch_id null) if they did not. A client that gives up waiting takes nothing."""
+    gone = asyncio.create_task(_until_disconnect(request.receive))
+    try:
+        async with S.cond:
+            before = S.counters["groups_dropped_stale"]
+            await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or fresh_head(req.num_groups) is not None,
+                             req.wait_s)
+            entries = None if gone.done() else fresh_head(req.num_groups)
+            if not entries:
+                return lease_answer(None, [], S.counters["groups_dropped_stale"] - before, S.latest)
+            for e in entries:
+                del S.buffer[e.gid]
+            bid, latest = uuid.uuid4().hex, S.latest
+            S.leases[bid] = Lease(bid, entries, time.monotonic() + ARGS.lease_s, ARGS.lease_s)
+            fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries], "lease_s": ARGS.lease_s,
+                                  "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest})
+        try:
+            await fut  # the trainer must be able to ack this batch after a restart
+        except journal.JournalWriteError:  # the write failed: undo, so that nothing changed
+            async with S.cond:
+                if S.leases.get(bid) is not None:
+                    S.leases.pop(bid)
+                    for e in reversed(entries):
+                        S.buffer[e.gid] = e
+                        S.buffer.move_to_end(e.gid, last=False)
+                    drop_stale()
+                    S.cond.notify_all()
+            raise
+        S.counters["groups_leased"] += len(entries)
+        S.counters["batches_leased"] += 1
+        for e in entries:
+            S.staleness_hist[latest - e.version] = S.staleness_hist.get(latest - e.version, 0) + 1
+            STALENESS.observe(latest - e.version)
+        if gone.done():  # nobody will read this answer: give the groups back now, not after lease_s
+            async with S.cond:
+                if bid in S.leases:
+                    return_lease(bid)
+                    JOURNAL.append({"t": "expire", "batch_id": bid})
+                    S.cond.notify_all()
+        return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before, latest)
+    finally:
+        gone.cancel()
+
+def open_lease(batch_id: str) -> Lease:
+    """The open lease `batch_id`, or the 409/410/404 that says why there is none."""
+    if batch_id in S.acked:
+        raise HTTPException(409, f"batch {batch_id} was already acked")
+    if batch_id in S.expired:
+        raise HTTPException(410, f"lease of batch {batch_id} expired; its groups went back to the buffer")
+    if batch_id not in S.leases:
+        raise HTTPException(404, f"no open lease with batch_id {batch_id}")
+    return S.leases[batch_id]
+
+@app.post("/v1/batches/{batch_id}/ack", openapi_extra=scope("trainer"))
+async def ack_batch(batch_id: str = BatchId) -> dict:
+    """The trainer's update from this batch is safe: its groups are consumed for good."""
     async with S.cond:
-        if batch_id in S.acked:
-            raise HTTPException(409, f"batch {batch_id} was already acked")
-        if batch_id in S.expired:
-            raise HTTPException(410, f"lease of batch {batch_id} expired; its groups went back to the buffer")
-        lease = S.leases.pop(batch_id, None)
-        if lease is None:
-            raise HTTPException(404, f"no open lease with batch_id {batch_id}")
+        lease = open_lease(batch_id)
+        del S.leases[batch_id]
         S.acked.add(batch_id)
         fut = JOURNAL.append({"t": "ack", "batch_id": batch_id})
     try:
         await fut
-    except HTTPException:
+    except journal.JournalWriteError:
         S.acked.discard(batch_id)
         S.leases[batch_id] = lease
         raise
@@ -512,89 +566,121 @@ async def ack_batch(batch_id: str = Path(min_length=1, max_length=64, pattern=r"
     S.counters["batches_acked"] += 1
     return {"acked": len(lease.entries)}
 
+@app.post("/v1/batches/{batch_id}/renew", openapi_extra=scope("trainer"))
+async def renew_batch(batch_id: str = BatchId) -> dict:
+    """Extend an open lease to lease_s from now (the trainer holds it until the checkpoint with its update)."""
+    async with S.cond:
+        lease = open_lease(batch_id)
+        # extended before the write, so that it cannot run out while the write is under way
+        S.leases[batch_id] = lease._replace(deadline=time.monotonic() + ARGS.lease_s, lease_s=ARGS.lease_s)
+        fut = JOURNAL.append({"t": "renew", "batch_id": batch_id, "lease_s": ARGS.lease_s})
+    try:
+        await fut
+    except journal.JournalWriteError:
+        if batch_id in S.leases:
+            S.leases[batch_id] = lease
+        raise
+    return {"batch_id": batch_id, "expires_in_s": ARGS.lease_s}
+
 class RegisterRequest(Strict):
     version: int = Field(ge=1, le=10**9)
     step: int = Field(ge=0, le=10**12)
     published_at: float = Field(ge=0, le=1e11)
     final: bool = False
-    """the trainer is done: workers stop after this version"""
+    """the trainer is done: workers stop after this version; nothing registers after it"""
 
-@app.post("/v1/adapters")
+@app.post("/v1/adapters", openapi_extra=scope("trainer"))
 async def register_adapter(req: RegisterRequest) -> dict:
-    """Register a version the trainer has published to the bucket (monotonic, else 409)."""
+    """Register a version the trainer has published to the bucket (monotonic, complete, else 409/422)."""
+    return await register(req)
+
+async def register(req: RegisterRequest, adopted: bool = False) -> dict:
     async with REGISTER_LOCK:  # check, verify, journal, then apply: no one sees a version that may not stick
+        if S.done:
+            raise HTTPException(409, f"the run is over: version {S.latest} was registered as final")
         if req.version <= S.latest:
             raise HTTPException(409, f"version {req.version} is not newer than the latest {S.latest}")
         if BUCKET is not None:
-            meta = await asyncio.to_thread(BUCKET.get_json, f"adapters/v{req.version:06d}/meta.json")
-            if meta is None:
-                raise HTTPException(422, f"version {req.version} has no meta.json in the bucket: publish it first")
+            await asyncio.to_thread(check_published, BUCKET, req.version)
         v = {"version": req.version, "step": req.step, "published_at": req.published_at}
-        await JOURNAL.append({"t": "version", **v, "final": req.final})
+        S.pending_version = req.version  # leases decided from now on come after it in the log
+        try:
+            await JOURNAL.append({"t": "version", **v, "final": req.final})
+        finally:
+            S.pending_version = 0
         async with S.cond:
-            S.versions.append(v)
+            S.versions.append({**v, "registered": None if adopted else time.monotonic()})
             S.done = req.final
             dropped = drop_stale()
             S.cond.notify_all()
             return {"latest_version": S.latest, "dropped_stale": dropped}
 
-@app.get("/v1/adapters/latest")
+@app.get("/v1/adapters/latest", openapi_extra=scope("worker"))
 async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float = Query(0.0, ge=0.0, le=300.0)) -> dict:
-    """The newest version; long-polls up to `wait_s` for one newer than `after`."""
+    """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
+    proxy registered it, on its own clock (null if it did not, e.g. before a restart)."""
     async with S.cond:
         await wait_until(lambda: S.latest > after or S.done, wait_s)
-        return {**S.versions[-1], "done": S.done, "max_staleness": ARGS.max_staleness}
+        v = S.versions[-1]
+        return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.done,
+                "max_staleness": ARGS.max_staleness,
+                "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
+
+def registered(version: int) -> None:
+    if DOWNLOADS is None:
+        raise HTTPException(404, "this proxy has no bucket: there are no adapter files to hand out")
+    if not any(v["version"] == version for v in S.versions[1:]):
+        raise HTTPException(404, f"version {version} is not registered (latest {S.latest})")
+
+@app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))
+async def adapter_files(version: int = Path(ge=1, le=10**9)) -> dict:
+    """Where a worker downloads meta.json and the adapter files of a registered version: `url` (a presigned
+    bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback)."""
+    registered(version)
+    return DOWNLOADS.listing(version)
+
+@app.get("/v1/adapters/{version}/files/{name}", openapi_extra=scope("worker"), response_class=Response)
+async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES] = Path()) -> Response:
+    """One file of a registered version, streamed from the bucket by the proxy (503 when --max-downloads are under way)."""
+    registered(version)
+    return await DOWNLOADS.stream(version, name)
 
 class PromptLeaseRequest(Strict):
     dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
     size: int = Field(ge=1, le=1 << 22)
     n: int = Field(ge=1, le=4096)
 
-@lru_cache(maxsize=8)
-def permutation(dataset: str, size: int, epoch: int) -> list[int]:
-    perm = list(range(size))
-    random.Random(f"{ARGS.seed}:{dataset}:{epoch}").shuffle(perm)
-    return perm
-
-@app.post("/v1/prompts/lease")
+@app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
 async def lease_prompts(req: PromptLeaseRequest) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out)."""
-    async with S.cond:
-        if req.dataset not in S.cursors and len(S.cursors) >= MAX_DATASETS:
-            raise HTTPException(409, f"this run already has {MAX_DATASETS} datasets")
-        cur = S.cursors.setdefault(req.dataset, {"size": req.size, "epoch": 0, "pos": 0})
-        if cur["size"] != req.size:
-            raise HTTPException(409, f"dataset {req.dataset!r} has size {cur['size']} in this run, not {req.size}")
-        out, epochs = [], []
-        while len(out) < req.n:
-            take = permutation(req.dataset, req.size, cur["epoch"])[cur["pos"]:cur["pos"] + req.n - len(out)]
-            out += take
-            epochs += [cur["epoch"]] * len(take)
-            cur["pos"] += len(take)
-            if cur["pos"] >= req.size:
-                cur["epoch"], cur["pos"] = cur["epoch"] + 1, 0
+    async with S.cond:  # only the cursor moves under the lock; the indices are computed after
+        try:
+            spans, record = S.cursors.reserve(req.dataset, req.size, req.n)
+        except PromptError as e:
+            raise HTTPException(409, str(e)) from None
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
-        fut = JOURNAL.append({"t": "cursor", "dataset": req.dataset, **cur})
+        fut = JOURNAL.append(record)
     await fut
-    return {"indices": out, "epochs": epochs}
+    if req.n <= 64:
+        return S.cursors.indices(req.dataset, req.size, spans)
+    return await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans)  # ~5 us an index: off the loop
 
-@app.get("/v1/stats")
+@app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:
     return stats()
 
-@app.get("/metrics", response_class=Response)
+@app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:
-    """Prometheus text exposition (scrape with the proxy token as a bearer token)."""
+    """Prometheus text exposition (scrape with a trainer or admin token as a bearer token)."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 if __name__ == "__main__":
     import tyro
-    import uvicorn
 
-    from common import script_args  # drops the common.py that HF Jobs ships in argv
+    from common import script_args  # drops the shared modules that HF Jobs ships in argv
     ARGS = tyro.cli(Args, args=script_args())
     if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
     sys.setswitchinterval(0.001)  # the journal writes from a thread: hand it the GIL back sooner (p99 -15% in A/B runs)
-    uvicorn.run(app, host=ARGS.host, port=ARGS.port, log_level="warning")
+    serve(app, ARGS.host, ARGS.port, Limits(ARGS.head_timeout_s, ARGS.max_head_kb << 10, ARGS.max_connections))

@@ -10,6 +10,7 @@
 restarting, samples G completions per prompt, scores them and posts each group to the proxy.
 
     python rollout.py --proxy-url http://127.0.0.1:8000           # env: BUCKET, S3_ENDPOINT_URL, PROXY_TOKEN
+    PROXY_TOKEN=agrpo_... python rollout.py --proxy-url URL       # no bucket keys: adapters through the proxy
     hf jobs uv run --flavor l4x1 --timeout 6h --secrets HF_TOKEN --secrets PROXY_TOKEN \
         rollout.py common.py --model Qwen/Qwen2.5-0.5B-Instruct   # on Hugging Face Jobs (README)
 
@@ -38,7 +39,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from common import (WAIT_LOG_S, AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError,  # noqa: E402
-                    fetch_adapter, log, new_group_id)
+                    fetch_adapter, fetch_adapter_via_proxy, log, new_group_id, proxy_adapter_meta)
 from models import LOCAL_MODEL, _causal_lm, cache_kw, encode_prompt, load_base, local_smollm2, prefill  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -48,7 +49,7 @@ class Args:
     proxy_url: str = field(default_factory=lambda: os.environ.get("PROXY_URL", "http://127.0.0.1:8000"))
     """the proxy (env PROXY_URL)"""
     proxy_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_TOKEN"))
-    """shared proxy secret (env PROXY_TOKEN)"""
+    """the run's PROXY_TOKEN, or a participant's worker token (env PROXY_TOKEN)"""
     hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
     """HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
     model: str = LOCAL_MODEL
@@ -122,12 +123,13 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
 
 
 # ---------------------------------------------------------------------------------------------
-# adapter sync: a background thread long-polls the proxy, downloads and verifies the new version,
-# and reads its tensors; the main loop swaps them in between generation rounds.
+# adapter sync: a background thread long-polls the proxy, downloads and verifies the new version (from
+# the bucket, or without bucket keys through the URLs the proxy hands out), and reads its tensors; the
+# main loop swaps them in between generation rounds.
 
 
 class AdapterSync(threading.Thread):
-    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket):
+    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket | None):
         super().__init__(daemon=True)
         self.args, self.client, self.bucket = args, client, bucket
         self.seen = 0      # newest version downloaded and verified
@@ -154,14 +156,15 @@ class AdapterSync(threading.Thread):
                 v, published = r["version"], registered_at(r)
                 try:
                     d = os.path.join(self.workdir, f"v{v:06d}")
-                    meta = fetch_adapter(self.bucket, v, d)
+                    meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
+                            else fetch_adapter_via_proxy(self.client, v, d))
                     check_fits(meta, self.args, self.module_names)
                     tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
                     with self.lock:
                         self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
                                       "published": published, "ready": time.monotonic()}
                     self.seen = v
-                except (AdapterError, BucketError) as e:
+                except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                     # never load what does not verify: keep the previous version, retry shortly
                     print(f"[{self.args.worker_id}] not loading version {v}: {e}", file=sys.stderr)
                     time.sleep(2.0)
@@ -235,7 +238,7 @@ def default_backend() -> str:
 class VLLMSampler:
     """The vLLM engine and the adapter it serves; sample() returns what the hf sample() returns."""
 
-    def __init__(self, args: Args, bucket: Bucket | None):
+    def __init__(self, args: Args, bucket: Bucket | None, client: ProxyClient | None = None):
         from transformers import AutoTokenizer
         from vllm import LLM
         path = local_smollm2() if args.model == LOCAL_MODEL else args.model
@@ -243,6 +246,8 @@ class VLLMSampler:
         r = args.vllm_lora_rank
         if not r and bucket is not None and (latest := bucket.get_json("adapters/latest.json")):
             r = (bucket.get_json(f"adapters/v{latest['version']:06d}/meta.json") or {}).get("lora", {}).get("r", 0)
+        elif not r and client is not None and (latest := client.get("/v1/adapters/latest")["version"]):
+            r = proxy_adapter_meta(client, latest).get("lora", {}).get("r", 0)
         self.rank = next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
         args.max_lora_rank = min(args.max_lora_rank, self.rank)  # AdapterSync refuses bigger ones
         cpu = not torch.cuda.is_available()
@@ -423,6 +428,36 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class LocalMetrics(Metrics):
+    """A worker without bucket keys keeps its rows on its own disk, in metrics.jsonl beside its spool (the
+    run still sees its groups' timings in the trainer's rows, and its groups per second in the proxy's
+    /v1/stats and /metrics)."""
+
+    def __init__(self, path: str):
+        super().__init__(None, "local")
+        self.path = path
+        if os.path.exists(path):  # a restarted worker continues its file
+            with open(path) as f:
+                self.lines = f.read().splitlines()
+
+    def flush(self) -> None:
+        self._last = time.time()
+        with open(self.path + ".tmp", "w") as f:
+            f.write("".join(line + "\n" for line in self.lines))
+        os.replace(self.path + ".tmp", self.path)
+
+
+def run_name(client: ProxyClient, log) -> str:
+    """The spool's run directory when there is no bucket: the proxy's run_id (a hash that names no bucket
+    or prefix), asked until the proxy answers."""
+    while True:
+        try:
+            return "run-" + client.get("/v1/whoami")["run_id"]
+        except httpx.HTTPError as e:
+            log(f"proxy unreachable ({type(e).__name__}); retrying")
+            time.sleep(2.0)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -432,21 +467,25 @@ def main(args: Args) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
-    # outages of the bucket or the proxy are waited out, however long, saying so every 30 s
+    # outages of the bucket or the proxy are waited out, however long, saying so every 30 s; a
+    # contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
     log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    bucket = Bucket(patience_s=None)
+    bucket = Bucket(patience_s=None) if os.environ.get("BUCKET") else None
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=None)
-    bucket.say = client.say = log
-    metrics = Metrics(bucket, f"rollout-{args.worker_id}")
+    client.say = log
+    if bucket is not None:
+        bucket.say = log
+    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log), args.worker_id, log)
+    metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
+               else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     task = load_task(args.task)
-    engine = VLLMSampler(args, bucket) if args.backend == "vllm" else None
+    engine = VLLMSampler(args, bucket, client) if args.backend == "vllm" else None
     model, tok = (None, engine.tok) if engine else load_base(args.model)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
     sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
-    spool = Spool(args.spool_dir, bucket.run, args.worker_id, log)
     client.should_stop = lambda: stop.is_set() or sync.done  # SIGTERM or the run is over: stop waiting
     if spool.pending():
         log(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")

@@ -24,6 +24,8 @@ from conftest import ROOT
 
 import launch_hf
 
+SHIPPED = [f"/data/{m}" for m in launch_hf.SHIPPED]  # every shared module travels beside each job's script
+
 SECRETS = {"HF_TOKEN": "hf_FAKEtoken0123456789", "PROXY_TOKEN": "proxy-secret-0123456789",
            "AWS_ACCESS_KEY_ID": "HFAKfakeaccesskey01", "AWS_SECRET_ACCESS_KEY": "fake-secret-key-0123456789"}
 OWNER = {"id": "u1", "name": "alice", "type": "user"}
@@ -126,13 +128,13 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     expected = {
-        "proxy": (["/data/proxy.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+        "proxy": (["/data/proxy.py", *SHIPPED, "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env, []),
-        "rollout-1": (["/data/rollout.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct",
+        "rollout-1": (["/data/rollout.py", *SHIPPED, "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                       {**base_env, "PROXY_URL": proxy_url}, None),
-        "trainer": (["/data/train.py", "/data/common.py", "/data/models.py", "/data/tasks.py", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+        "trainer": (["/data/train.py", *SHIPPED, "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "PROXY_URL": proxy_url, "TRAINER_ID": "gsm-1-trainer"}, None),
     }
@@ -163,8 +165,7 @@ def test_launch_submits_proxy_then_workers_and_trainer(hub, capsys):
         assert vol["type"] == "bucket" and vol["source"] == "alice/jobs-artifacts" and vol["mountPath"] == "/data"
         bucket, files = uploads[vol["path"]]
         script = cmd[cmd.index("/data/common.py") - 1].removeprefix("/data/")
-        assert bucket == "alice/jobs-artifacts" and files == {script: ROOT / script, "common.py": ROOT / "common.py",
-                                                              "models.py": ROOT / "models.py", "tasks.py": ROOT / "tasks.py"}
+        assert bucket == "alice/jobs-artifacts" and files == {script: ROOT / script, **{m: ROOT / m for m in launch_hf.SHIPPED}}
 
     # the run bucket was created (private) before anything ran
     create = [r for r in fake.requests if r.url.path == "/api/buckets/alice/async-grpo"]
@@ -183,13 +184,11 @@ def test_jsonl_task_file_is_shipped_and_read_from_data(hub, tmp_path, capsys):
     data.write_text('{"prompt": "2+2?", "answer": 4}\n{"prompt": "3+3?", "answer": 6}\n')
     launch_hf.main(["--run", "mine", "--workers", "1", "--task", f"jsonl:{data}", "--rollout-with", "flash-attn,ninja"])
     roll = next(j for j in fake.jobs.values() if j["labels"]["role"] == "rollout-1")
-    assert roll["command"][:10] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
-                                    "/data/common.py", "/data/models.py", "/data/tasks.py", "/data/my_tasks.jsonl"]
+    assert roll["command"][:8 + len(SHIPPED)] == ["uv", "run", "--with", "flash-attn", "--with", "ninja", "/data/rollout.py",
+                                                  *SHIPPED, "/data/my_tasks.jsonl"]
     assert roll["command"][roll["command"].index("--task") + 1] == "jsonl:/data/my_tasks.jsonl"
     shipped = [dict((d.split("/")[1], s) for s, d in files) for _, files in fake.uploads]
-    assert {"rollout.py": ROOT / "rollout.py", "common.py": ROOT / "common.py", "models.py": ROOT / "models.py",
-            "tasks.py": ROOT / "tasks.py",
-            "my_tasks.jsonl": data} in shipped
+    assert {"rollout.py": ROOT / "rollout.py", **{m: ROOT / m for m in launch_hf.SHIPPED}, "my_tasks.jsonl": data} in shipped
 
 
 def test_proxy_that_dies_stops_the_launch(hub, capsys):

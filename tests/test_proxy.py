@@ -164,6 +164,7 @@ def shared_proxy(s3_env, tmp_path_factory):
     import sys
 
     from conftest import ROOT, ProxyProc, free_port, stop, wait_http
+    from proxyproc import SKEWED
     port, token = free_port(), secrets.token_urlsafe(16)
     log = open(tmp_path_factory.mktemp("proxy") / "proxy.log", "w")
     proc = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4",
@@ -209,3 +210,82 @@ def test_bad_requests_elsewhere(start_proxy):
     assert p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": -5, "n": 1}).status_code == 422
     after = p.stats()
     assert {k: after[k] for k in before if k != "peak_rss_mb"} == {k: before[k] for k in before if k != "peak_rss_mb"}
+
+
+# ---- lease clocks: durations on the proxy's monotonic clock, renewable; versions' age on that clock ----
+def test_lease_renew_ack_and_expiry(start_proxy):
+    p = start_proxy("--group-size", "4", "--lease-s", "2")
+    for _ in range(2):
+        p.http.post("/v1/groups", json=group())
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()
+    assert r["expires_in_s"] == 2.0
+    for _ in range(3):  # held 3.6 s in all, past lease_s, by renewing
+        time.sleep(1.2)
+        renewed = p.http.post(f"/v1/batches/{r['batch_id']}/renew")
+        assert renewed.status_code == 200 and renewed.json() == {"batch_id": r["batch_id"], "expires_in_s": 2.0}
+    assert p.stats()["open_leases"] == 1 and p.stats()["leases_expired"] == 0
+    assert p.http.post(f"/v1/batches/{r['batch_id']}/ack").json() == {"acked": 1}
+    assert p.http.post(f"/v1/batches/{r['batch_id']}/renew").status_code == 409
+    assert p.http.post("/v1/batches/0123456789abcdef/renew").status_code == 404
+    other = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+    time.sleep(3.5)  # not renewed: it runs out
+    gone = p.http.post(f"/v1/batches/{other}/renew")
+    assert gone.status_code == 410 and "expired" in gone.text
+
+
+def test_a_replayed_lease_gets_a_fresh_lease_s_whatever_the_new_hosts_clock(bucket, run_name, tmp_path):
+    """kill -9 with a lease open, and start again on a host whose clock is an hour ahead (time.time shifted
+    in the proxy process): the lease is still open, for lease_s from the replay, and its ack succeeds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, ProxyProc, free_port, stop, wait_http
+    from proxyproc import SKEWED
+    port, token = free_port(), "t" * 24
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": token}
+
+    def start(*pre):
+        log = open(tmp_path / f"proxy-{len(list(tmp_path.iterdir()))}.log", "w")
+        proc = subprocess.Popen([sys.executable, *pre, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4",
+                                 "--lease-s", "60"], env=env, stdout=log, stderr=log)
+        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=60)
+        return ProxyProc(f"http://127.0.0.1:{port}", token, proc)
+
+    p = start()
+    p.http.post("/v1/groups", json=group())
+    bid = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    q = start("-c", SKEWED, "3600")
+    try:
+        time.sleep(1.5)  # the housekeeping pass that would expire it has run
+        assert q.stats()["open_leases"] == 1 and q.stats()["leases_expired"] == 0
+        assert q.http.post(f"/v1/batches/{bid}/ack").json() == {"acked": 1}
+    finally:
+        stop(q.proc)
+
+
+def test_latest_says_how_long_ago_this_proxy_registered_it(bucket, run_name, tmp_path, start_proxy):
+    p = start_proxy("--group-size", "4")
+    assert p.http.get("/v1/adapters/latest").json()["age_s"] is None  # version 0: never registered
+    publish(bucket, p, 1)
+    a = p.http.get("/v1/adapters/latest").json()["age_s"]
+    time.sleep(1.0)
+    b = p.http.get("/v1/adapters/latest").json()["age_s"]
+    assert 0 <= a < 30 and b - a >= 0.9
+
+
+def test_prompt_shuffle_covers_every_epoch_for_many_sizes(start_proxy):
+    p = start_proxy("--group-size", "4", use_bucket=False)
+    for size in (1, 2, 3, 7, 64, 1000):
+        got = []
+        while len(got) < 2 * size:
+            r = p.http.post("/v1/prompts/lease", json={"dataset": f"d{size}", "size": size, "n": 5}).json()
+            got += list(zip(r["epochs"], r["indices"]))
+        for epoch in (0, 1):
+            assert sorted(i for e, i in got if e == epoch) == list(range(size)), size
+        if size >= 64:  # shuffled, and differently in each epoch
+            first = [i for e, i in got if e == 0]
+            assert first != sorted(first) and first != [i for e, i in got if e == 1]

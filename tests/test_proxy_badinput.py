@@ -76,12 +76,45 @@ CASES = [
     ("prompts of a hostile dataset name", "POST", "/v1/prompts/lease", {"json": {"dataset": "d\n$(rm -rf /)", "size": 10, "n": 1}}, 422, "dataset"),
     ("prompts of a huge dataset", "POST", "/v1/prompts/lease", {"json": {"dataset": "e", "size": 10**12, "n": 1}}, 422, "size"),
     ("GET on a POST endpoint", "GET", "/v1/groups", {}, 405, "method"),
+    # numbers are parsed strictly everywhere, as in groups: no "3" for 3, no 2.0 for an int, no true for 1
+    ("lease of num_groups as a string", "POST", "/v1/batches/lease", {"json": {"num_groups": "3"}}, 422, "num_groups"),
+    ("lease of num_groups as a float", "POST", "/v1/batches/lease", {"json": {"num_groups": 2.0}}, 422, "num_groups"),
+    ("lease of num_groups as a bool", "POST", "/v1/batches/lease", {"json": {"num_groups": True}}, 422, "num_groups"),
+    ("lease wait as a string", "POST", "/v1/batches/lease", {"json": {"num_groups": 1, "wait_s": "1"}}, 422, "wait_s"),
+    ("prompts n as a string", "POST", "/v1/prompts/lease", {"json": {"dataset": "d", "size": 10, "n": "3"}}, 422, "n"),
+    ("prompts size as a float", "POST", "/v1/prompts/lease", {"json": {"dataset": "d", "size": 10.0, "n": 1}}, 422, "size"),
+    ("register a version as a float", "POST", "/v1/adapters", {"json": {"version": 2.0, "step": 0, "published_at": 1}}, 422, "version"),
+    ("register final as a string", "POST", "/v1/adapters", {"json": {"version": 2, "step": 0, "published_at": 1, "final": "yes"}}, 422, "final"),
+    # leases: renew like ack
+    ("renew of an unknown batch", "POST", "/v1/batches/0123456789abcdef/renew", {}, 404, "no open lease"),
+    ("renew of an acked batch", "POST", "/v1/batches/{acked}/renew", {}, 409, "already acked"),
+    ("renew of an expired lease", "POST", "/v1/batches/{expired}/renew", {}, 410, "expired"),
+    ("renew with a hostile batch id", "POST", "/v1/batches/a;b/renew", {}, 422, "batch_id"),
+    # a group cannot say who sent it
+    ("a group naming its participant", "POST", "/v1/groups", {"json": group(participant="bob")}, 422, "participant"),
+    # the open paths take no body at all, without reading it
+    ("a body to /health", "POST", "/health", {"content": b"x" * 100, "headers": {}}, 413, "no request body"),
+    ("a chunked body to the docs", "POST", "/docs", {"content": chunked(8), "headers": {}}, 413, "no request body"),
+    ("a big body to a small route", "POST", "/v1/batches/lease", {"content": b"{" + b" " * 100_000 + b"}"}, 413, "body over"),
+    # participants (admin token)
+    ("a token with a bad name", "POST", "/v1/tokens", {"json": {"name": "Bob Smith"}}, 422, "name"),
+    ("a token named admin", "POST", "/v1/tokens", {"json": {"name": "admin"}}, 422, "admin"),
+    ("a token of an unknown role", "POST", "/v1/tokens", {"json": {"name": "x", "role": "root"}}, 422, "role"),
+    ("a negative rate limit", "POST", "/v1/tokens", {"json": {"name": "x", "max_rps": -1}}, 422, "max_rps"),
+    ("revoke of nobody", "DELETE", "/v1/tokens/nobody", {}, 404, "no participant"),
+    ("limit of nobody", "PATCH", "/v1/tokens/nobody", {"json": {"max_rps": 1}}, 404, "no participant"),
+    ("limit without a rate", "PATCH", "/v1/tokens/nobody", {"json": {}}, 422, "max_rps"),
+    # adapter files
+    ("files of an unregistered version", "GET", "/v1/adapters/7/files", {}, 404, "not registered"),
+    ("a file that is not an adapter's", "GET", "/v1/adapters/1/files/secrets.txt", {}, 422, "name"),
+    ("a file of version 0", "GET", "/v1/adapters/0/files/meta.json", {}, 422, "version"),
 ]
 
 
 def comparable(stats: dict) -> dict:
-    out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers")}
-    out["workers"] = {w: d["groups"] for w, d in stats["workers"].items()}  # last_seen_s_ago moves with the clock
+    out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers", "participants")}
+    for table in ("workers", "participants"):  # last_seen_s_ago moves with the clock
+        out[table] = {w: d["groups"] for w, d in stats[table].items()}
     return out
 
 
@@ -125,7 +158,9 @@ def test_openapi_fuzz_no_5xx(bucket, start_proxy):
     schema = schemathesis.openapi.from_url(f"{p.url}/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
     assert {op.path for op in ops} >= {"/v1/groups", "/v1/batches/lease", "/v1/batches/{batch_id}/ack", "/v1/adapters",
-                                       "/v1/adapters/latest", "/v1/prompts/lease", "/v1/stats", "/metrics"}
+                                       "/v1/adapters/latest", "/v1/prompts/lease", "/v1/stats", "/metrics",
+                                       "/v1/batches/{batch_id}/renew", "/v1/whoami", "/v1/tokens", "/v1/tokens/{name}",
+                                       "/v1/adapters/{version}/files", "/v1/adapters/{version}/files/{name}"}
     calls = []
     for op in ops:
         @given(case=op.as_strategy())

@@ -1,0 +1,389 @@
+"""Who may call the proxy, and what: scoped tokens per participant, their storage in the bucket, rate
+limits, and the ASGI guard that checks all of it before a request body is read.
+
+Roles, each allowed what the one before it may do, and more:
+
+    worker   lease prompts, submit groups, read adapter versions and their files
+    trainer  also lease, renew and ack batches, register versions, read /v1/stats and /metrics
+    admin    everything, including creating, limiting and revoking tokens
+
+The run's PROXY_TOKEN is the admin token (the launcher's own jobs use it). Participant tokens are
+created through `POST /v1/tokens` (or `bash launch_jobs.sh --token-create NAME --role worker`); the
+bucket keeps only their sha256, in `access/tokens.json` under the run, so they survive proxy restarts
+and a leaked bucket listing leaks no token. A token is 256 random bits, so a plain sha256 is as good
+as a slow hash here (there is nothing to brute-force).
+
+Each route declares its role in one place, its decorator: `@app.post(path, openapi_extra=scope("worker"))`
+(`large_body=True` for the one route that takes big bodies); a route without a declaration needs the
+admin token. Any module that adds routes (an APIRouter included by proxy.py) declares them the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, HTTPException, Path
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from common import Bucket, ConflictError
+
+
+class Role(IntEnum):
+    worker = 1
+    trainer = 2
+    admin = 3
+
+
+OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no token, no body
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")  # participant names: they appear in logs, stats and the journal
+ADMIN = "admin"  # the name the run's PROXY_TOKEN goes by
+
+
+def scope(role: str, large_body: bool = False) -> dict:
+    """A route's declaration, as its `openapi_extra`: the least role that may call it ("open": anyone,
+    and no body), and whether it takes bodies up to the proxy's --max-body-mb (else 64 KiB)."""
+    assert role == "open" or role in Role.__members__, role
+    return {"x-role": role, **({"x-large-body": True} if large_body else {})}
+
+
+def token_hash(token: str | bytes) -> str:
+    return hashlib.sha256(token.encode() if isinstance(token, str) else token).hexdigest()
+
+
+@dataclass
+class Participant:
+    name: str
+    role: Role
+    sha256: str
+    created_at: float
+    max_rps: float = 0.0
+    """requests per second across all routes (0: no limit); bursts up to twice that"""
+    revoked_at: float | None = None
+    allowance: float = field(default=0.0, repr=False)   # the token bucket of the rate limit
+    last: float = field(default=0.0, repr=False)
+
+    def public(self) -> dict:
+        return {"name": self.name, "role": self.role.name, "max_rps": self.max_rps, "created_at": self.created_at,
+                "revoked_at": self.revoked_at}
+
+    def stored(self) -> dict:
+        d = asdict(self)
+        d["role"] = self.role.name
+        del d["name"], d["allowance"], d["last"]
+        return d
+
+
+class TokenError(RuntimeError):
+    """A token operation that cannot be done as asked (status: the HTTP answer it maps to)."""
+
+    def __init__(self, status: int, msg: str):
+        super().__init__(msg)
+        self.status = status
+
+
+class Tokens:
+    """The run's participants. Lookups are in memory; every change is written to the bucket first (a
+    conditional put of the whole file) and applied after, so what answers saw is what a restart loads."""
+
+    KEY = "access/tokens.json"
+
+    def __init__(self, bucket: Bucket | None, admin_token: str | None):
+        self.bucket = bucket
+        self.admin = Participant(ADMIN, Role.admin, token_hash(admin_token or ""), 0.0)
+        self.admin_token = (admin_token or "").encode()
+        self.by_name: dict[str, Participant] = {}
+        self.by_hash: dict[str, Participant] = {}
+        self.etag: str | None = None
+        self.lock = asyncio.Lock()
+
+    def load(self) -> None:
+        got = self.bucket.get(self.KEY) if self.bucket is not None else None
+        if got is not None:
+            self.etag = got[1]
+            for name, d in json.loads(got[0])["tokens"].items():
+                self._add(Participant(name, Role[d["role"]], d["sha256"], d["created_at"], d.get("max_rps", 0.0),
+                                      d.get("revoked_at")))
+
+    def _add(self, p: Participant) -> None:
+        self.by_name[p.name] = p
+        self.by_hash[p.sha256] = p
+
+    def authenticate(self, presented: bytes | None) -> Participant | None:
+        """The participant whose token this is (revoked ones too: the guard says so), or None. The admin
+        token is compared in constant time; participants are looked up by the sha256 of what was sent, so
+        a timing difference could only tell an attacker about a hash of their own guess."""
+        if not presented:
+            return None
+        if not self.admin_token:  # no token configured: a loopback-only proxy (proxy.py refuses otherwise)
+            return self.admin
+        if hmac.compare_digest(presented, self.admin_token):
+            return self.admin
+        digest = token_hash(presented)
+        p = self.by_hash.get(digest)
+        return p if p is not None and hmac.compare_digest(p.sha256, digest) else None
+
+    def throttle(self, p: Participant) -> float:
+        """0 when `p` may make a request now (and count it), else the seconds until it may."""
+        if not p.max_rps:
+            return 0.0
+        now, cap = time.monotonic(), max(1.0, 2 * p.max_rps)
+        p.allowance = min(cap, p.allowance + (now - p.last) * p.max_rps) if p.last else cap
+        p.last = now
+        if p.allowance >= 1.0:
+            p.allowance -= 1.0
+            return 0.0
+        return (1.0 - p.allowance) / p.max_rps
+
+    # --- changes (admin only): written to the bucket, then applied -----------------------------------
+    async def create(self, name: str, role: Role, max_rps: float) -> tuple[Participant, str]:
+        if name == ADMIN or not NAME.match(name):
+            raise TokenError(422, f"name {name!r}: 1-40 of a-z, 0-9, '-', '_', starting with a letter or digit; "
+                                  f"not {ADMIN!r}")
+        async with self.lock:
+            if name in self.by_name:  # names are never reused: the journal's records stay unambiguous
+                raise TokenError(409, f"participant {name!r} already exists (revoked or not); pick another name")
+            token = "agrpo_" + secrets.token_urlsafe(32)
+            p = Participant(name, role, token_hash(token), round(time.time(), 3), max_rps)
+            await self._save({**self.by_name, name: p})
+            self._add(p)
+            return p, token
+
+    async def update(self, name: str, max_rps: float | None = None, revoke: bool = False) -> Participant:
+        async with self.lock:
+            old = self.by_name.get(name)
+            if old is None:
+                raise TokenError(404, f"no participant {name!r}")
+            if old.revoked_at is not None:
+                if revoke:
+                    return old  # revoking twice changes nothing
+                raise TokenError(409, f"participant {name!r} was revoked")
+            new = Participant(old.name, old.role, old.sha256, old.created_at,
+                              old.max_rps if max_rps is None else max_rps,
+                              round(time.time(), 3) if revoke else None, old.allowance, old.last)
+            await self._save({**self.by_name, name: new})
+            self._add(new)
+            return new
+
+    async def _save(self, table: dict[str, Participant]) -> None:
+        if self.bucket is None:
+            return
+        data = json.dumps({"tokens": {n: p.stored() for n, p in table.items()}}, indent=1).encode()
+        kw = {"if_match": self.etag} if self.etag else {"if_none_match": True}
+        try:
+            self.etag = await asyncio.to_thread(self.bucket.put, self.KEY, data, **kw)
+        except ConflictError:
+            raise TokenError(409, f"{self.KEY} changed in the bucket meanwhile (another proxy?); nothing was "
+                                  "changed, restart this proxy to reload it") from None
+
+
+# ---- the ASGI guard -------------------------------------------------------------------------------------
+@dataclass
+class Policy:
+    """What the guard enforces; proxy.py fills it in at start (the guard reads it on every request)."""
+    tokens: Tokens = field(default_factory=lambda: Tokens(None, None))
+    max_body: int = 8 << 20
+    """bytes, for routes declared with large_body"""
+    small_body: int = 64 << 10
+    body_timeout_s: float = 60.0
+    """a request body must arrive within this many seconds of its headers"""
+    observe: Callable[[dict, float], None] = lambda scope, seconds: None
+
+
+def presented_token(headers: dict) -> bytes | None:
+    """X-Proxy-Token, else a bearer token in Authorization (behind the HF Jobs gateway Authorization
+    carries the HF token, so X-Proxy-Token wins when both are sent)."""
+    got = headers.get(b"x-proxy-token")
+    if got is None:
+        auth = headers.get(b"authorization", b"")
+        got = auth[7:] if auth[:7].lower() == b"bearer " else None
+    return got
+
+
+def refusal(status: int, detail: str, close: bool, extra: dict | None = None):
+    """A JSON answer; `close` when the request's body was not read (the connection is not reused)."""
+    headers = {**(extra or {}), **({"Connection": "close"} if close else {})}
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+class Rules:
+    """(method, path) -> (least role, large body), read once from the app's OpenAPI schema (it lists every
+    route, included routers too, with its openapi_extra): exact paths in a dict, templated ones as regexes.
+    A route without a declaration needs the admin token. Unknown paths and methods need a valid token (any
+    role); FastAPI then answers 404 or 405."""
+
+    def __init__(self, openapi: dict):
+        self.exact: dict[str, dict] = {}
+        self.patterns: list[tuple[re.Pattern, dict]] = []
+        for path, ops in openapi.get("paths", {}).items():
+            rules = {}
+            for method, op in ops.items():
+                role = op.get("x-role", "admin")
+                rules[method.upper()] = (None if role == "open" else Role[role], bool(op.get("x-large-body")))
+            if "GET" in rules:
+                rules.setdefault("HEAD", rules["GET"])
+            if "{" in path:
+                self.patterns.append((re.compile("^" + re.sub(r"\\{[^}]+\\}", "[^/]+", re.escape(path)) + "$"), rules))
+            else:
+                self.exact[path] = rules
+
+    def find(self, method: str, path: str) -> tuple[Role | None, bool]:
+        if path in OPEN_PATHS:  # any method: no token, and no body
+            return None, False
+        rules = self.exact.get(path)
+        if rules is None:
+            rules = next((r for rx, r in self.patterns if rx.match(path)), {})
+        return rules.get(method, (Role.worker, False))
+
+
+def guard(app, policy: Policy):
+    """Pure ASGI middleware, in this order: open paths take no body; 401 without a valid token (unknown
+    paths too), 401 for a revoked one, 403 for a role below the route's, 429 over the participant's rate;
+    413 for a body over the route's cap (declared, or counted while reading), 408 for one that does not
+    arrive within body_timeout_s. Only then does the app see the request, with its body read and the
+    caller in scope["principal"]. Nothing of a refused request's body is read."""
+    rules: list[Rules] = []
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        t0 = time.perf_counter()
+        if not rules:
+            rules.append(Rules(scope["app"].openapi()))
+        role, large = rules[0].find(scope["method"], scope["path"])
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        has_body = (declared not in (None, b"0")) or b"transfer-encoding" in headers
+        refuse = None
+        if role is None:
+            if has_body:
+                refuse = refusal(413, f"{scope['path']} takes no request body", True)
+        else:
+            who = policy.tokens.authenticate(presented_token(headers))
+            if who is None:
+                refuse = refusal(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)", has_body,
+                                 {"WWW-Authenticate": "Bearer"})
+            elif who.revoked_at is not None:
+                refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body)
+            elif who.role < role:
+                refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
+                                      f"{scope['path']}: it needs a {role.name} token", has_body)
+            elif wait := policy.tokens.throttle(who):
+                refuse = refusal(429, f"participant {who.name!r} is limited to {who.max_rps:g} requests/s", has_body,
+                                 {"Retry-After": str(math.ceil(wait))})
+            else:
+                scope["principal"] = who
+        if refuse is None and role is not None and has_body:
+            cap = policy.max_body if large else policy.small_body
+            if declared is not None and (not declared.isdigit() or int(declared) > cap):
+                refuse = refusal(413, f"request body over {cap} bytes", True)
+            else:
+                body = await read_body(receive, cap, policy.body_timeout_s)
+                if body is None:  # the client went away mid-body: nothing to answer
+                    return
+                if isinstance(body, int):
+                    refuse = refusal(body, f"request body over {cap} bytes" if body == 413 else
+                                     f"request body not received within {policy.body_timeout_s:g} s", True)
+                else:
+                    msgs = [{"type": "http.request", "body": body, "more_body": False}]
+
+                    async def receive(orig=receive):  # noqa: F811 - hand the buffered body to the app once
+                        return msgs.pop() if msgs else await orig()
+        try:
+            await (refuse or app)(scope, receive, send)
+        finally:
+            policy.observe(scope, time.perf_counter() - t0)
+    return asgi
+
+
+async def read_body(receive, cap: int, timeout_s: float) -> bytes | int | None:
+    """The whole body, or 413 (over cap) / 408 (too slow) / None (the client disconnected)."""
+    try:
+        if hasattr(asyncio, "timeout"):  # Python 3.11+: a deadline without a task per body
+            async with asyncio.timeout(timeout_s):
+                return await _read(receive, cap)
+        return await asyncio.wait_for(_read(receive, cap), timeout_s)
+    except (asyncio.TimeoutError, TimeoutError):
+        return 408
+
+
+async def _read(receive, cap: int) -> bytes | int | None:
+    body, more = bytearray(), True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        body += msg.get("body", b"")  # in place: an 8 MB body is not copied once per chunk
+        more = msg.get("more_body", False)
+        if len(body) > cap:
+            return 413
+    return bytes(body)
+
+
+# ---- the admin endpoints that manage participants (proxy.py includes this router) -----------------------
+POLICY = Policy()
+router = APIRouter()
+
+
+class TokenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=40, pattern=NAME.pattern)
+    """who this token is for: shown in /v1/stats and recorded with every group it submits"""
+    role: Literal["worker", "trainer", "admin"] = "worker"
+    max_rps: float = Field(default=0.0, ge=0.0, le=10_000.0)
+    """requests per second across all routes (0: no limit)"""
+
+
+class LimitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_rps: float = Field(ge=0.0, le=10_000.0)
+
+
+NamePath = Annotated[str, Path(min_length=1, max_length=40, pattern=NAME.pattern)]
+
+
+def _answer(e: TokenError) -> HTTPException:
+    return HTTPException(e.status, str(e))
+
+
+@router.post("/v1/tokens", openapi_extra=scope("admin"))
+async def create_token(req: TokenRequest) -> dict:
+    """A new participant and its token (shown in this answer only; the bucket keeps its sha256)."""
+    try:
+        p, token = await POLICY.tokens.create(req.name, Role[req.role], req.max_rps)
+    except TokenError as e:
+        raise _answer(e) from None
+    return {**p.public(), "token": token}
+
+
+@router.get("/v1/tokens", openapi_extra=scope("admin"))
+async def list_tokens() -> dict:
+    return {"tokens": [p.public() for p in POLICY.tokens.by_name.values()]}
+
+
+@router.patch("/v1/tokens/{name}", openapi_extra=scope("admin"))
+async def limit_token(name: NamePath, req: LimitRequest) -> dict:
+    """Change a participant's rate limit; it applies to its next request."""
+    try:
+        return (await POLICY.tokens.update(name, max_rps=req.max_rps)).public()
+    except TokenError as e:
+        raise _answer(e) from None
+
+
+@router.delete("/v1/tokens/{name}", openapi_extra=scope("admin"))
+async def revoke_token(name: NamePath) -> dict:
+    """Revoke a participant's token: its next request gets 401. Its accepted groups stay in the run."""
+    try:
+        return (await POLICY.tokens.update(name, revoke=True)).public()
+    except TokenError as e:
+        raise _answer(e) from None

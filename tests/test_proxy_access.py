@@ -1,0 +1,203 @@
+"""Scoped tokens and contributors without bucket keys, against the real proxy process, the real S3 server
+and (last) a real rollout worker and trainer: what each role may call, that every group records the
+participant whose token sent it, rate limits and revocation that need no restart and survive one, the
+launcher's token commands, and adapter files fetched through presigned URLs or the proxy."""
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+import common
+from conftest import ROOT, stop
+from proxyproc import spawn  # noqa: F401 - a fixture
+from test_proxy import group, publish
+
+
+def as_(p, token: str) -> httpx.Client:
+    return httpx.Client(base_url=p.url, headers={"X-Proxy-Token": token}, timeout=30)
+
+
+def create(p, name: str, role: str = "worker", max_rps: float = 0.0) -> str:
+    r = p.http.post("/v1/tokens", json={"name": name, "role": role, "max_rps": max_rps})
+    assert r.status_code == 200, r.text
+    return r.json()["token"]
+
+
+def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
+    p = spawn()
+    publish(bucket, p, 1)
+    worker, trainer = as_(p, create(p, "alice")), as_(p, create(p, "lab-1", "trainer"))
+    assert worker.post("/v1/groups", json=group(version=1)).json()["status"] == "accepted"
+    assert worker.post("/v1/prompts/lease", json={"dataset": "d", "size": 10, "n": 2}).status_code == 200
+    assert worker.get("/v1/adapters/latest").json()["version"] == 1
+    assert worker.get("/v1/adapters/1/files").status_code == 200
+    assert worker.get("/v1/whoami").json() | {"run_id": None} == {
+        "participant": "alice", "role": "worker", "max_rps": 0.0, "run_id": None, "group_size": 4, "max_staleness": 3}
+    lease = trainer.post("/v1/batches/lease", json={"num_groups": 1}).json()
+    for method, path, body in [("POST", "/v1/batches/lease", {"num_groups": 1}),
+                               ("POST", f"/v1/batches/{lease['batch_id']}/renew", None),
+                               ("POST", f"/v1/batches/{lease['batch_id']}/ack", None),
+                               ("POST", "/v1/adapters", {"version": 2, "step": 2, "published_at": 1.0}),
+                               ("GET", "/v1/stats", None), ("GET", "/metrics", None),
+                               ("POST", "/v1/tokens", {"name": "mallory"}), ("GET", "/v1/tokens", None)]:
+        r = worker.request(method, path, json=body)
+        assert r.status_code == 403 and "needs a" in r.text, (path, r.status_code, r.text)
+    assert trainer.post(f"/v1/batches/{lease['batch_id']}/renew").status_code == 200
+    assert trainer.post(f"/v1/batches/{lease['batch_id']}/ack").json() == {"acked": 1}
+    assert trainer.get("/v1/stats").status_code == 200 and trainer.get("/metrics").status_code == 200
+    for method, path in [("POST", "/v1/tokens"), ("GET", "/v1/tokens"), ("DELETE", "/v1/tokens/alice")]:
+        assert trainer.request(method, path, json={"name": "x"} if method == "POST" else None).status_code == 403
+    # the role is checked before the body is read: a worker's 8 MB chunked body to a trainer route is not read
+    s = socket.create_connection(("127.0.0.1", p.port))
+    s.sendall(f"POST /v1/batches/lease HTTP/1.1\r\nHost: x\r\nX-Proxy-Token: {worker.headers['x-proxy-token']}\r\n"
+              "Transfer-Encoding: chunked\r\n\r\n100000\r\n".encode() + b"x" * 1000)
+    s.settimeout(30)
+    assert s.recv(4096).startswith(b"HTTP/1.1 403")
+    s.close()
+
+
+def test_every_group_records_its_participant(bucket, spawn):
+    p = spawn()
+    alice, bob = as_(p, create(p, "alice")), as_(p, create(p, "bob"))
+    mine = [group(worker="gpu-0"), group(worker="gpu-1")]
+    for g in mine:
+        assert alice.post("/v1/groups", json=g).json()["status"] == "accepted"
+    assert bob.post("/v1/groups", json=group(worker="gpu-0")).json()["status"] == "accepted"
+    assert p.http.post("/v1/groups", json=group(worker="w1")).json()["status"] == "accepted"  # the run's own job
+    # a participant cannot say who sent a group: the field is the proxy's to write
+    forged = alice.post("/v1/groups", json={**group(), "participant": "bob"})
+    assert forged.status_code == 422 and "participant" in forged.text
+    got = p.http.post("/v1/batches/lease", json={"num_groups": 4}).json()["groups"]
+    assert [g.get("participant") for g in got] == ["alice", "alice", "bob", None]
+    assert {k: v for k, v in got[0].items() if k != "participant"} == mine[0]  # otherwise as sent
+    s = p.stats()
+    assert {n: d["groups"] for n, d in s["participants"].items()} == {"admin": 1, "alice": 2, "bob": 1}
+    assert {w: d["groups"] for w, d in s["workers"].items()} == {"alice/gpu-0": 1, "alice/gpu-1": 1, "bob/gpu-0": 1, "w1": 1}
+    lines = [x for k in bucket.list("rollouts/") for x in bucket.get(k)[0].splitlines() if x.startswith(b'{"group_id"')]
+    assert sum(x.endswith(b',"participant":"alice"}') for x in lines) == 2
+    # kill -9: the journal says who sent what
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    assert {n: d["groups"] for n, d in spawn().stats()["participants"].items()} == {"admin": 1, "alice": 2, "bob": 1}
+
+
+def test_rate_limits_and_revocation_apply_at_once_and_survive_a_restart(bucket, spawn, run_name):
+    p = spawn()
+    token = create(p, "bob", max_rps=2)
+    bob = as_(p, token)
+    codes = [bob.get("/v1/adapters/latest") for _ in range(12)]
+    limited = [r for r in codes if r.status_code == 429]
+    assert limited and all(int(r.headers["Retry-After"]) >= 1 and "2 requests/s" in r.text for r in limited)
+    assert p.http.patch("/v1/tokens/bob", json={"max_rps": 0}).json()["max_rps"] == 0
+    assert all(bob.get("/v1/adapters/latest").status_code == 200 for _ in range(12))
+    assert p.http.patch("/v1/tokens/bob", json={"max_rps": 5}).status_code == 200
+    # the bucket keeps the hash, never the token
+    stored = json.loads(bucket.get("access/tokens.json")[0])
+    assert token not in json.dumps(stored) and stored["tokens"]["bob"]["sha256"] == hashlib.sha256(token.encode()).hexdigest()
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    q = spawn(token=p.token)
+    bob = as_(q, token)
+    assert bob.get("/v1/whoami").json()["max_rps"] == 5
+    assert q.http.delete("/v1/tokens/bob").json()["revoked_at"]
+    r = bob.get("/v1/adapters/latest")
+    assert r.status_code == 401 and "revoked" in r.text
+    assert q.http.post("/v1/tokens", json={"name": "bob"}).status_code == 409  # names are never reused
+    os.kill(q.proc.pid, signal.SIGKILL)
+    q.proc.wait()
+    assert as_(spawn(token=p.token), token).get("/v1/adapters/latest").status_code == 401
+
+
+def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
+    p = spawn()
+    env = {**os.environ, "PROXY_TOKEN": p.token}
+    run = lambda *a: subprocess.run(["bash", str(ROOT / "launch_jobs.sh"), *a, "--proxy-url", p.url], env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    out = run("--token-create", "carol", "--role", "worker", "--max-rps", "50")
+    assert out.returncode == 0, out.stderr
+    token = next(line.strip() for line in out.stdout.splitlines() if line.strip().startswith("agrpo_"))
+    assert "carol (worker, 50 requests/s)" in out.stdout
+    carol = as_(p, token)
+    assert carol.post("/v1/groups", json=group()).json()["status"] == "accepted"
+    assert run("--token-limit", "carol", "--max-rps", "0").returncode == 0
+    listed = run("--token-list")
+    assert "carol" in listed.stdout and "no rate limit" in listed.stdout and "active" in listed.stdout
+    assert run("--token-revoke", "carol").returncode == 0
+    assert carol.post("/v1/groups", json=group()).status_code == 401
+    bad = run("--token-create", "Not A Name")
+    assert bad.returncode != 0 and "422" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["presigned", "proxy"])
+def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, spawn, tmp_path, mode):
+    p = spawn("--adapter-urls", "auto" if mode == "presigned" else "proxy")
+    publish(bucket, p, 1)
+    client = common.ProxyClient(p.url, create(p, "dana"))
+    listing = client.get("/v1/adapters/1/files")
+    assert listing["via"] == mode and set(listing["files"]) == {"meta.json", *common.ADAPTER_FILES}
+    url = listing["files"]["adapter_model.safetensors"]["url"]
+    assert ("X-Amz-Signature=" in url) if mode == "presigned" else (url == "/v1/adapters/1/files/adapter_model.safetensors")
+    meta = common.fetch_adapter_via_proxy(client, 1, tmp_path / "v1")
+    assert meta["version"] == 1
+    for name, digest in meta["files"].items():
+        assert hashlib.sha256((tmp_path / "v1" / name).read_bytes()).hexdigest() == digest
+    # a corrupt file is refused, named, and not left in place
+    key = "adapters/v000001/adapter_model.safetensors"
+    bucket.put(key, bucket.get(key)[0] + b"!")
+    with pytest.raises(common.AdapterError, match="adapter_model.safetensors sha256"):
+        common.fetch_adapter_via_proxy(client, 1, tmp_path / "v1-again")
+    assert not (tmp_path / "v1-again" / "adapter_model.safetensors").exists()
+    assert client.http.get("/v1/adapters/7/files").status_code == 404
+    assert client.http.get("/v1/adapters/1/files/secrets.txt").status_code == 422
+
+
+def test_a_presigned_url_that_fails_falls_back_to_the_proxy(bucket, spawn, tmp_path):
+    p = spawn("--adapter-urls", "presigned")
+    publish(bucket, p, 1)
+    client = common.ProxyClient(p.url, create(p, "erin"))
+    entry = {"url": "http://127.0.0.1:9/expired", "path": "/v1/adapters/1/files/meta.json"}  # nothing listens on :9
+    assert json.loads(common._download(client, entry, None, "meta.json"))["version"] == 1
+    with pytest.raises(common.AdapterError, match="presigned URL: ConnectError; proxy: HTTP 404"):
+        common._download(client, {**entry, "path": "/v1/adapters/9/files/meta.json"}, None, "x")
+
+
+def test_a_rollout_worker_with_only_a_url_and_a_worker_token_joins_the_run(tiny_model, spawn, bucket, run_name, tmp_path):
+    """The worker's environment has no bucket, no bucket keys and no S3 endpoint: its adapters come through
+    the proxy, its groups reach the trainer recorded as the participant's, its metrics stay on its disk."""
+    p = spawn("--max-buffer", "4", "--max-staleness", "1")
+    token = create(p, "guest")
+    worker_env = {k: v for k, v in os.environ.items()
+                  if k not in ("BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RUN_NAME")}
+    worker_env.update(PROXY_TOKEN=token, OMP_NUM_THREADS="1", SPOOL_DIR=str(tmp_path / "spool"))
+    log = open(tmp_path / "rollout.log", "w")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--proxy-url", p.url, "--model", tiny_model,
+                               "--group-size", "4", "--prompts-per-round", "2", "--max-new-tokens", "6",
+                               "--worker-id", "laptop"], env=worker_env, stdout=log, stderr=log)
+    try:
+        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "4",
+                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
+                               env={**os.environ, "RUN_NAME": run_name, "PROXY_URL": p.url, "PROXY_TOKEN": p.token,
+                                    "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stderr[-3000:]
+        worker.wait(timeout=120)  # exits by itself after the final version
+    finally:
+        stop(worker)
+    text = (tmp_path / "rollout.log").read_text()
+    assert worker.returncode == 0, text[-3000:]
+    rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
+    assert any(v >= 1 for r in rows for v in r["sample/policy_versions"]), "no group from a fetched adapter"
+    stats = p.stats()
+    assert stats["participants"]["guest"]["groups"] >= 8 and set(stats["workers"]) == {"guest/laptop"}
+    run_dir = next((tmp_path / "spool").iterdir())
+    assert run_dir.name.startswith("run-") and run_name not in run_dir.name
+    local = [json.loads(x) for x in (run_dir / "laptop" / "metrics.jsonl").read_text().splitlines()]
+    assert any("perf/weight_sync_s" in r for r in local) and all(r["perf/weight_sync_s"] >= 0 for r in local
+                                                                  if "perf/weight_sync_s" in r)
+    assert not bucket.list("metrics/rollout-")  # nothing of the worker's in the bucket but its groups
