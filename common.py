@@ -186,6 +186,8 @@ class Bucket:
                     if tries > 1 or e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
                         mine = self.get(rel)
                         if mine is not None and mine[0] == data:
+                            self.say(f"{self._where('put', rel)}: already written by us (the answer to an earlier "
+                                     f"attempt was lost); carrying on")
                             return mine[1]
                     raise ConflictError(f"conditional write of {self.key(rel)} lost: someone else wrote it") from e
                 raise
