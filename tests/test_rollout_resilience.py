@@ -121,8 +121,13 @@ while True:
 ''')
     rng = random.Random()
     for _ in range(6):
+        before = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
         p = subprocess.Popen([sys.executable, str(script)], env=os.environ)
-        time.sleep(rng.uniform(1.5, 4.0))
+        t0 = time.time()  # once it has published a version (however slow its start on a loaded machine)
+        while (bucket.get_json("adapters/latest.json") or {"version": 0})["version"] == before:
+            assert time.time() - t0 < 120 and p.poll() is None
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0, 2.5))  # then at a random moment, often mid-upload
         p.send_signal(signal.SIGKILL)
         p.wait()
         latest = bucket.get_json("adapters/latest.json")
