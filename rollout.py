@@ -412,6 +412,16 @@ class Spool:
             statuses.append((group["group_id"], status))
         return statuses
 
+    def drop_all(self, why: str) -> None:
+        """Forget what is left (the run is over: it would never be trained), saying how much."""
+        n = len(self.held) + len(names := self.pending())
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.dir, name))
+        self.held.clear()
+        if n:
+            self.log(f"{why}: {n} group(s) left in the spool will never be trained; dropped")
+
 
 def _mtime(path: str, default: float) -> float:
     try:
@@ -563,8 +573,11 @@ def main(args: Args) -> None:
               f"{ntok / gen_s:.0f} tok/s", file=sys.stderr, flush=True)
         if args.max_rounds and rounds >= args.max_rounds:
             break
-    sync.done = True
-    spool.flush(client)  # SIGTERM or the end: whatever is still spooled goes now, or stays on disk
+    if sync.done:  # the final version is registered: nothing sent from now on would ever be trained
+        spool.drop_all("the run is over")
+    else:  # SIGTERM or --max-rounds: whatever is still spooled goes now, or stays on disk for a restart
+        sync.done = True
+        spool.flush(client)
     metrics.flush()
     print(f"[{args.worker_id}] stopped after {rounds} rounds", file=sys.stderr)
 
