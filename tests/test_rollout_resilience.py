@@ -232,3 +232,54 @@ def test_spool_survives_a_full_disk(start_proxy, tmp_path):
     assert any("cannot write group" in s and reason in s and "held in memory" in s for s in out["said"]), out["said"]
     assert sorted(g for g, _ in out["statuses"]) == sorted(out["ids"]) and {s for _, s in out["statuses"]} == {"accepted"}
     assert out["held"] == 0 and out["pending"] == [] and proxy.stats()["groups_accepted"] == 5
+
+
+SKEWED = r'''
+import runpy, sys, time
+_real = time.time
+time.time = lambda: _real() + 3600.0  # this host's wall clock is an hour ahead of the trainer's
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_proxy, bucket, run_name, tmp_path):
+    """A worker whose wall clock is an hour ahead: perf/weight_sync_s and rollout/version_lag_s still
+    measure seconds (the proxy's age_s of the version against the worker's own monotonic clock)."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import train
+    from conftest import ROOT, stop
+    proxy = start_proxy("--group-size", "4")
+    (tmp_path / "skewed.py").write_text(SKEWED)
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(tmp_path / "skewed.py"), str(ROOT / "rollout.py"), "--model", tiny_model,
+                               "--group-size", "4", "--prompts-per-round", "1", "--max-new-tokens", "4",
+                               "--worker-id", "w1", "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        while " round 1 v0" not in log.read_text():
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
+        model.save_pretrained(tmp_path / "v1")
+        common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
+        assert proxy.http.post("/v1/adapters", json={"version": 1, "step": 1, "published_at": time.time()}).is_success
+        while not re.search(r" round \d+ v1:", log.read_text()):
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        worker.terminate()  # SIGTERM: the worker ends its round and uploads its metrics
+        assert worker.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        stop(worker)
+    rows = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
+    sync = [r["perf/weight_sync_s"] for r in rows if "perf/weight_sync_s" in r]
+    lag = [r["rollout/version_lag_s"] for r in rows if "rollout/version_lag_s" in r]
+    assert len(sync) == 1 and 0 <= sync[0] < 120, rows
+    assert len(lag) == 1 and sync[0] <= lag[0] < 240, rows
+    assert rows[-1]["time"] > time.time() + 3000  # the worker's clock really was an hour ahead
