@@ -115,8 +115,9 @@ class Bucket:
 
     Every call waits out an unreachable or failing endpoint (5xx, throttling) for `patience_s`
     seconds, saying what it waits for every 30 s, then raises BucketError; a 4xx raises at once.
-    None waits as long as it takes (the trainer, the workers); 0 (the default: the proxy, which
-    answers 503 and lets its callers retry) makes one call, with botocore's own 3 attempts for a
+    None waits as long as it takes (the trainer, the workers). The default, 20 s, is the proxy's: it
+    rides out a blip at its start or in a journal commit, and a longer outage makes its commits
+    answer 503, which its callers wait out. 0 makes one call, with botocore's own 3 attempts for a
     blip. botocore's retries alone cannot ride out an outage: in standard mode its retry quota (500
     tokens, 14 per retried connection error) is empty after 3-4 failing calls, after which a call
     fails at its first refused connection (measured with 10 attempts against a closed port: 30, 15,
@@ -124,7 +125,7 @@ class Bucket:
     """
 
     def __init__(self, bucket: str | None = None, run: str | None = None, endpoint: str | None = None,
-                 patience_s: float | None = 0.0):
+                 patience_s: float | None = 20.0):
         self.endpoint = endpoint or os.environ.get("S3_ENDPOINT_URL") or None
         self.bucket = bucket or os.environ.get("BUCKET", "")
         self.run = (run or os.environ.get("RUN_NAME", "default")).strip("/")
