@@ -44,11 +44,14 @@ class Role:
         return self.text().rsplit(f"===== start {self.starts} =====", 1)[-1]
 
 
-def wait_for(pred, timeout: float, what: str, role: Role | None = None) -> float:
+def wait_for(pred, timeout: float, what: str, role: Role | None = None, alive: tuple[Role, ...] = ()) -> float:
+    """Poll pred() until it holds (returns when); fails early, with its log, if a role in `alive` exits."""
     t0 = time.time()
     while time.time() - t0 < timeout:
         if pred():
             return time.time()
+        for r in alive:
+            assert r.alive(), f"{r.name} exited ({r.proc.returncode}) while waiting for {what}:\n{r.last_run()[-3000:]}"
         time.sleep(0.2)
     tail = f"\n--- {role.name} log ---\n{role.text()[-3000:]}" if role else ""
     raise TimeoutError(f"{what} (waited {timeout:.0f}s){tail}")

@@ -67,7 +67,8 @@ def test_chaos(tiny_model, s3_env, tmp_path, run_name):
             roles[name].start(*(["--max-steps", "100000"] if name == "trainer" else []))
         report["kills"] = {name: order.count(name) for name in roles}
         n = len(steps(trainer))
-        t_ok = wait_for(lambda: len(steps(trainer)) >= n + 3, 600, "three trainer steps after the kills", trainer)
+        t_ok = wait_for(lambda: len(steps(trainer)) >= n + 3, 600, "three trainer steps after the kills", trainer,
+                        alive=(proxy, worker, trainer, s3))
         report["kills_phase_s"] = round(t_ok - t_start, 1)
 
         # 2. the bucket down for OUTAGE_S, and a minute into that the proxy too, for OUTAGE_S
@@ -81,7 +82,8 @@ def test_chaos(tiny_model, s3_env, tmp_path, run_name):
         proxy.start()
         t_back = time.time()
         assert trainer.alive() and worker.alive(), "a role died during the outages"
-        t_ok = wait_for(lambda: len(steps(trainer)) > n, 600, "a trainer step after the outages", trainer)
+        t_ok = wait_for(lambda: len(steps(trainer)) > n, 600, "a trainer step after the outages", trainer,
+                        alive=(proxy, worker, trainer, s3))
         report["outages"] = {"bucket_down_s": round(OUTAGE_S), "proxy_down_s": round(OUTAGE_S),
                              "overlap_s": round(OUTAGE_S - 60), "proxy_back_to_next_step_s": round(t_ok - t_back, 1)}
 
