@@ -3,13 +3,13 @@
 Every script of the run (proxy.py, rollout.py, train.py) imports this file; on Hugging Face Jobs it
 travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README). Sections:
 
-  1. bucket          S3 client from the environment, put/get with botocore retries, JSON helpers
+  1. bucket          S3 client from the environment, put/get that wait out outages, JSON helpers
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
                      (from the bucket, or through the URLs the proxy hands out: no bucket keys)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
-  6. http + metrics  the proxy's address record, the proxy client with retries/backoff, JSONL metrics
+  6. http + metrics  the proxy's address record, the proxy client (waits out outages), JSONL metrics
                      to the bucket (and trackio)
 
 Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py,
@@ -18,12 +18,15 @@ the configuration each role records at start in runconfig.py, the Hub side in hu
 from __future__ import annotations
 
 import atexit
+import copy
 import hashlib
 import json
 import math
 import os
 import resource
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +37,7 @@ import httpx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
 
 
 class _LazyTorch:
@@ -50,11 +53,60 @@ class _LazyTorch:
 torch = _LazyTorch()
 
 # ----------------------------------------------------------------------------------------------
-# 1. bucket
+# 1. bucket, and how every call waits out an outage of the bucket or the proxy
+
+WAIT_LOG_S = 30.0  # a call that waits out an outage says so at its first failure, then this often
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def patiently(fn, what: str, transient, patience_s: float | None, say=log, should_stop=lambda: False):
+    """fn(), retried with exponential backoff (0.5 s doubling to 10 s, with jitter) for as long as it
+    fails with an error `transient` says may pass (unreachable, 5xx, throttling); `patience_s` bounds
+    the wait (None: as long as it takes), `should_stop()` ends it early. Any other error is raised at
+    once. While it waits it says what it waits for at the first failure and every WAIT_LOG_S seconds,
+    and says so again when the outage is over."""
+    t0, said = time.monotonic(), [None]
+
+    def before_sleep(rs) -> None:
+        waited = time.monotonic() - t0
+        if said[0] is None or waited - said[0] >= WAIT_LOG_S:
+            said[0] = waited
+            e = rs.outcome.exception()
+            limit = "as long as it takes" if patience_s is None else f"for up to {patience_s:.0f}s"
+            say(f"waiting for {what}: failing for {waited:.0f}s ({type(e).__name__}: {str(e)[:200]}); retrying {limit}")
+
+    def stop(rs) -> bool:
+        return should_stop() or (patience_s is not None and time.monotonic() - t0 >= patience_s)
+
+    def sleep(s: float) -> None:  # in slices, so that should_stop() ends a long wait within half a second
+        end = time.monotonic() + s
+        while not should_stop() and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
+
+    out = Retrying(retry=retry_if_exception(transient), stop=stop, sleep=sleep, before_sleep=before_sleep,
+                   wait=wait_exponential_jitter(multiplier=0.5, max=10, jitter=1), reraise=True)(fn)
+    if said[0] is not None:
+        say(f"{what}: answering again after {time.monotonic() - t0:.0f}s")
+    return out
+
+
+def _s3_transient(e: BaseException) -> bool:
+    """An S3 failure that may pass: the endpoint unreachable or cut off, 5xx, throttling. A 4xx
+    (no such bucket, access denied, bad keys) is a mistake that no amount of waiting fixes."""
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = e.response.get("Error", {}).get("Code", "")
+        return status >= 500 or status in (408, 429) or code in ("SlowDown", "Throttling", "RequestTimeout")
+    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError, IncompleteReadError
+    return isinstance(e, (BotoConnectionError, HTTPClientError, IncompleteReadError))
 
 
 class BucketError(RuntimeError):
-    """A bucket call failed after botocore's retries; the message names endpoint, bucket and key."""
+    """A bucket call failed for good (a 4xx, or an outage longer than the Bucket's patience); the
+    message names endpoint, bucket and key."""
 
 
 class Bucket:
@@ -62,19 +114,32 @@ class Bucket:
 
     Configured from the environment so every job sees the same run: `S3_ENDPOINT_URL` (unset = AWS),
     `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`/`AWS_REGION`, `BUCKET`, `RUN_NAME`.
+
+    Every call waits out an unreachable or failing endpoint (5xx, throttling) for `patience_s`
+    seconds, saying what it waits for every 30 s, then raises BucketError; a 4xx raises at once.
+    None waits as long as it takes (the trainer, the workers). The default, 20 s, is the proxy's: it
+    rides out a blip at its start or in a journal commit, and a longer outage makes its commits
+    answer 503, which its callers wait out. 0 makes one call, with botocore's own 3 attempts for a
+    blip. botocore's retries alone cannot ride out an outage: in standard mode its retry quota (500
+    tokens, 14 per retried connection error) is empty after 3-4 failing calls, after which a call
+    fails at its first refused connection (measured with 10 attempts against a closed port: 30, 15,
+    22, 1.3 s, then 0 s per call).
     """
 
-    def __init__(self, bucket: str | None = None, run: str | None = None, endpoint: str | None = None):
+    def __init__(self, bucket: str | None = None, run: str | None = None, endpoint: str | None = None,
+                 patience_s: float | None = 20.0):
         self.endpoint = endpoint or os.environ.get("S3_ENDPOINT_URL") or None
         self.bucket = bucket or os.environ.get("BUCKET", "")
         self.run = (run or os.environ.get("RUN_NAME", "default")).strip("/")
+        self.patience_s = patience_s
+        self.say = log  # where waiting is reported (a role may prefix its name)
         if not self.bucket:
             raise SystemExit("no bucket: set BUCKET (and S3_ENDPOINT_URL for a non-AWS endpoint)")
         hf_gateway = bool(self.endpoint and "s3.hf.co" in self.endpoint)
         cfg = Config(
-            # botocore's own retry loop: exponential backoff with jitter (capped at 20 s) on throttling,
-            # 5xx, resets, refused connections; 10 attempts ride out a ~1 minute outage
-            retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "10"))},
+            # botocore's own retries only smooth over a blip within one call (a reset, one 503);
+            # outages are waited out by `patiently` around each call
+            retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "3"))},
             connect_timeout=5, read_timeout=60, max_pool_connections=32,
             # the HF gateway wants path addressing and no default CRC checksums (DESIGN section 8)
             s3={"addressing_style": "path"},
@@ -84,11 +149,24 @@ class Bucket:
         self.s3 = boto3.client("s3", endpoint_url=self.endpoint, config=cfg,
                                region_name=os.environ.get("AWS_REGION", "us-east-1"))
 
+    def with_patience(self, patience_s: float | None) -> "Bucket":
+        """The same bucket (and client) with another patience, e.g. for best-effort metrics uploads."""
+        other = copy.copy(self)
+        other.patience_s = patience_s
+        return other
+
     def key(self, rel: str) -> str:
         return f"{self.run}/{rel}"
 
-    def _fail(self, what: str, rel: str, e: Exception) -> BucketError:
-        return BucketError(f"{what} s3://{self.bucket}/{self.key(rel)} at {self.endpoint or 'AWS'} failed: {e}")
+    def _where(self, what: str, rel: str) -> str:
+        return f"{what} s3://{self.bucket}/{self.key(rel)} at {self.endpoint or 'AWS'}"
+
+    def _call(self, what: str, rel: str, fn):
+        """fn(), waiting out outages; a failure for good becomes a BucketError naming what and where."""
+        try:
+            return patiently(fn, f"the bucket ({self._where(what, rel)})", _s3_transient, self.patience_s, self.say)
+        except (ClientError, BotoCoreError) as e:
+            raise BucketError(f"{self._where(what, rel)} failed: {e}") from e
 
     def put(self, rel: str, data: bytes, if_match: str | None = None, if_none_match: bool = False) -> str:
         """Put bytes; optional conditional write. Returns the new ETag. Raises ConflictError on 412."""
@@ -97,27 +175,41 @@ class Bucket:
             kw["IfMatch"] = if_match
         if if_none_match:
             kw["IfNoneMatch"] = "*"
-        try:
-            r = self.s3.put_object(Bucket=self.bucket, Key=self.key(rel), Body=data, **kw)
-            return r["ETag"]
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise ConflictError(f"conditional write of {self.key(rel)} lost: someone else wrote it") from e
-            raise self._fail("put", rel, e) from e
-        except BotoCoreError as e:
-            raise self._fail("put", rel, e) from e
+        tries = 0
+
+        def once() -> str:
+            nonlocal tries
+            tries += 1
+            try:
+                return self.s3.put_object(Bucket=self.bucket, Key=self.key(rel), Body=data, **kw)["ETag"]
+            except ClientError as e:
+                if kw and e.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                    # a conditional write retried (by us or botocore) after its answer was lost meets
+                    # its own write: the object holding exactly our bytes then means it was ours
+                    if tries > 1 or e.response.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+                        mine = self.get(rel)
+                        if mine is not None and mine[0] == data:
+                            self.say(f"{self._where('put', rel)}: already written by us (the answer to an earlier "
+                                     f"attempt was lost); carrying on")
+                            return mine[1]
+                    raise ConflictError(f"conditional write of {self.key(rel)} lost: someone else wrote it") from e
+                raise
+
+        return self._call("put", rel, once)
 
     def get(self, rel: str) -> tuple[bytes, str] | None:
         """Bytes and ETag, or None when the key does not exist."""
-        try:
-            r = self.s3.get_object(Bucket=self.bucket, Key=self.key(rel))
-            return r["Body"].read(), r["ETag"]
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self._fail("get", rel, e) from e
-        except BotoCoreError as e:
-            raise self._fail("get", rel, e) from e
+
+        def once() -> tuple[bytes, str] | None:
+            try:
+                r = self.s3.get_object(Bucket=self.bucket, Key=self.key(rel))
+                return r["Body"].read(), r["ETag"]  # the read is retried too: a cut-off body is transient
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    return None
+                raise
+
+        return self._call("get", rel, once)
 
     def put_json(self, rel: str, obj: Any, **kw) -> str:
         return self.put(rel, json.dumps(obj, separators=(",", ":")).encode(), **kw)
@@ -129,18 +221,15 @@ class Bucket:
     def list(self, prefix: str) -> list[str]:
         """Relative keys under `prefix` (ListObjectsV2 only: the HF gateway has nothing else)."""
         out, token = [], None
-        try:
-            while True:
-                kw = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
-                if token:
-                    kw["ContinuationToken"] = token
-                r = self.s3.list_objects_v2(**kw)
-                out += [o["Key"][len(self.run) + 1:] for o in r.get("Contents", [])]
-                if not r.get("IsTruncated"):
-                    return out
-                token = r["NextContinuationToken"]
-        except (ClientError, BotoCoreError) as e:
-            raise self._fail("list", prefix, e) from e
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self._call("list", prefix, lambda: self.s3.list_objects_v2(**kw))
+            out += [o["Key"][len(self.run) + 1:] for o in r.get("Contents", [])]
+            if not r.get("IsTruncated"):
+                return out
+            token = r["NextContinuationToken"]
 
     def ensure_bucket(self) -> None:
         """Create the bucket if it is missing (local S3 server, tests)."""
@@ -416,7 +505,7 @@ def script_args(argv: list[str] | None = None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. the proxy's address, the proxy client (retries with backoff on connection errors, 5xx and 429), metrics
+# 6. the proxy's address, the proxy client (waits out outages: connection errors and 5xx; 429 as told), metrics
 #
 # On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
 # run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
@@ -463,7 +552,16 @@ def default_resolver() -> Callable[[], str | None] | None:
 
 
 class ProxyError(RuntimeError):
-    """The proxy answered 4xx: our request was wrong; retrying will not help."""
+    """The proxy answered 4xx: our request was wrong, or the state it names (acked, expired, not
+    newer) is final; retrying will not help. `status` and `detail` say which."""
+
+    def __init__(self, method: str, url: str, status: int, text: str):
+        super().__init__(f"{method} {url} -> {status}: {text[:500]}")
+        self.status = status
+        try:
+            self.detail = str(json.loads(text).get("detail", ""))
+        except (ValueError, AttributeError):
+            self.detail = text[:500]
 
 
 class ProxyBusy(httpx.HTTPError):
@@ -480,11 +578,16 @@ class ProxyClient:
     """Talks to proxy.py. The proxy token goes in `X-Proxy-Token`; `Authorization` carries the HF
     token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too.
 
-    `resolve` returns the proxy's current URL (default: the run's `proxy/endpoint.json` when PROXY_URL
-    is unset, see `default_resolver`). It is asked once here, then whenever the URL in use stops
-    answering (`refresh_url`), so a proxy relaunched at a new address is found again."""
+    A call waits out an unreachable proxy or a 5xx for `patience_s` (None: as long as it takes,
+    saying so every 30 s), or until `should_stop()`; then it raises the last httpx error. A 429
+    waits as long as Retry-After says, counted in `backpressure_s`. A 4xx raises ProxyError at once.
 
-    def __init__(self, url: str, token: str | None, hf_token: str | None = None, attempts: int = 8,
+    `resolve` returns the proxy's current URL (default: the run's `proxy/endpoint.json` when PROXY_URL
+    is unset, see `default_resolver`). It is asked once here, then before every retry and whenever
+    what answers is not the run's proxy any more (`refresh_url`), so a proxy relaunched at a new
+    address is found again."""
+
+    def __init__(self, url: str, token: str | None, hf_token: str | None = None, patience_s: float | None = None,
                  resolve: Callable[[], str | None] | None = None):
         headers = {}
         if token:
@@ -492,14 +595,20 @@ class ProxyClient:
         auth = hf_token or token
         if auth:
             headers["Authorization"] = f"Bearer {auth}"
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=120))
+        self.patience_s = patience_s
         self.backpressure_s = 0.0  # total time spent waiting on 429 answers
-        self.should_stop = lambda: False  # checked while waiting on 429: a stopping worker gives up
+        self.should_stop = lambda: False  # a stopping role gives up waiting (outage or 429)
+        self.say = log
         self.resolve = resolve if resolve is not None else default_resolver()
         self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
-        self._call = retry(retry=retry_if_exception(_retryable), stop=stop_after_attempt(attempts),
-                           wait=wait_exponential(multiplier=0.2, max=10) + wait_random(0, 1), reraise=True,
-                           before_sleep=lambda _: self.refresh_url())(self._once)  # look again before each retry
+
+    def with_patience(self, patience_s: float | None) -> "ProxyClient":
+        """The same client (connections, token, should_stop, URL lookups) with another patience."""
+        other = copy.copy(self)
+        other.patience_s = patience_s
+        return other
 
     def refresh_url(self) -> bool:
         """Ask `resolve` where the proxy is now; switch to that URL if it moved. True if it did."""
@@ -507,15 +616,26 @@ class ProxyClient:
             return False
         try:
             url = self.resolve()
-        except Exception as e:  # the bucket is down too: keep the URL we have, the caller retries
-            print(f"proxy address lookup failed ({type(e).__name__}: {e}); keeping {self.http.base_url}",
-                  file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - the bucket is down too: keep the URL we have, the caller retries
+            self.say(f"proxy address lookup failed ({type(e).__name__}: {e}); keeping {self.url}")
             return False
-        if not url or url.rstrip("/") == str(self.http.base_url).rstrip("/"):
+        if not url or url.rstrip("/") == self.url:
             return False
-        print(f"proxy: now at {url} (was {self.http.base_url})", file=sys.stderr, flush=True)
-        self.http.base_url = url.rstrip("/")
+        self.say(f"proxy: now at {url} (was {self.url})")
+        self.url = url.rstrip("/")
+        self.http.base_url = self.url
         return True
+
+    def _call(self, method: str, path: str, **kw) -> Any:
+        tries = [0]
+
+        def attempt() -> Any:
+            if tries[0]:  # a retry: the proxy may have been relaunched at a new address
+                self.refresh_url()
+            tries[0] += 1
+            return self._once(method, path, **kw)
+        return patiently(attempt, f"the proxy ({method} {self.url}{path})", _retryable, self.patience_s, self.say,
+                         lambda: self.should_stop())
 
     def _once(self, method: str, path: str, **kw) -> Any:
         while True:
@@ -531,8 +651,9 @@ class ProxyClient:
             self.backpressure_s += wait
             time.sleep(wait)
         if 400 <= r.status_code < 500:
-            raise ProxyError(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
-        r.raise_for_status()
+            raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
+        if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
+            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
         return r.json()
 
     def get(self, path: str, **params) -> Any:
@@ -548,7 +669,11 @@ def peak_rss_mb() -> float:
 
 class Metrics:
     """One JSON object per line in `metrics/{name}.jsonl` in the bucket (and a local copy).
-    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`.
+    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`. Those
+    uploads are best effort (one try: metrics never hold up a run; what failed goes with the next
+    one); `flush(wait=True)` waits as long as the bucket's patience allows. Whatever is left is
+    flushed at exit, and on SIGTERM when the process has no handler of its own (a role that has one
+    flushes when it stops).
 
     With report_to="trackio" every row also goes to trackio under the same names (numbers only:
     lists and dicts stay in the JSONL): a local project by default, a Hugging Face Space when
@@ -561,13 +686,16 @@ class Metrics:
         # a restarted role continues its file instead of overwriting it
         got = bucket.get(f"metrics/{name}.jsonl") if bucket is not None else None
         self.lines: list[str] = got[0].decode().splitlines() if got else []
-        self._last = 0.0
+        self._last, self._flushed = 0.0, len(self.lines)
+        atexit.register(self.flush)
         report_to = os.environ.get("REPORT_TO", "") if report_to is None else report_to
         self.trackio: TrackioSink | None = None
         if "trackio" in report_to.split(","):
             run = bucket.run if bucket is not None else "local"
             self.trackio = TrackioSink(trackio_project or os.environ.get("TRACKIO_PROJECT") or "async-grpo",
                                        f"{run}-{name}", run, trackio_space or os.environ.get("TRACKIO_SPACE_ID"), config)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def log(self, row: dict) -> None:
         row = {"time": time.time(), **row, "mem/peak_rss_mb": round(peak_rss_mb(), 1)}
@@ -579,19 +707,32 @@ class Metrics:
         if time.time() - self._last > self.flush_s:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = False) -> None:
         self._last = time.time()
-        if self.bucket is not None and self.lines:
-            try:
-                self.bucket.put(f"metrics/{self.name}.jsonl", ("\n".join(self.lines) + "\n").encode())
-            except BucketError as e:  # metrics must never kill a run
-                print(f"metrics upload failed (will retry): {e}", file=sys.stderr)
+        if self.bucket is None or len(self.lines) == self._flushed:
+            return
+        n = len(self.lines)
+        try:
+            (self.bucket if wait else self.bucket.with_patience(0)).put(
+                f"metrics/{self.name}.jsonl", ("\n".join(self.lines[:n]) + "\n").encode())
+            self._flushed = n
+        except BucketError as e:  # metrics must never kill a run
+            log(f"metrics upload failed (will retry): {e}")
+
+    def discard(self) -> None:
+        """Never upload again (a trainer that lost its run must not overwrite the new owner's file)."""
+        self.bucket = None
 
     def close(self) -> None:
-        """Flush the JSONL and finish the trackio run (its rows are written by a background thread)."""
-        self.flush()
+        """Flush the JSONL (waiting as long as the bucket's patience allows) and finish the trackio run
+        (its rows are written by a background thread)."""
+        self.flush(wait=True)
         if self.trackio is not None:
             self.trackio.finish()
+
+
+def _exit_on_sigterm(*_) -> None:
+    raise SystemExit(128 + signal.SIGTERM)  # unwinds, so atexit handlers (the metrics flush) run
 
 
 class TrackioSink:

@@ -131,7 +131,7 @@ def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) 
 
 def evaluate_live(args: Args, task) -> dict:
     """Greedy answers of the live policy through the proxy, `batch_size` requests in flight."""
-    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=3)
+    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=30.0)
     # a routed request waits for a worker's round to end: longer than ProxyClient's usual read timeout
     client.http.timeout = httpx.Timeout(10, read=args.live_wait_s)
     n = len(task.prompts) if args.limit <= 0 else min(args.limit, len(task.prompts))

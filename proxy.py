@@ -324,14 +324,17 @@ async def lifespan(app: FastAPI):
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     if ARGS.use_bucket and os.environ.get("BUCKET"):
-        BUCKET = Bucket()
+        BUCKET = Bucket()  # while serving: 20 s of patience, then 503 (which the callers wait out)
+        startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
         S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
-        POLICY.tokens = access.Tokens(BUCKET, ARGS.token)
+        POLICY.tokens = access.Tokens(startup, ARGS.token)
         await asyncio.to_thread(POLICY.tokens.load)
-        await asyncio.to_thread(record_config, BUCKET, "proxy", ARGS, __file__)
-        await asyncio.to_thread(replay, BUCKET)
+        POLICY.tokens.bucket = BUCKET
+        await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
+        await asyncio.to_thread(replay, startup)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-        DOWNLOADS = await asyncio.to_thread(Downloads, BUCKET, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
+        DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
+        DOWNLOADS.bucket = BUCKET
     JOURNAL = journal.Writer(BUCKET, S.incarnation, ARGS.commit_depth, trailer=counters_trailer,
                              on_foreign=fatal_foreign_writer, observe=COMMIT.observe)
     tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
@@ -340,7 +343,7 @@ async def lifespan(app: FastAPI):
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
     if BUCKET is not None and not S.done:  # a version published while the proxy was down is only in latest.json
-        latest = await asyncio.to_thread(BUCKET.get_json, "adapters/latest.json")
+        latest = await asyncio.to_thread(startup.get_json, "adapters/latest.json")
         if latest and latest["version"] > S.latest:
             try:
                 await register(RegisterRequest(version=latest["version"], step=latest.get("step", 0),

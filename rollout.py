@@ -33,6 +33,8 @@ priority: at most --serve-per-round requests between two rounds.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -48,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import (AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError, fetch_adapter,  # noqa: E402
-                    fetch_adapter_via_proxy, new_group_id, proxy_adapter_meta)
+from common import (WAIT_LOG_S, AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError,  # noqa: E402
+                    fetch_adapter, fetch_adapter_via_proxy, log, new_group_id, proxy_adapter_meta)
 from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,  # noqa: E402
                      sample, swap_in, vllm_rank)
 from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
@@ -149,13 +151,10 @@ class AdapterSync(threading.Thread):
                 print(f"[{self.args.worker_id}] adapter poll failed: {e}", file=sys.stderr)
                 time.sleep(2.0)
                 continue
-            # when it was registered, on our own clock: the proxy says how long ago (age_s), so no two hosts'
-            # clocks are compared; without that (a proxy restarted since) the publisher's wall clock
-            published = time.time() - r["age_s"] if r.get("age_s") is not None else r.get("published_at")
             self.max_staleness = r.get("max_staleness", self.max_staleness)
             self.latest = max(self.latest, r["version"])
             if r["version"] > self.seen:
-                v = r["version"]
+                v, published = r["version"], registered_at(r)
                 try:
                     d = os.path.join(self.workdir, f"v{v:06d}")
                     meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
@@ -164,8 +163,7 @@ class AdapterSync(threading.Thread):
                     tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
                     with self.lock:
                         self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
-                                      "published_at": published or meta["created_at"],
-                                      "ready_at": time.time()}
+                                      "published": published, "ready": time.monotonic()}
                     self.seen = v
                 except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                     # never load what does not verify: keep the previous version, retry shortly
@@ -177,6 +175,15 @@ class AdapterSync(threading.Thread):
         with self.lock:
             got, self.ready = self.ready, None
             return got
+
+
+def registered_at(answer: dict) -> float | None:
+    """When the proxy registered the version it announces, on this process's monotonic clock: its
+    `age_s` says how long ago on the proxy's own monotonic clock, so timings never compare two
+    hosts' wall clocks. (A proxy too old to send age_s: the trainer's published_at wall time.)"""
+    if "age_s" in answer:
+        return None if answer["age_s"] is None else time.monotonic() - answer["age_s"]
+    return time.monotonic() - (time.time() - answer["published_at"]) if answer.get("published_at") else None
 
 
 def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
@@ -203,44 +210,145 @@ def run_lora_rank(bucket: Bucket | None, client: ProxyClient) -> int:
     return proxy_adapter_meta(client, latest).get("lora", {}).get("r", 0) if latest else 0
 
 # ---------------------------------------------------------------------------------------------
-# spool: a finished group is on local disk before we try to send it, and leaves only once the
-# proxy answered for it, so a proxy outage (or our own restart) loses nothing
+# spool: a finished group is on local disk (fsynced) before we try to send it, and leaves only once
+# the proxy answered for it, so a proxy outage, our own restart or a power cut loses nothing
 
 
 class Spool:
-    def __init__(self, root: str, run: str, worker_id: str):
+    """One file per group in `{root}/{run}/{worker_id}/`; `refused/` keeps what the proxy refused
+    (4xx), `unreadable/` what could not be read back (a file cut short by a power cut, say)."""
+
+    def __init__(self, root: str, run: str, worker_id: str, log=log):
         self.dir = os.path.join(root, run, worker_id)  # per run: never resubmit into another run
-        os.makedirs(os.path.join(self.dir, "refused"), exist_ok=True)
+        self.log = log
+        for sub in ("refused", "unreadable"):
+            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+        self.held: list[dict] = []  # groups the disk would not take: sent from memory, never dropped
+        self._said_full = -WAIT_LOG_S
+        self._sweep_tmp()
+
+    def _sweep_tmp(self, older_s: float = 60.0) -> None:
+        """Temp files older than a minute are writes a crash cut short: their group was never
+        acknowledged to anyone (add() had not returned), so they go."""
+        stale = [p for p in glob.glob(os.path.join(glob.escape(self.dir), ".*.tmp"))
+                 if time.time() - _mtime(p, time.time()) > older_s]
+        for p in stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p)
+        if stale:
+            self.log(f"spool {self.dir}: removed {len(stale)} stale temp file(s) left by a write cut short")
 
     def add(self, group: dict) -> None:
-        tmp = os.path.join(self.dir, f".{group['group_id']}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(group, f)
-        os.replace(tmp, os.path.join(self.dir, f"{group['group_id']}.json"))  # atomic: never half a file
+        """Write the group (file, then directory, fsynced) before anyone hears of it. If the disk
+        will not take it (full, quota, I/O error) it stays in memory and goes to the proxy from
+        there at the next flush; we say so (every 30 s at most) and carry on."""
+        gid = group["group_id"]
+        tmp = os.path.join(self.dir, f".{gid}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(group, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(self.dir, f"{gid}.json"))  # atomic: never half a file
+            _fsync_dir(self.dir)  # the rename itself is durable
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            self.held.append(group)
+            if time.monotonic() - self._said_full >= WAIT_LOG_S:
+                self._said_full = time.monotonic()
+                self.log(f"spool {self.dir}: cannot write group {gid} ({e.strerror or e}); {len(self.held)} "
+                         f"group(s) held in memory until the proxy takes them: free space on that disk")
 
     def pending(self) -> list[str]:
         names = [n for n in os.listdir(self.dir) if n.endswith(".json")]
-        return sorted(names, key=lambda n: os.path.getmtime(os.path.join(self.dir, n)))
+        return sorted(names, key=lambda n: _mtime(os.path.join(self.dir, n), 0.0))
 
-    def flush(self, client: ProxyClient, log) -> list[tuple[str, str]]:
-        """Send every spooled group, oldest first; stop at the first transport failure (the proxy is
-        down: keep the rest for later). Returns (group_id, the proxy's status) per group sent."""
-        statuses = []
-        for name in self.pending():
-            path = os.path.join(self.dir, name)
+    def _read(self, name: str) -> dict | None:
+        """The spooled group, or None: gone, or unreadable (then moved to unreadable/ and named)."""
+        path = os.path.join(self.dir, name)
+        try:
             with open(path) as f:
                 group = json.load(f)
+            if not isinstance(group, dict) or not isinstance(group.get("group_id"), str):
+                raise ValueError("not a trajectory group")
+            return group
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            dest = os.path.join(self.dir, "unreadable", name)
+            with contextlib.suppress(OSError):
+                os.replace(path, dest)
+            self.log(f"spool file {path} is unreadable ({type(e).__name__}: {str(e)[:200]}): set aside as {dest}")
+            return None
+
+    def _send(self, client: ProxyClient, group: dict, name: str | None) -> str | None:
+        """Post one group; its status, "refused" (4xx: kept in refused/), or None (proxy unreachable
+        and we are stopping)."""
+        try:
+            status = client.post("/v1/groups", group)["status"]
+        except ProxyError as e:  # 4xx: resending cannot help; keep it aside for inspection
+            dest = os.path.join(self.dir, "refused", f"{group['group_id']}.json")
             try:
-                statuses.append((group["group_id"], client.post("/v1/groups", group)["status"]))
-                os.remove(path)
-            except ProxyError as e:  # 4xx: resending cannot help; keep it aside for inspection
-                log(f"group {group['group_id']} refused, kept in {self.dir}/refused: {e}")
-                os.replace(path, os.path.join(self.dir, "refused", name))
-                statuses.append((group["group_id"], "refused"))
-            except httpx.HTTPError as e:
-                log(f"proxy unreachable ({type(e).__name__}); {len(self.pending())} group(s) stay spooled")
+                if name:
+                    os.replace(os.path.join(self.dir, name), dest)
+                else:
+                    with open(dest, "w") as f:
+                        json.dump(group, f)
+            except OSError as err:
+                self.log(f"could not keep refused group {group['group_id']} in {dest}: {err}")
+            self.log(f"group {group['group_id']} refused, kept in {self.dir}/refused: {e}")
+            return "refused"
+        except httpx.HTTPError as e:
+            self.log(f"proxy unreachable ({type(e).__name__}); {len(self.pending())} group(s) stay spooled in "
+                     f"{self.dir}" + (f", {len(self.held)} held in memory are lost" if self.held else ""))
+            return None
+        if name:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.dir, name))
+        return status
+
+    def flush(self, client: ProxyClient) -> list[tuple[str, str]]:
+        """Send what memory holds, then every spooled group, oldest first. The client waits out a
+        proxy outage; it gives up only when we are stopping, and then the rest stays on disk.
+        Returns (group_id, the proxy's status) per group sent."""
+        statuses = []
+        while self.held:
+            if (status := self._send(client, self.held[0], None)) is None:
+                return statuses
+            statuses.append((self.held.pop(0)["group_id"], status))
+        for name in self.pending():
+            if (group := self._read(name)) is None:
+                continue
+            if (status := self._send(client, group, name)) is None:
                 break
+            statuses.append((group["group_id"], status))
         return statuses
+
+    def drop_all(self, why: str) -> None:
+        """Forget what is left (the run is over: it would never be trained), saying how much."""
+        n = len(self.held) + len(names := self.pending())
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.dir, name))
+        self.held.clear()
+        if n:
+            self.log(f"{why}: {n} group(s) left in the spool will never be trained; dropped")
+
+
+def _mtime(path: str, default: float) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:
+        return default
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalMetrics(Metrics):
@@ -324,17 +432,19 @@ def main(args: Args) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
-    # a contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
-    bucket = Bucket() if os.environ.get("BUCKET") else None
-    if bucket is not None:  # a contributor's config stays with them, like its metrics
-        record_config(bucket, f"rollout-{args.worker_id}", args, __file__)
-    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
+    # outages of the bucket or the proxy are waited out, however long, saying so every 30 s; a
+    # contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
     log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log), args.worker_id)
+    bucket = Bucket(patience_s=None) if os.environ.get("BUCKET") else None
+    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=None)
+    client.say = log
+    if bucket is not None:
+        bucket.say = log
+        record_config(bucket, f"rollout-{args.worker_id}", args, __file__)  # a contributor's stays with them
+    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log), args.worker_id, log)
     metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
                else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     task = load_task(args.task)
-    log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     engine = None
     if args.backend == "server":
         kw = {"model": args.model, "should_stop": stop.is_set,
@@ -362,17 +472,17 @@ def main(args: Args) -> None:
     sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
-    client.should_stop = lambda: stop.is_set() or sync.done  # the run is over: stop waiting on a full buffer
-    # its own client, retrying little: serving is opportunistic, and a proxy outage must not hold the round up
-    routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, attempts=2), args.worker_id,
-                           args.serve_per_round if args.serve else 0, log)
+    client.should_stop = lambda: stop.is_set() or sync.done  # SIGTERM or the run is over: stop waiting
+    # its own client, patient for seconds only: serving is opportunistic, and a proxy outage must not hold the round up
+    routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=5.0),
+                           args.worker_id, args.serve_per_round if args.serve else 0, log)
 
     def chat(req: dict) -> dict:  # the adapter served right now (`model` is rebound by each hf swap)
         return engine.chat([req])[0] if engine else hf_chat(model, tok, req)
     if spool.pending():
         log(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
-        spool.flush(client, log)
-    version, published_at, first_round_of_version = 0, None, False
+        spool.flush(client)
+    version, published, first_round_of_version = 0, None, False
     print(f"[{args.worker_id}] ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), "
           f"G={args.group_size}, backend {args.backend}", file=sys.stderr)
 
@@ -387,9 +497,10 @@ def main(args: Args) -> None:
                     engine.swap_in(new)
                 else:
                     model = swap_in(model, new)
-                version, published_at, first_round_of_version = new["version"], new["published_at"], True
-                # publish -> downloaded, verified, tensors in memory (done in the background thread)
-                row.update({"perf/weight_sync_s": new["ready_at"] - published_at, "perf/swap_s": time.time() - t0})
+                version, published, first_round_of_version = new["version"], new["published"], True
+                row["perf/swap_s"] = time.time() - t0
+                if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
+                    row["perf/weight_sync_s"] = new["ready"] - published
             except (AdapterError, ServerDown) as e:
                 print(f"[{args.worker_id}] keeping version {version}: {e}", file=sys.stderr)
         if sync.done and new is None and version >= sync.seen:
@@ -401,14 +512,12 @@ def main(args: Args) -> None:
         try:
             idx = client.post("/v1/prompts/lease", {"dataset": task.name, "size": len(task.prompts),
                                                     "n": args.prompts_per_round})["indices"]
-        except httpx.HTTPError as e:  # proxy down (after retries): keep what we have, try again
-            log(f"prompt lease failed ({type(e).__name__}); retrying")
-            time.sleep(2.0)
+        except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             continue
         prompts = [encode_prompt(tok, task.prompts[i]) for i in idx]
         t_gen = time.time()
-        if first_round_of_version and published_at:
-            row["rollout/version_lag_s"] = t_gen - published_at
+        if first_round_of_version and published is not None:
+            row["rollout/version_lag_s"] = time.monotonic() - published
             first_round_of_version = False
         if engine:
             try:
@@ -437,7 +546,7 @@ def main(args: Args) -> None:
                                           **{k: row[k] for k in ("perf/weight_sync_s", "rollout/version_lag_s")
                                              if k in row}}}}
             spool.add(group)
-        sent = dict(spool.flush(client, log))  # this round's groups, and any left from before
+        sent = dict(spool.flush(client))  # this round's groups, and any left from before
         row["serve/requests"] = routed.serve(chat, version)  # between rounds, a few at most
         if isinstance(engine, ServerSampler):
             row["rollout/server_down_s"] = engine.down_s
@@ -455,10 +564,13 @@ def main(args: Args) -> None:
                                              if row["serve/requests"] else ""), file=sys.stderr, flush=True)
         if args.max_rounds and rounds >= args.max_rounds:
             break
-    sync.done = True
     if isinstance(engine, ServerSampler):
         engine.close()  # stops a server this worker started (a --server-url one is left running)
-    spool.flush(client, log)  # SIGTERM or the end: whatever is still spooled goes now, or stays on disk
+    if sync.done:  # the final version is registered: nothing sent from now on would ever be trained
+        spool.drop_all("the run is over")
+    else:  # SIGTERM or --max-rounds: whatever is still spooled goes now, or stays on disk for a restart
+        sync.done = True
+        spool.flush(client)
     metrics.flush()
     print(f"[{args.worker_id}] stopped after {rounds} rounds", file=sys.stderr)
 

@@ -45,12 +45,19 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
+import httpx  # noqa: E402
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
                     publish_adapter)
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
 from runconfig import record_config  # noqa: E402
+
+
+def say(msg: str) -> None:
+    """A line on stderr that does not break the progress bar."""
+    tqdm.write(msg, file=sys.stderr)
 
 
 @dataclass
@@ -222,19 +229,26 @@ def save_checkpoint(bucket: Bucket, model, opt, sched, state: dict) -> None:
 
 
 def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
-    """Restore the newest complete checkpoint into model/opt/sched; returns its state or None."""
+    """Restore the newest complete checkpoint into model/opt/sched; returns its state or None.
+    A checkpoint that is incomplete or fails its sha256 stops the trainer: no retry can fix it."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
     ptr = bucket.get_json("checkpoints/latest.json")
     if ptr is None:
         return None
+    where = f"s3://{bucket.bucket}/{bucket.key(ptr['prefix'])}"
     meta = bucket.get_json(f"{ptr['prefix']}/meta.json")
+    if meta is None:
+        raise SystemExit(f"checkpoint {where}: checkpoints/latest.json names it but its meta.json is missing: "
+                         f"refusing to resume (point checkpoints/latest.json at an older one, or --fresh)")
     with tempfile.TemporaryDirectory() as d:
         for name, digest in meta["files"].items():
-            data = bucket.get(f"{ptr['prefix']}/{name}")[0]
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise SystemExit(f"checkpoint {ptr['prefix']}/{name} does not match its sha256: refusing to resume")
-            open(os.path.join(d, name), "wb").write(data)
+            got = bucket.get(f"{ptr['prefix']}/{name}")
+            if got is None:
+                raise SystemExit(f"checkpoint {where}/{name} is missing: refusing to resume")
+            if hashlib.sha256(got[0]).hexdigest() != digest:
+                raise SystemExit(f"checkpoint {where}/{name} does not match its sha256: refusing to resume")
+            open(os.path.join(d, name), "wb").write(got[0])
         set_peft_model_state_dict(model, load_file(os.path.join(d, "adapter_model.safetensors")))
         state = torch.load(os.path.join(d, "trainer_state.pt"), weights_only=False)
     opt.load_state_dict(state.pop("optimizer"))
@@ -245,9 +259,22 @@ def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
     return state
 
 
+# ---------------------------------------------------------------------------------------------
+# one trainer per run: trainer/owner.json holds the owner's id and a heartbeat, each write
+# conditional on the last. Another id with a fresh heartbeat: the newcomer fails at once. The same
+# id (a relaunch, or a trainer started twice): the newcomer takes over at once, and the old one, at
+# its next heartbeat, finds the ETag changed and stops without writing anything more. A trainer
+# heartbeats before each step's writes (publish, checkpoint, acks), so the old one can finish at
+# most the one it is in, and the newcomer publishes past the version that one took.
+
+
+class TakenOver(SystemExit):
+    """Another trainer owns the run now."""
+
+
 def claim_run(bucket: Bucket, trainer_id: str, ttl: float) -> str:
-    """One trainer per run: trainer/owner.json holds an id and a heartbeat. Another id with a fresh
-    heartbeat means a second trainer: fail at once. Returns the ETag for later heartbeats."""
+    """Claim the run; returns the ETag for later heartbeats. Fails at once if another id holds a
+    fresh heartbeat, or if another trainer claims it at the same moment."""
     got = bucket.get("trainer/owner.json")
     if got is not None:
         owner = json.loads(got[0])
@@ -259,50 +286,222 @@ def claim_run(bucket: Bucket, trainer_id: str, ttl: float) -> str:
     try:
         return bucket.put_json("trainer/owner.json", body, **({"if_match": got[1]} if got else {"if_none_match": True}))
     except ConflictError:
-        raise SystemExit(f"another trainer claimed run {bucket.run!r} at the same moment") from None
+        raise SystemExit(f"another trainer claimed run {bucket.run!r} at the same moment: this one stops") from None
 
 
 def heartbeat(bucket: Bucket, trainer_id: str, etag: str) -> str:
     try:
         return bucket.put_json("trainer/owner.json", {"id": trainer_id, "heartbeat": time.time()}, if_match=etag)
     except ConflictError:
-        raise SystemExit(f"run {bucket.run!r} was claimed by another trainer: stopping") from None
+        raise TakenOver(f"run {bucket.run!r} was taken over by another trainer (trainer/owner.json changed; "
+                        f"a relaunch with the same TRAINER_ID {trainer_id!r}?): stopping without writing anything more") from None
+
+
+class Owner:
+    def __init__(self, bucket: Bucket, trainer_id: str, ttl: float):
+        self.bucket, self.id = bucket, trainer_id
+        self.etag = claim_run(bucket, trainer_id, ttl)
+        self.on_lost = lambda: None  # called before TakenOver propagates (the metrics stop uploading)
+
+    def check(self) -> None:
+        """Heartbeat; raises TakenOver if the run is no longer ours."""
+        try:
+            self.etag = heartbeat(self.bucket, self.id, self.etag)
+        except TakenOver:
+            self.on_lost()
+            raise
 
 
 # ---------------------------------------------------------------------------------------------
+# the ledger: a batch is acked only after the checkpoint that holds its update, so a crash costs the
+# steps since that checkpoint and their groups go back to the buffer (re-checked for staleness)
+# instead of being consumed by weights that died with the trainer.
 
 
-def lease(client: ProxyClient, args: Args, bar, stop: threading.Event) -> dict | None:
-    """Wait for a batch; the time spent here is the trainer starving for rollouts."""
+class Ledger:
+    """The batches whose update our weights hold and that the proxy has not recorded as acked
+    (`unacked`, saved in each checkpoint), and every group our weights hold that the proxy might
+    still hand out (`trained`: group_id -> policy_version). A thread renews our open leases. If one
+    runs out anyway (the trainer stalled past the proxy's --lease-s), the proxy hands its groups out
+    again; they are dropped from the batch that brings them back: no group is trained twice."""
+
+    def __init__(self, client: ProxyClient, saved: dict | None, say):
+        saved = saved or {}
+        self.client, self.say = client, say
+        self.renewer = client.with_patience(0)  # best effort: a missed renewal costs at most a 410, handled
+        self.unacked: dict[str, list[str]] = {b: list(g) for b, g in saved.get("unacked", {}).items()}
+        self.trained: dict[str, int] = dict(saved.get("trained", {}))
+        self.renew_at: dict[str, float] = {}  # batch_id -> monotonic time of its next renewal
+        self.max_staleness = 10**9  # the proxy's (main sets it); groups staler than that never come back
+        self.lock = threading.Lock()
+        threading.Thread(target=self._renew_loop, daemon=True).start()
+
+    def state(self) -> dict:
+        with self.lock:
+            return {"unacked": {b: list(g) for b, g in self.unacked.items()}, "trained": dict(self.trained)}
+
+    def hold(self, got: dict) -> tuple[list[dict], list[str]]:
+        """A new lease: keep it renewed from now on (a step may outlast it). Returns its groups our
+        weights do not hold yet, and the ids of those they do."""
+        with self.lock:
+            self.renew_at[got["batch_id"]] = time.monotonic() + got.get("expires_in_s", 60) / 2
+            fresh = [g for g in got["groups"] if g["group_id"] not in self.trained]
+        return fresh, [g["group_id"] for g in got["groups"] if g["group_id"] in self.trained]
+
+    def trained_on(self, got: dict) -> None:
+        """The step on this batch is taken: its update is in our weights, to be acked after a checkpoint."""
+        with self.lock:
+            self.unacked[got["batch_id"]] = [g["group_id"] for g in got["groups"]]
+            self.trained.update({g["group_id"]: g["policy_version"] for g in got["groups"]})
+            latest = got["latest_version"]
+            for gid in [g for g, v in self.trained.items() if latest - v > self.max_staleness]:
+                del self.trained[gid]  # the proxy drops these when they come back: no guard needed
+
+    def ack_all(self, owner: "Owner") -> None:
+        """Ack every batch a checkpoint now holds. 409 (already acked) is our own earlier ack; 410/404
+        (the lease ran out) leaves its groups in `trained`. Gives up only when we are stopping (the
+        proxy unreachable after SIGTERM): the checkpoint's ledger acks them at the next start."""
+        if self.unacked:
+            owner.check()  # a takeover's old owner must not consume groups the new one has not trained
+        for bid in list(self.unacked):
+            try:
+                self.client.post(f"/v1/batches/{bid}/ack")
+                acked = True
+            except ProxyError as e:
+                if e.status not in (404, 409, 410):
+                    raise
+                acked = e.status == 409
+                if not acked:
+                    self.say(f"lease {bid} ran out before its ack ({e.detail}); its {len(self.unacked[bid])} "
+                             f"groups are in our weights already and will be dropped if handed out again")
+            except httpx.HTTPError as e:
+                self.say(f"stopping with {len(self.unacked)} batch(es) unacked ({type(e).__name__}): the checkpoint's "
+                         f"ledger acks them at the next start")
+                return
+            with self.lock:
+                groups = self.unacked.pop(bid)
+                self.renew_at.pop(bid, None)
+                if acked:  # consumed for good: the proxy never hands these out again
+                    for gid in groups:
+                        self.trained.pop(gid, None)
+
+    def _renew_loop(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self.lock:
+                due = [b for b, t in self.renew_at.items() if t <= time.monotonic()]
+            for bid in due:
+                try:
+                    nxt = time.monotonic() + self.renewer.post(f"/v1/batches/{bid}/renew")["expires_in_s"] / 2
+                except ProxyError as e:
+                    if e.status == 404 and e.detail == "Not Found":  # the route, not the lease
+                        self.say("this proxy cannot renew leases (an older proxy.py): a step or checkpoint longer "
+                                 "than its --lease-s hands groups out again early; they are still not trained twice")
+                        return
+                    nxt = None  # acked, ran out, or unknown: nothing left to renew
+                except httpx.HTTPError:
+                    nxt = time.monotonic() + 5.0  # proxy unreachable: try again soon
+                with self.lock:
+                    if bid in self.renew_at:
+                        if nxt is None:
+                            del self.renew_at[bid]
+                        else:
+                            self.renew_at[bid] = nxt
+
+
+# ---------------------------------------------------------------------------------------------
+# a step's traffic: lease, publish, register, checkpoint + acks, and the final registration
+
+
+def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, stop: threading.Event) -> dict | None:
+    """Wait for a batch with something left to train on (the time spent here is the trainer starving
+    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`
+    (the ids of those left out as already trained, from this batch and any passed over before it)."""
+    skipped: list[str] = []
     while not stop.is_set():
-        got = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
-        if got["batch_id"]:
-            return got
-        bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
+        try:
+            got = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
+        except httpx.HTTPError:  # the client waits out outages: this means SIGTERM
+            return None
+        if not got["batch_id"]:
+            bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
+            owner.check()  # a starving trainer is alive: keep its heartbeat fresh, and notice a takeover
+            continue
+        got["fresh"], left_out = ledger.hold(got)
+        skipped += left_out
+        if got["fresh"]:
+            return {**got, "skipped": skipped}
+        ledger.trained_on(got)  # nothing new in it: acked with the next checkpoint's batches
     return None
 
 
-# The proxy journals an ack or a registration before answering; if it dies between the two, our
-# retry meets "already acked" / "not newer" (409). That answer to our own retry means success.
+def publish(bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int:
+    """Publish the weights as the next version; returns its number. Losing the conditional write
+    means another trainer published that number: if the run is still ours (the old owner of a
+    takeover finished its step), publish past it."""
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        while True:
+            try:
+                publish_adapter(bucket, d, version + 1, step, args.model)
+                return version + 1
+            except ConflictError as e:
+                owner.check()  # TakenOver if it is not ours
+                version = bucket.get_json("adapters/latest.json")["version"]
+                say(f"{e}; the run is ours: publishing as version {version + 1}")
 
 
-def ack(client: ProxyClient, batch_id: str) -> None:
-    try:
-        client.post(f"/v1/batches/{batch_id}/ack")
-    except ProxyError as e:
-        if "-> 410" in str(e):  # our step outlasted the lease (a long bucket outage): the proxy has
-            # handed the groups back; they will be trained once more in a later batch. Say so, go on.
-            print(f"warning: lease {batch_id} expired before the ack (raise the proxy's --lease-s)", file=sys.stderr)
-        elif "409" not in str(e) or "already acked" not in str(e):
-            raise
-
-
-def register(client: ProxyClient, body: dict) -> None:
+def register(client: ProxyClient, owner: Owner, body: dict) -> None:
+    """Register a published version. The proxy journals a registration before answering; if it dies
+    between the two, our retry meets 409 "not newer": then the latest is ours, and that is success."""
     try:
         client.post("/v1/adapters", body)
     except ProxyError as e:
-        if "409" not in str(e) or client.get("/v1/adapters/latest")["version"] != body["version"]:
+        if e.status != 409 or client.get("/v1/adapters/latest")["version"] != body["version"]:
+            owner.check()  # a takeover's old owner stops here
             raise
+    except httpx.HTTPError as e:  # stopping: the next trainer or a restarted proxy adopts it from the bucket
+        say(f"version {body['version']} not registered: stopping, proxy unreachable ({e})")
+
+
+def checkpoint(bucket: Bucket, owner: Owner, metrics: Metrics, ledger: Ledger, model, opt, sched,
+               step: int, version: int) -> float:
+    """Save the weights with the ledger of the batches they hold, then ack those batches; returns
+    the seconds it took. The metrics of every step it holds are in the bucket before it is."""
+    t0 = time.time()
+    owner.check()
+    metrics.flush(wait=True)
+    save_checkpoint(bucket, model, opt, sched, {"step": step, "version": version, "ledger": ledger.state()})
+    ledger.ack_all(owner)
+    return time.time() - t0
+
+
+def register_final(client: ProxyClient, bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int | None:
+    """Tell the workers the run is over. Registered only after the checkpoint that holds the last
+    step and the acks of its batches, so a trainer killed anywhere in its last step is relaunched
+    into a run whose workers are still there, and the relaunch does only what is left. Once: a
+    relaunch after the registration finds it done. Returns the final version (None: stopped before
+    registering it; a relaunch does)."""
+    body = {"version": version, "step": step, "published_at": time.time(), "final": True}
+    try:
+        client.post("/v1/adapters", body)
+        return version
+    except ProxyError as e:
+        if e.status != 409:
+            raise
+    except httpx.HTTPError as e:
+        say(f"stopping before the final registration ({e}): a relaunch registers it")
+        return None
+    latest = client.get("/v1/adapters/latest")
+    if latest["version"] == version and latest["done"]:
+        return version  # registered already: by our retry, or by a trainer killed right after it
+    owner.check()
+    if latest["version"] != version:
+        raise SystemExit(f"the proxy at {client.url} has version {latest['version']} registered, ours is {version}: "
+                         f"is another trainer writing to run {bucket.run!r}?")
+    # a restarted proxy adopted our last version from adapters/latest.json, not as final: publish
+    # the same weights once more and register that one as final
+    return register_final(client, bucket, owner, model, args, publish(bucket, owner, model, args, version, step), step)
 
 
 def batch_metrics(groups: list[dict], latest: int) -> dict:
@@ -359,75 +558,84 @@ def push_to_hub(bucket: Bucket, args: Args, version: int, final: bool = False) -
 
 
 def main(args: Args) -> None:
-    from tqdm import tqdm
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, then exit
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, ack, then exit
+    # outages of the bucket or the proxy are waited out however long they last, saying so every
+    # 30 s; only SIGTERM ends a wait for the proxy (the bucket is waited for even then: the
+    # checkpoint needs it)
     check_push_target(args)
-    bucket = Bucket()
-    etag = claim_run(bucket, args.trainer_id, args.owner_ttl_s)
+    bucket = Bucket(patience_s=None)
+    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=None)
+    bucket.say = client.say = say
+    client.should_stop = stop.is_set
+    owner = Owner(bucket, args.trainer_id, args.owner_ttl_s)
     config = record_config(bucket, "train", args, __file__)
-    client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token)
     metrics = Metrics(bucket, "train", report_to=args.report_to, trackio_project=args.trackio_project,
                       trackio_space=args.trackio_space, config=config["args"])
+    owner.on_lost = metrics.discard  # the new owner writes metrics/train.jsonl from now on
     model, tok = build_model(args)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = None if args.fresh else load_checkpoint(bucket, model, opt, sched)
-    state = state or {"step": 0, "version": 0, "acked": []}
+    state = state or {"step": 0, "version": 0}
+    ledger = Ledger(client, state.get("ledger"), say)
+    try:
+        proxy_latest = client.get("/v1/adapters/latest")
+    except httpx.HTTPError as e:  # the client waits out outages: this means SIGTERM
+        raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
+    ledger.max_staleness = proxy_latest.get("max_staleness", ledger.max_staleness)
     # versions only go up, across restarts too: continue after the newest published one even if
     # the checkpoint is older (its weights win, its version number does not)
     published = bucket.get_json("adapters/latest.json")
-    version = max(state["version"], published["version"] if published else 0, client.get("/v1/adapters/latest")["version"])
+    version = max(state["version"], published["version"] if published else 0, proxy_latest["version"])
     if state["step"]:
-        tqdm.write(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
+        say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
+    ledger.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
     steps_since_publish = 1 if version != state["version"] else 0  # the weights we hold are not `version`'s
-    t_start, last_ckpt, pushed = time.time(), state["step"], -1
+    t_start, done, last_ckpt, ckpt_s, pushed = time.time(), state["step"], state["step"], None, -1
     bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
                total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        got = lease(client, args, bar, stop)
+        got = lease(client, args, owner, ledger, bar, stop)
         if got is None:
             break
         t1 = time.time()
-        groups = got["groups"]
+        groups = got["fresh"]
         opt.zero_grad(set_to_none=True)
         st = train_step(model, groups, args, version, steps_since_publish == 0)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         opt.step()
         sched.step()
         t2 = time.time()
-        steps_since_publish += 1
-        row = {"step": step, "version": version}
-        if step % args.publish_every == 0 or step == args.max_steps:
-            with tempfile.TemporaryDirectory() as d:
-                model.save_pretrained(d)
-                publish_adapter(bucket, d, version + 1, step, args.model)
-            register(client, {"version": version + 1, "step": step, "published_at": time.time(),
-                              "final": step == args.max_steps})
-            version, steps_since_publish = version + 1, 0
+        ledger.trained_on(got)
+        steps_since_publish, done, final = steps_since_publish + 1, step, step == args.max_steps
+        # batch_id and the groups left out let anyone audit from the proxy's journal what each step trained on
+        row = {"step": step, "batch_id": got["batch_id"], "groups/already_trained": len(got["skipped"]),
+               **({"groups/already_trained_ids": got["skipped"]} if got["skipped"] else {}),
+               **({"perf/checkpoint_s": ckpt_s} if ckpt_s is not None else {})}
+        owner.check()  # a takeover stops us here, before this step writes anything
+        if step % args.publish_every == 0 or final:
+            version, steps_since_publish = publish(bucket, owner, model, args, version, step), 0
+            if not final:  # the last version is registered (as final) only after its checkpoint and acks
+                register(client, owner, {"version": version, "step": step, "published_at": time.time()})
             row["perf/publish_s"] = time.time() - t2
             if args.push_to_hub and args.push_every and version % args.push_every == 0:
                 pushed = push_to_hub(bucket, args, version)
-        ack(client, got["batch_id"])
-        state = {"step": step, "version": version, "acked": state["acked"] + [
-            {"batch_id": got["batch_id"], "groups": [g["group_id"] for g in groups]}]}
-        if step % args.checkpoint_every == 0 or step == args.max_steps or stop.is_set():
-            t3 = time.time()
-            save_checkpoint(bucket, model, opt, sched, state)
-            row["perf/checkpoint_s"], last_ckpt = time.time() - t3, step
-        etag = heartbeat(bucket, args.trainer_id, etag)
         row.update({**batch_metrics(groups, got["latest_version"]), **st, "grad_norm": grad_norm, "version": version,
                     "lr": sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
                     "buffer/dropped_stale": got["dropped_stale"], "perf/rollout_wait_s": t1 - t0,
                     "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
                     "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t_start})
         metrics.log(row)
+        ckpt_s = None
+        if step % args.checkpoint_every == 0 or final or stop.is_set():
+            ckpt_s, last_ckpt = checkpoint(bucket, owner, metrics, ledger, model, opt, sched, step, version), step
         bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
                         wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
         tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  staleness "
@@ -435,13 +643,14 @@ def main(args: Args) -> None:
                    f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
         if stop.is_set():
             break
-    if stop.is_set() and last_ckpt != state["step"]:  # SIGTERM while waiting for a batch
-        save_checkpoint(bucket, model, opt, sched, state)
-    if stop.is_set():
-        tqdm.write(f"SIGTERM: checkpoint at step {state['step']}, exiting")
+    if stop.is_set() and last_ckpt != done:  # SIGTERM while waiting for a batch
+        checkpoint(bucket, owner, metrics, ledger, model, opt, sched, done, version)
+    final = register_final(client, bucket, owner, model, args, version, done) if done >= args.max_steps else None
+    if final is None and stop.is_set():
+        say(f"SIGTERM: checkpoint at step {done}, exiting")
     metrics.close()
-    if args.push_to_hub and state["step"] >= args.max_steps and pushed != version:
-        push_to_hub(bucket, args, version, final=True)
+    if args.push_to_hub and final is not None and pushed != final:
+        push_to_hub(bucket, args, final, final=True)
 
 
 if __name__ == "__main__":

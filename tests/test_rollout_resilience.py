@@ -12,23 +12,24 @@ from test_proxy import group
 
 
 def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp_path):
-    spool, said = rollout.Spool(str(tmp_path), "run1", "w1"), []
+    said = []
+    spool = rollout.Spool(str(tmp_path), "run1", "w1", said.append)
     groups = [group() for _ in range(3)]
     for g in groups:
         spool.add(g)
-    down = common.ProxyClient("http://127.0.0.1:9", "t", attempts=1)  # nothing listens there
-    assert spool.flush(down, said.append) == [] and len(spool.pending()) == 3
+    down = common.ProxyClient("http://127.0.0.1:9", "t", patience_s=0)  # nothing listens there; don't wait
+    assert spool.flush(down) == [] and len(spool.pending()) == 3
     assert "proxy unreachable" in said[-1]
 
     proxy = start_proxy("--group-size", "4")
     up = common.ProxyClient(proxy.url, proxy.token)
     spool.add(groups[0])  # the same group again (a worker restarted mid-send): idempotent
-    assert sorted(spool.flush(up, said.append)) == sorted((g["group_id"], "accepted") for g in groups)
+    assert sorted(spool.flush(up)) == sorted((g["group_id"], "accepted") for g in groups)
     assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 3
 
     bad = group(G=3)  # wrong group size: the proxy refuses it; it is kept aside, not retried forever
     spool.add(bad)
-    assert spool.flush(up, said.append) == [(bad["group_id"], "refused")]
+    assert spool.flush(up) == [(bad["group_id"], "refused")]
     assert os.listdir(tmp_path / "run1" / "w1" / "refused") == [f"{bad['group_id']}.json"]
     assert json.loads((tmp_path / "run1" / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
 
@@ -120,8 +121,13 @@ while True:
 ''')
     rng = random.Random()
     for _ in range(6):
+        before = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
         p = subprocess.Popen([sys.executable, str(script)], env=os.environ)
-        time.sleep(rng.uniform(1.5, 4.0))
+        t0 = time.time()  # once it has published a version (however slow its start on a loaded machine)
+        while (bucket.get_json("adapters/latest.json") or {"version": 0})["version"] == before:
+            assert time.time() - t0 < 120 and p.poll() is None
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0, 2.5))  # then at a random moment, often mid-upload
         p.send_signal(signal.SIGKILL)
         p.wait()
         latest = bucket.get_json("adapters/latest.json")
@@ -129,3 +135,151 @@ while True:
         common.fetch_adapter(bucket, latest["version"], tmp_path / f"check-{latest['version']}")  # verifies sha256
     versions = sorted(int(k.split("/v")[1][:6]) for k in bucket.list("adapters/v") if k.endswith("meta.json"))
     assert versions == list(range(1, len(versions) + 1))  # a killed publisher's successor never reused a number
+
+
+def test_spool_sets_aside_unreadable_files_and_sweeps_stale_temp_files(start_proxy, tmp_path):
+    """What a power cut can leave: a file cut short, a temp file of a write in progress. The cut file
+    is moved to unreadable/ with its name in the log and the rest goes on; old temp files go, a
+    fresh one (a write in progress right now) stays."""
+    d = tmp_path / "run1" / "w1"
+    d.mkdir(parents=True)
+    good = group()
+    (d / f"{good['group_id']}.json").write_text(json.dumps(good))
+    cut = json.dumps(group())[:57]
+    (d / "0badc0ffee0badc0ffee.json").write_text(cut)
+    (d / "latin1.json").write_bytes(b"\xff\xfe not utf-8")
+    (d / ".old.tmp").write_text(cut)
+    os.utime(d / ".old.tmp", (0, 0))
+    (d / ".fresh.tmp").write_text(cut)
+    said = []
+    spool = rollout.Spool(str(tmp_path), "run1", "w1", said.append)
+    assert sorted(p.name for p in d.glob(".*.tmp")) == [".fresh.tmp"]
+    assert any("removed 1 stale temp file" in s for s in said), said
+    proxy = start_proxy("--group-size", "4")
+    assert spool.flush(common.ProxyClient(proxy.url, proxy.token)) == [(good["group_id"], "accepted")]
+    assert sorted(os.listdir(d / "unreadable")) == ["0badc0ffee0badc0ffee.json", "latin1.json"]
+    assert (d / "unreadable" / "0badc0ffee0badc0ffee.json").read_text() == cut  # kept as it was, for inspection
+    for name, err in (("0badc0ffee0badc0ffee.json", "JSONDecodeError"), ("latin1.json", "UnicodeDecodeError")):
+        assert any(f"spool file {d / name} is unreadable ({err}" in s for s in said), said
+    assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 1
+
+
+FULL_DISK = r'''
+import json, os, resource, signal, sys
+sys.path[:0] = [sys.argv[5], os.path.join(sys.argv[5], "tests")]
+import common, rollout
+from test_proxy import group
+root, mode, url, token = sys.argv[1:5]
+said = []
+spool = rollout.Spool(root, "run1", "w1", said.append)
+early = [group() for _ in range(2)]
+for g in early:
+    spool.add(g)                       # on disk before it fills
+if mode == "tmpfs":                    # fill the (small) disk
+    try:
+        with open(os.path.join(root, "filler"), "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+    except OSError:
+        pass
+else:                                  # no tmpfs here: the kernel refuses any file over 16 bytes instead
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+late = [group() for _ in range(3)]
+for g in late:
+    spool.add(g)                       # the disk refuses: held in memory, said so
+state = {"held": len(spool.held), "pending": len(spool.pending()),
+         "tmp": [n for n in os.listdir(spool.dir) if n.endswith(".tmp")]}
+statuses = spool.flush(common.ProxyClient(url, token))
+print(json.dumps({"said": said, "before_flush": state, "statuses": statuses, "held": len(spool.held),
+                  "pending": spool.pending(), "ids": [g["group_id"] for g in early + late]}))
+'''
+
+
+def _tmpfs_works(path) -> bool:
+    import shutil
+    import subprocess
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
+                          capture_output=True).returncode == 0
+
+
+def test_spool_survives_a_full_disk(start_proxy, tmp_path):
+    """The spool's disk fills up mid-run (a real tmpfs of 256 kB in a private mount namespace, or,
+    where unprivileged namespaces are not allowed, a file size limit): what is on disk stays, new
+    groups are held in memory and said so, and all of them reach the proxy; no temp file is left."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    proxy = start_proxy("--group-size", "4")
+    root = tmp_path / "spool"
+    root.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    args = [sys.executable, str(script), str(root), "MODE", proxy.url, proxy.token, str(ROOT)]
+    if _tmpfs_works(root):
+        mode, cmd = "tmpfs", ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"',
+                              str(root), *[a.replace("MODE", "tmpfs") for a in args]]
+    else:
+        mode, cmd = "rlimit", [a.replace("MODE", "rlimit") for a in args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["before_flush"] == {"held": 3, "pending": 2, "tmp": []}, out
+    reason = "No space left on device" if mode == "tmpfs" else "File too large"
+    assert any("cannot write group" in s and reason in s and "held in memory" in s for s in out["said"]), out["said"]
+    assert sorted(g for g, _ in out["statuses"]) == sorted(out["ids"]) and {s for _, s in out["statuses"]} == {"accepted"}
+    assert out["held"] == 0 and out["pending"] == [] and proxy.stats()["groups_accepted"] == 5
+
+
+SKEWED = r'''
+import runpy, sys, time
+_real = time.time
+time.time = lambda: _real() + 3600.0  # this host's wall clock is an hour ahead of the trainer's
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_proxy, bucket, run_name, tmp_path):
+    """A worker whose wall clock is an hour ahead: perf/weight_sync_s and rollout/version_lag_s still
+    measure seconds (the proxy's age_s of the version against the worker's own monotonic clock)."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import train
+    from conftest import ROOT, stop
+    proxy = start_proxy("--group-size", "4")
+    (tmp_path / "skewed.py").write_text(SKEWED)
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(tmp_path / "skewed.py"), str(ROOT / "rollout.py"), "--model", tiny_model,
+                               "--group-size", "4", "--prompts-per-round", "1", "--max-new-tokens", "4",
+                               "--worker-id", "w1", "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        t0 = time.time()
+        while " round 1 v0" not in log.read_text():
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
+        model.save_pretrained(tmp_path / "v1")
+        common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
+        assert proxy.http.post("/v1/adapters", json={"version": 1, "step": 1, "published_at": time.time()}).is_success
+        while not re.search(r" round \d+ v1:", log.read_text()):
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.2)
+        worker.terminate()  # SIGTERM: the worker ends its round and uploads its metrics
+        assert worker.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        stop(worker)
+    rows = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
+    sync = [r["perf/weight_sync_s"] for r in rows if "perf/weight_sync_s" in r]
+    lag = [r["rollout/version_lag_s"] for r in rows if "rollout/version_lag_s" in r]
+    assert len(sync) == 1 and 0 <= sync[0] < 120, rows
+    assert len(lag) == 1 and sync[0] <= lag[0] < 240, rows
+    assert rows[-1]["time"] > time.time() + 3000  # the worker's clock really was an hour ahead

@@ -80,7 +80,7 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
     gone.shutdown()
 
     monkeypatch.setenv("PROXY_URL", first.url)   # set: no lookups, the record is ignored
-    pinned = common.ProxyClient(first.url, second.token, attempts=2)
+    pinned = common.ProxyClient(first.url, second.token, patience_s=5.0)
     assert pinned.resolve is None and str(pinned.http.base_url).rstrip("/") == first.url
     with pytest.raises(httpx.TransportError):
         pinned.get("/v1/stats")

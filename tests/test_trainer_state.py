@@ -54,6 +54,27 @@ def test_second_trainer_fails_at_once(bucket):
         train.claim_run(bucket, "trainer-b", ttl=60)
     etag = train.heartbeat(bucket, "trainer-a", etag)
     train.claim_run(bucket, "trainer-a", ttl=60)  # the same trainer restarted takes over
-    with pytest.raises(SystemExit, match="claimed by another trainer"):
+    with pytest.raises(train.TakenOver, match="taken over by another trainer"):
         train.heartbeat(bucket, "trainer-a", etag)  # our old ETag is gone: someone else wrote it
     train.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
+
+
+def test_final_registration_of_a_version_the_proxy_adopted(tiny_model, start_proxy, bucket, tmp_path):
+    """The last version published and checkpointed, then the proxy restarts and adopts it from
+    adapters/latest.json as not final: the trainer's final registration publishes the same weights
+    once more and registers that as final; a relaunch after that finds it done and does nothing."""
+    import common
+    model, _, _, _ = _model(tiny_model)
+    args = train.Args(model=tiny_model, lora_r=4, lora_alpha=8)
+    model.save_pretrained(tmp_path / "v1")
+    common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
+    proxy = start_proxy("--group-size", "4")  # started after the publish: it adopts version 1
+    client = common.ProxyClient(proxy.url, proxy.token)
+    assert {k: client.get("/v1/adapters/latest")[k] for k in ("version", "done")} == {"version": 1, "done": False}
+    owner = train.Owner(bucket, "t1", ttl=60)
+    train.register_final(client, bucket, owner, model, args, 1, 1)
+    assert {k: client.get("/v1/adapters/latest")[k] for k in ("version", "done")} == {"version": 2, "done": True}
+    meta = bucket.get_json("adapters/v000002/meta.json")
+    assert meta["files"] == bucket.get_json("adapters/v000001/meta.json")["files"]  # the same weights
+    train.register_final(client, bucket, owner, model, args, 2, 1)  # a relaunch after the registration
+    assert client.get("/v1/adapters/latest")["version"] == 2 and bucket.get_json("adapters/latest.json")["version"] == 2

@@ -1,0 +1,115 @@
+"""Helpers for the tests that run whole runs as processes (chaos, trainer lifecycle): restartable
+roles with their logs, and the audit of a finished run from what it left in the bucket."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import common
+
+
+class Role:
+    """One restartable process with its own log file (appended across restarts)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, logdir: Path):
+        self.name, self.cmd, self.env, self.log = name, cmd, env, logdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, *extra: str) -> "Role":
+        with open(self.log, "a") as f:
+            f.write(f"\n===== start {self.starts + 1} =====\n")
+        self.proc = subprocess.Popen(self.cmd + list(extra), env=self.env, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT)
+        self.starts += 1
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def last_run(self) -> str:
+        """The log of the latest start only."""
+        return self.text().rsplit(f"===== start {self.starts} =====", 1)[-1]
+
+
+def wait_for(pred, timeout: float, what: str, role: Role | None = None, alive: tuple[Role, ...] = ()) -> float:
+    """Poll pred() until it holds (returns when); fails early, with its log, if a role in `alive` exits."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return time.time()
+        for r in alive:
+            assert r.alive(), f"{r.name} exited ({r.proc.returncode}) while waiting for {what}:\n{r.last_run()[-3000:]}"
+        time.sleep(0.2)
+    tail = f"\n--- {role.name} log ---\n{role.text()[-3000:]}" if role else ""
+    raise TimeoutError(f"{what} (waited {timeout:.0f}s){tail}")
+
+
+def steps(trainer: Role) -> list[int]:
+    """The steps the trainer's log reports as done (each printed after its checkpoint, if any)."""
+    return [int(m) for m in re.findall(r"^step\s+(\d+) ", trainer.text().replace("\r", "\n"), re.M)]
+
+
+def journal(bucket: common.Bucket) -> tuple[list[dict], list[dict]]:
+    """The proxy's durable log: (groups accepted, events), in log order."""
+    lines = [json.loads(x) for k in sorted(bucket.list("rollouts/")) for x in bucket.get(k)[0].splitlines()]
+    return [x for x in lines if "group_id" in x], [x for x in lines if "t" in x]
+
+
+def audit(bucket: common.Bucket) -> dict:
+    """What the run's final weights were trained on, from the trainer's metrics and the proxy's log.
+
+    The weights descend from the last checkpoint; each step's metrics row names its batch and the
+    groups it left out as already trained, and the rows of every step a checkpoint holds are in the
+    bucket before it. A step redone after a crash logs again, so the last row of each step number
+    is the one the weights hold. Asserts: no group trained twice, no group acked twice, every acked
+    group trained, every group left out trained by an earlier step."""
+    rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
+    lineage = {r["step"]: r for r in rows if "batch_id" in r}
+    _, events = journal(bucket)
+    leases = {e["batch_id"]: e["group_ids"] for e in events if e["t"] == "lease"}
+    trained, skipped = [], []
+    for step in sorted(lineage):
+        left_out = set(lineage[step].get("groups/already_trained_ids", []))
+        assert left_out <= set(trained), f"step {step} left out groups no earlier step trained: {left_out - set(trained)}"
+        skipped += left_out
+        trained += [g for g in leases[lineage[step]["batch_id"]] if g not in left_out]
+    acked = [g for e in events if e["t"] == "ack" for g in leases[e["batch_id"]]]
+    assert len(trained) == len(set(trained)), f"trained twice: {[g for g in set(trained) if trained.count(g) > 1]}"
+    assert len(acked) == len(set(acked)), "a group in two acked batches"
+    assert set(acked) <= set(trained), f"acked but never trained: {set(acked) - set(trained)}"
+    versions = [e for e in events if e["t"] == "version"]
+    return {"steps": sorted(lineage), "trained": trained, "skipped": skipped, "acked": acked, "versions": versions,
+            "rows": rows, "events": events}
+
+
+def check_adapters(bucket: common.Bucket) -> list[dict]:
+    """Published versions: contiguous from 1, each written once in order, each file matching its sha256."""
+    metas = sorted((bucket.get_json(k) for k in bucket.list("adapters/") if k.endswith("meta.json")),
+                   key=lambda m: m["version"])
+    assert [m["version"] for m in metas] == list(range(1, len(metas) + 1))
+    assert all(a["created_at"] < b["created_at"] for a, b in zip(metas, metas[1:]))
+    assert bucket.get_json("adapters/latest.json")["version"] == metas[-1]["version"]
+    for m in metas:
+        for name, digest in m["files"].items():
+            data = bucket.get(f"adapters/v{m['version']:06d}/{name}")[0]
+            assert common.hashlib.sha256(data).hexdigest() == digest, (m["version"], name)
+    return metas
+
+
+def spool_is_empty(spool_root: Path, run: str, worker: str) -> None:
+    d = spool_root / run / worker
+    assert [p.name for p in d.iterdir() if p.suffix == ".json"] == [], "groups left in the spool"
+    assert not os.listdir(d / "refused") and not os.listdir(d / "unreadable")

@@ -1,0 +1,198 @@
+"""The trainer's lifecycle as real processes on the tiny model: killed at every point of its last
+step, started twice with the same TRAINER_ID, stalled past its leases. The run always finishes,
+with the final version registered once, exactly one trainer left, and no group trained twice."""
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+import common
+from conftest import PY, ROOT, free_port, stop, wait_http
+from runlib import Role, audit, check_adapters, steps, wait_for
+from tcp_forward import Forwarder
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tiny_model, s3_env, tmp_path, run_name, *proxy_flags, trainer_s3: str | None = None,
+         trainer_proxy: str | None = None) -> tuple[Role, Role, dict]:
+    """A proxy and one worker, started; and an unstarted trainer (pointed at `trainer_s3` and
+    `trainer_proxy` when given: the watching forwarders)."""
+    proxy_port = free_port()
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": f"http://127.0.0.1:{proxy_port}", "PROXY_TOKEN": "t0ken",
+           "OMP_NUM_THREADS": "1", "TRAINER_ID": "the-trainer", "SPOOL_DIR": str(tmp_path / "spool")}
+    proxy = Role("proxy", [PY, str(ROOT / "proxy.py"), "--port", str(proxy_port), "--group-size", "4", *proxy_flags],
+                 env, tmp_path).start()
+    wait_http(env["PROXY_URL"] + "/health", proxy.proc)
+    worker = Role("worker", [PY, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                             "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1"], env, tmp_path).start()
+    tenv = {**env, **({"S3_ENDPOINT_URL": trainer_s3} if trainer_s3 else {}),
+            **({"PROXY_URL": trainer_proxy} if trainer_proxy else {})}
+    trainer = Role("trainer", [PY, str(ROOT / "train.py"), "--model", tiny_model, "--batch-groups", "2", "--lr", "1e-3",
+                               "--lease-wait-s", "2", "--no-skip-zero-std"], tenv, tmp_path)
+    return proxy, worker, {"proxy": proxy, "worker": worker, "trainer": trainer, "env": env}
+
+
+def _proxy_latest(env: dict) -> dict:
+    return httpx.get(env["PROXY_URL"] + "/v1/adapters/latest", headers={"X-Proxy-Token": env["PROXY_TOKEN"]}).json()
+
+
+def _end_cleanly(roles: dict) -> None:
+    roles["proxy"].proc.send_signal(signal.SIGTERM)
+    assert roles["proxy"].proc.wait(timeout=30) in (0, -signal.SIGTERM) and "proxy: stopped cleanly" in roles["proxy"].text()
+
+
+M = 3  # steps of the end-of-run test; a checkpoint after each
+# (event, what the request line matches, name): the points of the last step, in the order the test
+# kills at them. The first four happen while the last step is taken (each restart redoes it from
+# the checkpoint of step M-1); the others while a restart finishes what the killed one left.
+KILL_POINTS = [
+    ("request", r"^PUT /\S+/adapters/v\d+/", "before publish"),
+    ("response", r"^PUT /\S+/adapters/latest\.json ", "after publish"),
+    ("request", r"^PUT /\S+/checkpoints/step_", "before checkpoint"),
+    ("response", r"^PUT /\S+/checkpoints/latest\.json ", "after checkpoint"),
+    ("request", r"^POST /v1/batches/\w+/ack ", "before ack"),
+    ("response", r"^POST /v1/batches/\w+/ack ", "after ack"),
+    ("request", r"^POST /v1/adapters ", "before final registration"),
+    ("response", r"^POST /v1/adapters ", "after final registration"),
+]
+
+
+def test_killed_at_every_point_of_its_last_step_the_run_still_finishes(tiny_model, s3_env, tmp_path, run_name):
+    """kill -9 of the trainer at each point of its last step (before and after publish, checkpoint,
+    ack and the final registration), each time relaunched with the same TRAINER_ID. The points are
+    hit exactly: two forwarders between the trainer and the bucket / the proxy watch its requests
+    and kill it as one goes out or its answer comes back."""
+    moto_port = int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1])
+    armed: list = [None]  # the kill point the watch waits for
+    checkpoints_done = [0]
+    fired: list[str] = []
+
+    def watch(event: str, line: str) -> bool:
+        if event == "response" and re.match(KILL_POINTS[3][1], line):
+            checkpoints_done[0] += 1
+            if armed[0] is None and checkpoints_done[0] == M - 1 and not fired:
+                armed[0] = KILL_POINTS[0]  # step M-1 is checkpointed: what comes next is the last step
+        point = armed[0]
+        if point is None or event != point[0] or not re.match(point[1], line):
+            return False
+        armed[0] = None
+        os.kill(roles["trainer"].proc.pid, signal.SIGKILL)
+        fired.append(point[2])
+        return True  # cut there: before = never reaches the server, after = the answer never comes back
+
+    s3_fwd = Forwarder(moto_port, watch)
+    roles: dict = {}
+    try:
+        # leases outlive the restarts here, so that the acks after one meet open leases, not 410s
+        proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "600", "--max-buffer", "8",
+                                    trainer_s3=f"http://127.0.0.1:{s3_fwd.port}")
+        env = roles["env"]
+        proxy_fwd = Forwarder(int(env["PROXY_URL"].rsplit(":", 1)[1]), watch)
+        trainer = roles["trainer"]
+        trainer.env["PROXY_URL"] = f"http://127.0.0.1:{proxy_fwd.port}"
+        args = ["--max-steps", str(M), "--checkpoint-every", "1"]
+        trainer.start(*args)
+        for i, (_, _, name) in enumerate(KILL_POINTS):
+            wait_for(lambda: len(fired) > i, 300, f"the trainer reaching the point '{name}'", trainer)
+            trainer.proc.wait(timeout=30)
+            # nothing more is needed from the workers only once the final version is registered
+            assert worker.alive(), f"the worker exited while the trainer was down ({name})\n{worker.text()[-2000:]}"
+            assert _proxy_latest(env)["done"] == (name == "after final registration"), name
+            if i + 1 < len(KILL_POINTS):
+                armed[0] = KILL_POINTS[i + 1]
+            trainer.start(*args)
+        assert trainer.proc.wait(timeout=300) == 0, trainer.last_run()[-3000:]
+        assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]  # gone once the final version is registered
+        _end_cleanly(roles)
+    finally:
+        for r in roles.values():
+            if isinstance(r, Role) and r.proc is not None:
+                stop(r.proc)
+        s3_fwd.close()
+    assert fired == [name for _, _, name in KILL_POINTS]
+
+    bucket = common.Bucket(run=run_name)
+    got = audit(bucket)
+    assert got["steps"] == list(range(1, M + 1))
+    metas = check_adapters(bucket)
+    finals = [v for v in got["versions"] if v["final"]]
+    assert len(finals) == 1 and finals[0] == got["versions"][-1] and finals[0]["version"] == metas[-1]["version"]
+    assert bucket.get_json("checkpoints/latest.json")["step"] == M
+    print("\nEND-OF-RUN", json.dumps({"versions_published": len(metas), "trainer_starts": trainer.starts,
+                                      "groups_trained": len(got["trained"])}))
+
+
+def test_same_id_started_twice_leaves_exactly_one_trainer(tiny_model, s3_env, tmp_path, run_name):
+    """Two trainers with the same TRAINER_ID started 0, 0.3 and 1 s apart (one pair after the other,
+    in one run): each time exactly one stays and trains on, the other stops with a message that
+    says why, and no traceback. The last survivor finishes the run."""
+    proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "20", "--max-buffer", "8")
+    trainer = roles["trainer"]
+    pair = [Role(f"trainer-{x}", trainer.cmd, trainer.env, tmp_path) for x in "ab"]
+    outcome = {}
+    try:
+        for n, gap in enumerate((0.0, 0.3, 1.0)):
+            last = n == 2
+            ckpt = common.Bucket(run=run_name).get_json("checkpoints/latest.json")
+            args = ["--max-steps", str((ckpt["step"] if ckpt else 0) + 3) if last else "1000", "--checkpoint-every", "2"]
+            pair[0].start(*args)
+            time.sleep(gap)
+            pair[1].start(*args)
+            wait_for(lambda: not pair[0].alive() or not pair[1].alive(), 300, f"one of two trainers stopping (gap {gap}s)")
+            loser, survivor = (pair[0], pair[1]) if not pair[0].alive() else (pair[1], pair[0])
+            said = loser.last_run()
+            assert loser.proc.returncode == 1, said[-3000:]
+            assert re.search(r"taken over by another trainer|claimed run .* at the same moment", said), said[-3000:]
+            assert "Traceback" not in said and "ConflictError" not in said, said[-3000:]
+            before = len(steps(survivor))
+            if not last:  # the survivor trains on, then is stopped the way HF Jobs cancels a job
+                wait_for(lambda: len(steps(survivor)) > before, 300, "the survivor's next step", survivor)
+                assert survivor.alive()
+                survivor.proc.send_signal(signal.SIGTERM)
+                assert survivor.proc.wait(timeout=120) == 0, survivor.last_run()[-3000:]
+            else:
+                assert survivor.proc.wait(timeout=600) == 0, survivor.last_run()[-3000:]
+            outcome[gap] = {"stopped": loser.name, "why": re.search(r"(taken over|at the same moment)", said)[1]}
+        assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]
+        _end_cleanly(roles)
+    finally:
+        for r in [*pair, proxy, worker]:
+            if r.proc is not None:
+                stop(r.proc)
+    print("\nTAKEOVER", json.dumps(outcome))
+    bucket = common.Bucket(run=run_name)
+    check_adapters(bucket)
+    assert [v for v in audit(bucket)["versions"] if v["final"]] == audit(bucket)["versions"][-1:]
+
+
+def test_a_stalled_trainer_never_trains_a_group_twice(tiny_model, s3_env, tmp_path, run_name):
+    """The trainer frozen (SIGSTOP) for longer than the proxy's --lease-s while it holds trained but
+    unacked batches: the leases run out, the proxy hands those groups out again, the trainer's ledger
+    drops them from the batches that bring them back, and its acks meet 410 without harm."""
+    proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "4", "--max-buffer", "16",
+                                "--max-staleness", "100")
+    trainer = roles["trainer"]
+    try:
+        trainer.start("--max-steps", "8", "--checkpoint-every", "4")
+        wait_for(lambda: len(steps(trainer)) >= 5, 300, "five steps", trainer)  # step 5 trained, unacked till 8
+        trainer.proc.send_signal(signal.SIGSTOP)
+        time.sleep(12)  # > --lease-s 4 (+ the proxy's 1 s expiry sweep)
+        trainer.proc.send_signal(signal.SIGCONT)
+        assert trainer.proc.wait(timeout=600) == 0, trainer.text()[-3000:]
+        assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]
+        _end_cleanly(roles)
+    finally:
+        for r in (trainer, worker, proxy):
+            if r.proc is not None:
+                stop(r.proc)
+    bucket = common.Bucket(run=run_name)
+    got = audit(bucket)  # no group trained twice, none acked twice, every acked one trained
+    expired = [e for e in got["events"] if e["t"] == "expire"]
+    assert expired and "ran out before its ack" in trainer.text()
+    assert got["skipped"], "no expired group came back: the test did not exercise the ledger"
+    print("\nSTALL", json.dumps({"leases_expired": len(expired), "groups_left_out": len(got["skipped"])}))
