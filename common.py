@@ -9,28 +9,22 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
   5. command lines   CLI args without the files HF Jobs ships beside the script
-  6. http + metrics  the proxy's address record, the proxy client (waits out outages), JSONL metrics
-                     to the bucket (and trackio)
 
-Models (loading, chat-template prompts, shared-prefix logprobs) are in models.py, tasks in tasks.py,
-the configuration each role records at start in runconfig.py, the Hub side in hub.py.
+Beside it: proxy_client.py (the proxy client and the proxy's address record), metrics.py (JSONL
+metrics in the bucket, trackio), models.py (loading, chat-template prompts, shared-prefix
+logprobs), tasks.py, runconfig.py (the configuration each role records at start), hub.py.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import hashlib
 import json
-import math
 import os
-import resource
-import signal
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import boto3
 import httpx
@@ -38,6 +32,9 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+
+if TYPE_CHECKING:  # for annotations only: proxy_client.py imports this module
+    from proxy_client import ProxyClient
 
 
 class _LazyTorch:
@@ -502,272 +499,3 @@ def script_args(argv: list[str] | None = None) -> list[str]:
     while argv and os.path.isfile(argv[0]) and os.path.dirname(os.path.abspath(argv[0])) == here:
         argv = argv[1:]
     return argv
-
-
-# ----------------------------------------------------------------------------------------------
-# 6. the proxy's address, the proxy client (waits out outages: connection errors and 5xx; 429 as told), metrics
-#
-# On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
-# run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
-# answer /health (the launcher, the supervisor: they read `job.status.expose_urls`) writes
-# `proxy/endpoint.json`; workers and the trainer read it when PROXY_URL is unset, and again
-# whenever the URL they use stops answering.
-
-PROXY_ENDPOINT = "proxy/endpoint.json"  # {url, incarnation, job_id, written_at, written_by}
-
-
-def write_proxy_endpoint(bucket: Bucket, url: str, job_id: str | None = None, incarnation: int | None = None,
-                         written_by: str = "") -> dict:
-    """Record where the run's proxy answers now (last writer wins: it has just seen that proxy healthy)."""
-    record = {"url": url.rstrip("/"), "incarnation": incarnation, "job_id": job_id, "written_at": time.time(),
-              "written_by": written_by}
-    bucket.put_json(PROXY_ENDPOINT, record)
-    return record
-
-
-def read_proxy_endpoint(bucket: Bucket) -> dict | None:
-    """The run's proxy address record, or None when nobody wrote one (a local run: PROXY_URL is set)."""
-    record = bucket.get_json(PROXY_ENDPOINT)
-    return record if isinstance(record, dict) and isinstance(record.get("url"), str) else None
-
-
-def endpoint_resolver(bucket: Bucket | None = None) -> Callable[[], str | None]:
-    """A `ProxyClient(resolve=...)` that reads the run's record (the run from the environment by default)."""
-    held: list[Bucket] = [bucket] if bucket is not None else []
-
-    def resolve() -> str | None:
-        if not held:
-            held.append(Bucket())
-        record = read_proxy_endpoint(held[0])
-        return record["url"] if record else None
-    return resolve
-
-
-def default_resolver() -> Callable[[], str | None] | None:
-    """PROXY_URL set: it overrides, no lookups. Unset, with a run in the environment (BUCKET): the record."""
-    if os.environ.get("PROXY_URL") or not os.environ.get("BUCKET"):
-        return None
-    return endpoint_resolver()
-
-
-
-class ProxyError(RuntimeError):
-    """The proxy answered 4xx: our request was wrong, or the state it names (acked, expired, not
-    newer) is final; retrying will not help. `status` and `detail` say which."""
-
-    def __init__(self, method: str, url: str, status: int, text: str):
-        super().__init__(f"{method} {url} -> {status}: {text[:500]}")
-        self.status = status
-        try:
-            self.detail = str(json.loads(text).get("detail", ""))
-        except (ValueError, AttributeError):
-            self.detail = text[:500]
-
-
-class ProxyBusy(httpx.HTTPError):
-    """Still 429 when the caller asked to stop waiting (not retried: the spool keeps the group)."""
-
-
-def _retryable(e: BaseException) -> bool:
-    if isinstance(e, httpx.TransportError):
-        return True
-    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code >= 500
-
-
-class ProxyClient:
-    """Talks to proxy.py. The proxy token goes in `X-Proxy-Token`; `Authorization` carries the HF
-    token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too.
-
-    A call waits out an unreachable proxy or a 5xx for `patience_s` (None: as long as it takes,
-    saying so every 30 s), or until `should_stop()`; then it raises the last httpx error. A 429
-    waits as long as Retry-After says, counted in `backpressure_s`. A 4xx raises ProxyError at once.
-
-    `resolve` returns the proxy's current URL (default: the run's `proxy/endpoint.json` when PROXY_URL
-    is unset, see `default_resolver`). It is asked once here, then before every retry and whenever
-    what answers is not the run's proxy any more (`refresh_url`), so a proxy relaunched at a new
-    address is found again."""
-
-    def __init__(self, url: str, token: str | None, hf_token: str | None = None, patience_s: float | None = None,
-                 resolve: Callable[[], str | None] | None = None):
-        headers = {}
-        if token:
-            headers["X-Proxy-Token"] = token
-        auth = hf_token or token
-        if auth:
-            headers["Authorization"] = f"Bearer {auth}"
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=120))
-        self.patience_s = patience_s
-        self.backpressure_s = 0.0  # total time spent waiting on 429 answers
-        self.should_stop = lambda: False  # a stopping role gives up waiting (outage or 429)
-        self.say = log
-        self.resolve = resolve if resolve is not None else default_resolver()
-        self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
-
-    def with_patience(self, patience_s: float | None) -> "ProxyClient":
-        """The same client (connections, token, should_stop, URL lookups) with another patience."""
-        other = copy.copy(self)
-        other.patience_s = patience_s
-        return other
-
-    def refresh_url(self) -> bool:
-        """Ask `resolve` where the proxy is now; switch to that URL if it moved. True if it did."""
-        if self.resolve is None:
-            return False
-        try:
-            url = self.resolve()
-        except Exception as e:  # noqa: BLE001 - the bucket is down too: keep the URL we have, the caller retries
-            self.say(f"proxy address lookup failed ({type(e).__name__}: {e}); keeping {self.url}")
-            return False
-        if not url or url.rstrip("/") == self.url:
-            return False
-        self.say(f"proxy: now at {url} (was {self.url})")
-        self.url = url.rstrip("/")
-        self.http.base_url = self.url
-        return True
-
-    def _call(self, method: str, path: str, **kw) -> Any:
-        tries = [0]
-
-        def attempt() -> Any:
-            if tries[0]:  # a retry: the proxy may have been relaunched at a new address
-                self.refresh_url()
-            tries[0] += 1
-            return self._once(method, path, **kw)
-        return patiently(attempt, f"the proxy ({method} {self.url}{path})", _retryable, self.patience_s, self.say,
-                         lambda: self.should_stop())
-
-    def _once(self, method: str, path: str, **kw) -> Any:
-        while True:
-            r = self.http.request(method, path, **kw)
-            if r.status_code in (401, 403, 404) and self.refresh_url():
-                continue  # what answered was not the run's proxy any more (a gateway, another server)
-            if r.status_code != 429:
-                break
-            # backpressure: the proxy's buffer is full; wait as told and count the time
-            if self.should_stop():
-                raise ProxyBusy(f"{method} {path}: buffer full and we are stopping")
-            wait = float(r.headers.get("Retry-After", "1"))
-            self.backpressure_s += wait
-            time.sleep(wait)
-        if 400 <= r.status_code < 500:
-            raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
-        if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
-            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
-        return r.json()
-
-    def get(self, path: str, **params) -> Any:
-        return self._call("GET", path, params=params)
-
-    def post(self, path: str, body: Any = None) -> Any:
-        return self._call("POST", path, json=body)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Metrics:
-    """One JSON object per line in `metrics/{name}.jsonl` in the bucket (and a local copy).
-    S3 has no append, so the whole (small) file is re-uploaded at most every `flush_s`. Those
-    uploads are best effort (one try: metrics never hold up a run; what failed goes with the next
-    one); `flush(wait=True)` waits as long as the bucket's patience allows. Whatever is left is
-    flushed at exit, and on SIGTERM when the process has no handler of its own (a role that has one
-    flushes when it stops).
-
-    With report_to="trackio" every row also goes to trackio under the same names (numbers only:
-    lists and dicts stay in the JSONL): a local project by default, a Hugging Face Space when
-    `trackio_space` is given. Unset arguments come from the environment (REPORT_TO, TRACKIO_PROJECT,
-    TRACKIO_SPACE_ID), which is how the workers and the proxy are switched on."""
-
-    def __init__(self, bucket: Bucket | None, name: str, flush_s: float = 10.0, report_to: str | None = None,
-                 trackio_project: str | None = None, trackio_space: str | None = None, config: dict | None = None):
-        self.bucket, self.name, self.flush_s = bucket, name, flush_s
-        # a restarted role continues its file instead of overwriting it
-        got = bucket.get(f"metrics/{name}.jsonl") if bucket is not None else None
-        self.lines: list[str] = got[0].decode().splitlines() if got else []
-        self._last, self._flushed = 0.0, len(self.lines)
-        atexit.register(self.flush)
-        report_to = os.environ.get("REPORT_TO", "") if report_to is None else report_to
-        self.trackio: TrackioSink | None = None
-        if "trackio" in report_to.split(","):
-            run = bucket.run if bucket is not None else "local"
-            self.trackio = TrackioSink(trackio_project or os.environ.get("TRACKIO_PROJECT") or "async-grpo",
-                                       f"{run}-{name}", run, trackio_space or os.environ.get("TRACKIO_SPACE_ID"), config)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    def log(self, row: dict) -> None:
-        row = {"time": time.time(), **row, "mem/peak_rss_mb": round(peak_rss_mb(), 1)}
-        # a NaN (say, a diverged grad norm) is logged as null rather than killing the run
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-        self.lines.append(json.dumps(row, allow_nan=False, default=float))
-        if self.trackio is not None:
-            self.trackio.log(row)
-        if time.time() - self._last > self.flush_s:
-            self.flush()
-
-    def flush(self, wait: bool = False) -> None:
-        self._last = time.time()
-        if self.bucket is None or len(self.lines) == self._flushed:
-            return
-        n = len(self.lines)
-        try:
-            (self.bucket if wait else self.bucket.with_patience(0)).put(
-                f"metrics/{self.name}.jsonl", ("\n".join(self.lines[:n]) + "\n").encode())
-            self._flushed = n
-        except BucketError as e:  # metrics must never kill a run
-            log(f"metrics upload failed (will retry): {e}")
-
-    def discard(self) -> None:
-        """Never upload again (a trainer that lost its run must not overwrite the new owner's file)."""
-        self.bucket = None
-
-    def close(self) -> None:
-        """Flush the JSONL (waiting as long as the bucket's patience allows) and finish the trackio run
-        (its rows are written by a background thread)."""
-        self.flush(wait=True)
-        if self.trackio is not None:
-            self.trackio.finish()
-
-
-def _exit_on_sigterm(*_) -> None:
-    raise SystemExit(128 + signal.SIGTERM)  # unwinds, so atexit handlers (the metrics flush) run
-
-
-class TrackioSink:
-    """A trackio run that takes metric rows. trackio is imported only here, when asked for (it
-    brings gradio_client, orjson, pillow); a failure to start or to log is reported once and then
-    ignored: the JSONL in the bucket is the record, the dashboard a view of it."""
-
-    def __init__(self, project: str, run_name: str, group: str, space_id: str | None, config: dict | None):
-        self.run = None
-        try:
-            import trackio
-            # resume="allow": a restarted role continues its own trackio run
-            self.run = trackio.init(project=project, name=run_name, group=group, space_id=space_id, config=config,
-                                    resume="allow", embed=False)
-            atexit.register(self.finish)  # a role that exits without close() still drains trackio's queue
-        except Exception as e:  # noqa: BLE001 - any trackio failure: keep training, say why once
-            print(f"trackio disabled: {type(e).__name__}: {e}", file=sys.stderr)
-
-    def log(self, row: dict) -> None:
-        if self.run is None:
-            return
-        # numbers only, under their own names; trackio reserves "time" and "step" (the step is the x axis)
-        scalars = {k: v for k, v in row.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("time", "step")}
-        step = row.get("step") if isinstance(row.get("step"), int) else None
-        try:
-            self.run.log(scalars, step=step)
-        except Exception as e:  # noqa: BLE001
-            print(f"trackio disabled: {type(e).__name__}: {e}", file=sys.stderr)
-            self.run = None
-
-    def finish(self) -> None:
-        run, self.run = self.run, None
-        if run is not None:
-            try:
-                run.finish()
-            except Exception as e:  # noqa: BLE001
-                print(f"trackio finish failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -15,7 +15,8 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        evaluate.py common.py models.py tasks.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
+        evaluate.py common.py models.py proxy_client.py runconfig.py tasks.py \
+        --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
 Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition
@@ -45,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import AdapterError, Bucket, ProxyClient, adapter_prefix, fetch_adapter, script_args  # noqa: E402
+from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
+from proxy_client import ProxyClient  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
 from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402

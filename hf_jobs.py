@@ -12,7 +12,7 @@ What a run keeps under `s3://BUCKET/RUN/launch/`:
     stop.json          written by `--cancel`: the supervisor stops relaunching
     supervisor.json    the supervisor's lease (one per run) and heartbeat
 
-and `proxy/endpoint.json` (common.write_proxy_endpoint): where the proxy answers now.
+and `proxy/endpoint.json` (proxy_client.write_proxy_endpoint): where the proxy answers now.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import Bucket, write_proxy_endpoint
+from common import Bucket
+from proxy_client import write_proxy_endpoint
 
 LABEL = "async-grpo-run"        # every job of a run carries {LABEL: run, "role": role}
 PROXY_PORT = 8000

@@ -270,79 +270,13 @@ def check_hub() -> None:
 # ---------------------------------------------------------------------------------------------
 # memory: will the trainer and the workers fit their GPUs? (memory.py, from the model's config.json)
 
-VLLM_UTILIZATION = 0.5  # rollout.py --vllm-gpu-memory-utilization's default
-
-
-def _flag_values(argv: list[str], spec: dict[str, type]) -> dict:
-    """The values of some flags of train.py/rollout.py in a --train-arg/--rollout-arg list (last wins)."""
-    import argparse
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag, typ in spec.items():
-        if typ is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            p.add_argument(flag, type=typ, default=None)
-    try:
-        known, _ = p.parse_known_args(argv)
-    except SystemExit:  # a malformed value: the job itself will say so; judge with the defaults
-        return {}
-    return {k: v for k, v in vars(known).items() if v is not None}
-
 
 def check_fit(args: Args, hub: bool = True) -> list[str]:
     """Refuse (SystemExit) a layout whose trainer or rollout workers cannot fit their GPU; return
     the notes to print (a worker that fits but cannot run a whole round at once, a model that
     cannot be judged). Runs before anything is created."""
-    cfg, source = memory.config_for(args.model, hub=hub)
-    if cfg is None:
-        return [f"memory check: cannot judge {args.model} ({source}); not checked"]
-    try:
-        arch = memory.Arch.from_config(cfg)
-    except ValueError as e:
-        return [f"memory check: cannot judge {args.model} ({e}); not checked"]
-    notes, problems = [], []
-    t = _flag_values(args.train_arg, {"--dtype": str, "--load-in-4bit": bool, "--gradient-checkpointing": str,
-                                      "--lora-r": int, "--micro-groups": int})
-    lay = memory.Layout(new_tokens=args.max_new_tokens, group_size=args.group_size,
-                        micro_groups=t.get("micro_groups", memory.Layout.micro_groups))
-    lora_r = t.get("lora_r", 16)
-    flavor = args.trainer_flavor
-    if flavor in memory.FLAVORS:
-        dtype = t.get("dtype", "auto")
-        if dtype == "auto":  # models.resolve_dtype on that GPU
-            dtype = "bfloat16" if memory.FLAVORS[flavor][2] else "float32"
-        trainer = memory.Trainer(dtype, bool(t.get("load_in_4bit")), t.get("gradient_checkpointing", "auto") != "off",
-                                 lora_r)
-        ok, _ = memory.trainer_verdict(arch, trainer, flavor, lay)
-        parts = memory.trainer_memory(arch, trainer, lay)
-        line = (f"trainer: {args.model} needs about {parts['total'] / memory.GiB:.1f} GiB on {flavor} "
-                f"({memory.FLAVORS[flavor][0]}, {memory.flavor_gib(flavor):.1f} GiB): "
-                + ", ".join(f"{k} {v / memory.GiB:.1f}" for k, v in parts.items() if k != "total")
-                + f" ({dtype}{', 4-bit' if trainer.four_bit else ''}, checkpointing "
-                  f"{'on' if trainer.checkpointing else 'off'}, LoRA r={lora_r}, {lay.micro_groups} x {lay.group_size} "
-                  f"completions of {lay.new_tokens} tokens per micro-batch; config from {source})")
-        if ok:
-            notes.append("memory check: " + line)
-        else:
-            problems.append(f"{line}.\n  {memory.trainer_advice(arch, trainer, flavor, lay)}")
-    else:
-        notes.append(f"memory check: trainer flavor {flavor} is not in memory.FLAVORS; not checked")
-    r = _flag_values(args.rollout_arg, {"--backend": str, "--vllm-gpu-memory-utilization": float})
-    if r.get("backend", "vllm") == "vllm" and args.rollout_flavor in memory.FLAVORS:
-        util = r.get("vllm_gpu_memory_utilization", VLLM_UTILIZATION)
-        verdict, need = memory.worker_verdict(arch, args.rollout_flavor, util, lora_r, lay)
-        where = (f"rollout worker: vLLM with {args.model} in bf16 needs about {need:.1f} GiB for a round of "
-                 f"{lay.rollout_seqs} sequences on {args.rollout_flavor} ({memory.flavor_gib(args.rollout_flavor):.1f} "
-                 f"GiB, {util:g} of it for vLLM)")
-        if verdict == "no":
-            problems.append(f"{where}: the weights, LoRA slot and runtime leave no KV cache for one "
-                            f"{lay.max_model_len}-token sequence.\n  "
-                            + memory.worker_advice(arch, args.rollout_flavor, util, lora_r, lay))
-        elif verdict == "slow":
-            notes.append(f"memory check: {where}: it starts, but the KV cache holds fewer than "
-                         f"{lay.rollout_seqs} sequences at once (vLLM queues the rest)")
-        else:
-            notes.append(f"memory check: {where}: fits")
+    notes, problems = memory.layout_check(args.model, args.max_new_tokens, args.group_size, args.trainer_flavor,
+                                          args.train_arg, args.rollout_flavor, args.rollout_arg, hub)
     if problems and not args.ignore_memory_check:
         raise SystemExit("this layout does not fit its GPUs (memory.py; --ignore-memory-check to launch anyway):\n"
                          + "\n".join(f"- {p}" for p in problems))
@@ -471,7 +405,7 @@ def status(args: Args) -> None:
         return  # no bucket keys here: the bucket's view of the run is skipped
     bucket = run_bucket(args.bucket, args.status, bucket_env(Args(run=args.status, bucket=args.bucket),
                                                               namespace)["S3_ENDPOINT_URL"])
-    from common import read_proxy_endpoint
+    from proxy_client import read_proxy_endpoint
     if record := read_proxy_endpoint(bucket):
         print(f"proxy endpoint: {record['url']} (job {record.get('job_id')}, incarnation {record.get('incarnation')}, "
               f"written by {record.get('written_by')} {time.time() - record.get('written_at', 0):.0f} s ago)")

@@ -333,6 +333,86 @@ def table(lay: Layout = Layout()) -> str:
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# the launcher's check of a run's layout (launch_hf.py)
+
+VLLM_UTILIZATION = 0.5  # rollout.py --vllm-gpu-memory-utilization's default
+
+
+def _flag_values(argv: list[str], spec: dict[str, type]) -> dict:
+    """The values of some flags of train.py/rollout.py in a --train-arg/--rollout-arg list (last wins)."""
+    import argparse
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, typ in spec.items():
+        if typ is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, type=typ, default=None)
+    try:
+        known, _ = p.parse_known_args(argv)
+    except SystemExit:  # a malformed value: the job itself will say so; judge with the defaults
+        return {}
+    return {k: v for k, v in vars(known).items() if v is not None}
+
+
+def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavor: str, train_argv: list[str],
+                 rollout_flavor: str, rollout_argv: list[str], hub: bool = True) -> tuple[list[str], list[str]]:
+    """Will a run's trainer and rollout workers fit their GPUs? From the model's config.json and the
+    options the launcher passes to train.py (train_argv) and rollout.py (rollout_argv). Returns
+    (notes: what fits, or why it cannot be judged; problems: what does not fit, each with advice)."""
+    cfg, source = config_for(model, hub=hub)
+    if cfg is None:
+        return [f"memory check: cannot judge {model} ({source}); not checked"], []
+    try:
+        arch = Arch.from_config(cfg)
+    except ValueError as e:
+        return [f"memory check: cannot judge {model} ({e}); not checked"], []
+    notes, problems = [], []
+    t = _flag_values(train_argv, {"--dtype": str, "--load-in-4bit": bool, "--gradient-checkpointing": str,
+                                      "--lora-r": int, "--micro-groups": int})
+    lay = Layout(new_tokens=max_new_tokens, group_size=group_size,
+                        micro_groups=t.get("micro_groups", Layout.micro_groups))
+    lora_r = t.get("lora_r", 16)
+    flavor = trainer_flavor
+    if flavor in FLAVORS:
+        dtype = t.get("dtype", "auto")
+        if dtype == "auto":  # models.resolve_dtype on that GPU
+            dtype = "bfloat16" if FLAVORS[flavor][2] else "float32"
+        trainer = Trainer(dtype, bool(t.get("load_in_4bit")), t.get("gradient_checkpointing", "auto") != "off",
+                                 lora_r)
+        ok, _ = trainer_verdict(arch, trainer, flavor, lay)
+        parts = trainer_memory(arch, trainer, lay)
+        line = (f"trainer: {model} needs about {parts['total'] / GiB:.1f} GiB on {flavor} "
+                f"({FLAVORS[flavor][0]}, {flavor_gib(flavor):.1f} GiB): "
+                + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if k != "total")
+                + f" ({dtype}{', 4-bit' if trainer.four_bit else ''}, checkpointing "
+                  f"{'on' if trainer.checkpointing else 'off'}, LoRA r={lora_r}, {lay.micro_groups} x {lay.group_size} "
+                  f"completions of {lay.new_tokens} tokens per micro-batch; config from {source})")
+        if ok:
+            notes.append("memory check: " + line)
+        else:
+            problems.append(f"{line}.\n  {trainer_advice(arch, trainer, flavor, lay)}")
+    else:
+        notes.append(f"memory check: trainer flavor {flavor} is not in FLAVORS; not checked")
+    r = _flag_values(rollout_argv, {"--backend": str, "--vllm-gpu-memory-utilization": float})
+    if r.get("backend", "vllm") == "vllm" and rollout_flavor in FLAVORS:
+        util = r.get("vllm_gpu_memory_utilization", VLLM_UTILIZATION)
+        verdict, need = worker_verdict(arch, rollout_flavor, util, lora_r, lay)
+        where = (f"rollout worker: vLLM with {model} in bf16 needs about {need:.1f} GiB for a round of "
+                 f"{lay.rollout_seqs} sequences on {rollout_flavor} ({flavor_gib(rollout_flavor):.1f} "
+                 f"GiB, {util:g} of it for vLLM)")
+        if verdict == "no":
+            problems.append(f"{where}: the weights, LoRA slot and runtime leave no KV cache for one "
+                            f"{lay.max_model_len}-token sequence.\n  "
+                            + worker_advice(arch, rollout_flavor, util, lora_r, lay))
+        elif verdict == "slow":
+            notes.append(f"memory check: {where}: it starts, but the KV cache holds fewer than "
+                         f"{lay.rollout_seqs} sequences at once (vLLM queues the rest)")
+        else:
+            notes.append(f"memory check: {where}: fits")
+    return notes, problems
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table", action="store_true", help="print the README table")

@@ -15,8 +15,8 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
         --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        proxy.py access.py adapter_files.py common.py journal.py participants.py prompts.py routing.py \
-        runconfig.py serving.py --host 0.0.0.0 --port 8000
+        proxy.py access.py adapter_files.py common.py journal.py metrics.py participants.py prompts.py \
+        proxy_client.py routing.py runconfig.py serving.py --host 0.0.0.0 --port 8000
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal
 (journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
@@ -54,7 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 import access  # noqa: E402
 import journal  # noqa: E402
 from access import ADMIN, scope  # noqa: E402
-from common import Bucket, BucketError, Metrics, TrajectoryGroup, peak_rss_mb  # noqa: E402
+from common import Bucket, BucketError, TrajectoryGroup  # noqa: E402
+from metrics import Metrics, peak_rss_mb  # noqa: E402
 from adapter_files import FILES, Downloads, check_published  # noqa: E402
 from participants import Senders  # noqa: E402
 from prompts import Cursors, PromptError  # noqa: E402

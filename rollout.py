@@ -17,7 +17,8 @@ restarting, samples G completions per prompt, scores them and posts each group t
     hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
         --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        rollout.py common.py engines.py models.py runconfig.py tasks.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
+        rollout.py common.py engines.py metrics.py models.py proxy_client.py runconfig.py tasks.py \
+        --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
 
     python rollout.py --backend server --server-url http://127.0.0.1:8001   # drive an inference server you run
 
@@ -50,11 +51,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import (WAIT_LOG_S, AdapterError, Bucket, BucketError, Metrics, ProxyClient, ProxyError,  # noqa: E402
-                    fetch_adapter, fetch_adapter_via_proxy, log, new_group_id, proxy_adapter_meta)
+from common import (WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter,  # noqa: E402
+                    fetch_adapter_via_proxy, log, new_group_id, proxy_adapter_meta)
 from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,  # noqa: E402
                      sample, swap_in, vllm_rank)
+from metrics import Metrics  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
+from proxy_client import ProxyClient, ProxyError  # noqa: E402
 from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 

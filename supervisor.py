@@ -8,7 +8,7 @@ Every `poll_s` it lists the run's jobs by label (`async-grpo-run=RUN`), takes th
 role, and relaunches any role whose job ended (completed, error, timeout, out of memory, preempted,
 cancelled by the platform: every terminal stage alike) before the run is done, the proxy first:
 it waits until the new proxy answers /health at its new URL and writes that URL to the run's
-`proxy/endpoint.json`, where the workers and the trainer find it (common.ProxyClient). A proxy job
+`proxy/endpoint.json`, where the workers and the trainer find it (proxy_client.ProxyClient). A proxy job
 started by someone else (by hand) is adopted the same way. The job specs come from the bucket
 (`launch/plan.json` and `launch/files/`, written by the launcher), secrets from this process's
 environment, so it can relaunch from the bucket alone.
@@ -36,7 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import BucketError, ConflictError, read_proxy_endpoint
+from common import BucketError, ConflictError
+from proxy_client import read_proxy_endpoint
 from hf_jobs import (LEASE, TERMINAL, JobSpec, final_step, hub_errors, identity, load_launch, newest_by_role,
                      record_proxy, role, run_jobs, secret_values, stage, stopped, submit, timeout_seconds,
                      wait_for_proxy)

@@ -18,7 +18,8 @@ to the bucket every `publish_every` steps.
         --secrets HF_TOKEN --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run -e TRAINER_ID=my-run-trainer \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        train.py common.py models.py hub.py runconfig.py --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
+        train.py common.py hub.py metrics.py models.py proxy_client.py runconfig.py trainer_state.py \
+        --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
     python train.py --report-to trackio --push-to-hub me/qwen-gsm8k-grpo --push-every 50   # dashboard, Hub
 
 Departures from the GRPO paper, on purpose:
@@ -31,8 +32,6 @@ Departures from the GRPO paper, on purpose:
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import signal
@@ -49,9 +48,11 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import (Bucket, ConflictError, Metrics, ProxyClient, ProxyError, grpo_loss, group_advantages,  # noqa: E402
-                    publish_adapter)
+from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter  # noqa: E402
+from metrics import Metrics  # noqa: E402
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
+from proxy_client import ProxyClient, ProxyError  # noqa: E402
+from trainer_state import Ledger, Owner, load_checkpoint, save_checkpoint  # noqa: E402
 from runconfig import record_config  # noqa: E402
 
 
@@ -205,208 +206,6 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     stats["groups/trained"] = len(keep)
     stats["tokens"] = n_tok
     return stats
-
-
-# ---------------------------------------------------------------------------------------------
-# checkpoints: checkpoints/step_{S:08d}/{adapter files, trainer_state.pt, meta.json}, then the
-# checkpoints/latest.json pointer (written last, so a reader only ever sees complete checkpoints)
-
-
-def save_checkpoint(bucket: Bucket, model, opt, sched, state: dict) -> None:
-    prefix = f"checkpoints/step_{state['step']:08d}"
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), **state,
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
-                   os.path.join(d, "trainer_state.pt"))
-        files = {}
-        for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.pt"):
-            data = open(os.path.join(d, name), "rb").read()
-            files[name] = hashlib.sha256(data).hexdigest()
-            bucket.put(f"{prefix}/{name}", data)
-    bucket.put_json(f"{prefix}/meta.json", {"step": state["step"], "version": state["version"], "files": files})
-    bucket.put_json("checkpoints/latest.json", {"step": state["step"], "version": state["version"], "prefix": prefix})
-
-
-def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
-    """Restore the newest complete checkpoint into model/opt/sched; returns its state or None.
-    A checkpoint that is incomplete or fails its sha256 stops the trainer: no retry can fix it."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    ptr = bucket.get_json("checkpoints/latest.json")
-    if ptr is None:
-        return None
-    where = f"s3://{bucket.bucket}/{bucket.key(ptr['prefix'])}"
-    meta = bucket.get_json(f"{ptr['prefix']}/meta.json")
-    if meta is None:
-        raise SystemExit(f"checkpoint {where}: checkpoints/latest.json names it but its meta.json is missing: "
-                         f"refusing to resume (point checkpoints/latest.json at an older one, or --fresh)")
-    with tempfile.TemporaryDirectory() as d:
-        for name, digest in meta["files"].items():
-            got = bucket.get(f"{ptr['prefix']}/{name}")
-            if got is None:
-                raise SystemExit(f"checkpoint {where}/{name} is missing: refusing to resume")
-            if hashlib.sha256(got[0]).hexdigest() != digest:
-                raise SystemExit(f"checkpoint {where}/{name} does not match its sha256: refusing to resume")
-            open(os.path.join(d, name), "wb").write(got[0])
-        set_peft_model_state_dict(model, load_file(os.path.join(d, "adapter_model.safetensors")))
-        state = torch.load(os.path.join(d, "trainer_state.pt"), weights_only=False)
-    opt.load_state_dict(state.pop("optimizer"))
-    sched.load_state_dict(state.pop("scheduler"))
-    rng = state.pop("rng")
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    return state
-
-
-# ---------------------------------------------------------------------------------------------
-# one trainer per run: trainer/owner.json holds the owner's id and a heartbeat, each write
-# conditional on the last. Another id with a fresh heartbeat: the newcomer fails at once. The same
-# id (a relaunch, or a trainer started twice): the newcomer takes over at once, and the old one, at
-# its next heartbeat, finds the ETag changed and stops without writing anything more. A trainer
-# heartbeats before each step's writes (publish, checkpoint, acks), so the old one can finish at
-# most the one it is in, and the newcomer publishes past the version that one took.
-
-
-class TakenOver(SystemExit):
-    """Another trainer owns the run now."""
-
-
-def claim_run(bucket: Bucket, trainer_id: str, ttl: float) -> str:
-    """Claim the run; returns the ETag for later heartbeats. Fails at once if another id holds a
-    fresh heartbeat, or if another trainer claims it at the same moment."""
-    got = bucket.get("trainer/owner.json")
-    if got is not None:
-        owner = json.loads(got[0])
-        age = time.time() - owner["heartbeat"]
-        if owner["id"] != trainer_id and age < ttl:
-            raise SystemExit(f"another trainer ({owner['id']!r}, heartbeat {age:.0f}s ago) owns run "
-                             f"{bucket.run!r}; stop it, or wait {ttl - age:.0f}s if it is dead")
-    body = {"id": trainer_id, "heartbeat": time.time()}
-    try:
-        return bucket.put_json("trainer/owner.json", body, **({"if_match": got[1]} if got else {"if_none_match": True}))
-    except ConflictError:
-        raise SystemExit(f"another trainer claimed run {bucket.run!r} at the same moment: this one stops") from None
-
-
-def heartbeat(bucket: Bucket, trainer_id: str, etag: str) -> str:
-    try:
-        return bucket.put_json("trainer/owner.json", {"id": trainer_id, "heartbeat": time.time()}, if_match=etag)
-    except ConflictError:
-        raise TakenOver(f"run {bucket.run!r} was taken over by another trainer (trainer/owner.json changed; "
-                        f"a relaunch with the same TRAINER_ID {trainer_id!r}?): stopping without writing anything more") from None
-
-
-class Owner:
-    def __init__(self, bucket: Bucket, trainer_id: str, ttl: float):
-        self.bucket, self.id = bucket, trainer_id
-        self.etag = claim_run(bucket, trainer_id, ttl)
-        self.on_lost = lambda: None  # called before TakenOver propagates (the metrics stop uploading)
-
-    def check(self) -> None:
-        """Heartbeat; raises TakenOver if the run is no longer ours."""
-        try:
-            self.etag = heartbeat(self.bucket, self.id, self.etag)
-        except TakenOver:
-            self.on_lost()
-            raise
-
-
-# ---------------------------------------------------------------------------------------------
-# the ledger: a batch is acked only after the checkpoint that holds its update, so a crash costs the
-# steps since that checkpoint and their groups go back to the buffer (re-checked for staleness)
-# instead of being consumed by weights that died with the trainer.
-
-
-class Ledger:
-    """The batches whose update our weights hold and that the proxy has not recorded as acked
-    (`unacked`, saved in each checkpoint), and every group our weights hold that the proxy might
-    still hand out (`trained`: group_id -> policy_version). A thread renews our open leases. If one
-    runs out anyway (the trainer stalled past the proxy's --lease-s), the proxy hands its groups out
-    again; they are dropped from the batch that brings them back: no group is trained twice."""
-
-    def __init__(self, client: ProxyClient, saved: dict | None, say):
-        saved = saved or {}
-        self.client, self.say = client, say
-        self.renewer = client.with_patience(0)  # best effort: a missed renewal costs at most a 410, handled
-        self.unacked: dict[str, list[str]] = {b: list(g) for b, g in saved.get("unacked", {}).items()}
-        self.trained: dict[str, int] = dict(saved.get("trained", {}))
-        self.renew_at: dict[str, float] = {}  # batch_id -> monotonic time of its next renewal
-        self.max_staleness = 10**9  # the proxy's (main sets it); groups staler than that never come back
-        self.lock = threading.Lock()
-        threading.Thread(target=self._renew_loop, daemon=True).start()
-
-    def state(self) -> dict:
-        with self.lock:
-            return {"unacked": {b: list(g) for b, g in self.unacked.items()}, "trained": dict(self.trained)}
-
-    def hold(self, got: dict) -> tuple[list[dict], list[str]]:
-        """A new lease: keep it renewed from now on (a step may outlast it). Returns its groups our
-        weights do not hold yet, and the ids of those they do."""
-        with self.lock:
-            self.renew_at[got["batch_id"]] = time.monotonic() + got.get("expires_in_s", 60) / 2
-            fresh = [g for g in got["groups"] if g["group_id"] not in self.trained]
-        return fresh, [g["group_id"] for g in got["groups"] if g["group_id"] in self.trained]
-
-    def trained_on(self, got: dict) -> None:
-        """The step on this batch is taken: its update is in our weights, to be acked after a checkpoint."""
-        with self.lock:
-            self.unacked[got["batch_id"]] = [g["group_id"] for g in got["groups"]]
-            self.trained.update({g["group_id"]: g["policy_version"] for g in got["groups"]})
-            latest = got["latest_version"]
-            for gid in [g for g, v in self.trained.items() if latest - v > self.max_staleness]:
-                del self.trained[gid]  # the proxy drops these when they come back: no guard needed
-
-    def ack_all(self, owner: "Owner") -> None:
-        """Ack every batch a checkpoint now holds. 409 (already acked) is our own earlier ack; 410/404
-        (the lease ran out) leaves its groups in `trained`. Gives up only when we are stopping (the
-        proxy unreachable after SIGTERM): the checkpoint's ledger acks them at the next start."""
-        if self.unacked:
-            owner.check()  # a takeover's old owner must not consume groups the new one has not trained
-        for bid in list(self.unacked):
-            try:
-                self.client.post(f"/v1/batches/{bid}/ack")
-                acked = True
-            except ProxyError as e:
-                if e.status not in (404, 409, 410):
-                    raise
-                acked = e.status == 409
-                if not acked:
-                    self.say(f"lease {bid} ran out before its ack ({e.detail}); its {len(self.unacked[bid])} "
-                             f"groups are in our weights already and will be dropped if handed out again")
-            except httpx.HTTPError as e:
-                self.say(f"stopping with {len(self.unacked)} batch(es) unacked ({type(e).__name__}): the checkpoint's "
-                         f"ledger acks them at the next start")
-                return
-            with self.lock:
-                groups = self.unacked.pop(bid)
-                self.renew_at.pop(bid, None)
-                if acked:  # consumed for good: the proxy never hands these out again
-                    for gid in groups:
-                        self.trained.pop(gid, None)
-
-    def _renew_loop(self) -> None:
-        while True:
-            time.sleep(1.0)
-            with self.lock:
-                due = [b for b, t in self.renew_at.items() if t <= time.monotonic()]
-            for bid in due:
-                try:
-                    nxt = time.monotonic() + self.renewer.post(f"/v1/batches/{bid}/renew")["expires_in_s"] / 2
-                except ProxyError as e:
-                    if e.status == 404 and e.detail == "Not Found":  # the route, not the lease
-                        self.say("this proxy cannot renew leases (an older proxy.py): a step or checkpoint longer "
-                                 "than its --lease-s hands groups out again early; they are still not trained twice")
-                        return
-                    nxt = None  # acked, ran out, or unknown: nothing left to renew
-                except httpx.HTTPError:
-                    nxt = time.monotonic() + 5.0  # proxy unreachable: try again soon
-                with self.lock:
-                    if bid in self.renew_at:
-                        if nxt is None:
-                            del self.renew_at[bid]
-                        else:
-                            self.renew_at[bid] = nxt
 
 
 # ---------------------------------------------------------------------------------------------

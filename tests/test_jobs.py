@@ -26,6 +26,8 @@ from huggingface_hub import HfApi, set_client_factory
 from huggingface_hub.utils._http import default_client_factory
 
 import common
+
+import proxy_client
 from conftest import ROOT
 
 import launch_hf
@@ -142,7 +144,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     assert any(r.url.host.endswith(".hf.jobs") for r in fake.requests[:first_worker])
     # ... and its URL is in the run's record, where they look for it (nobody is told PROXY_URL)
     bucket = common.Bucket(bucket="async-grpo", run="gsm-1")
-    record = common.read_proxy_endpoint(bucket)
+    record = proxy_client.read_proxy_endpoint(bucket)
     assert record["url"] == proxy_url and record["job_id"] == proxy_id and record["incarnation"] == 3
 
     base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
@@ -297,7 +299,7 @@ def test_status_and_cancel_act_on_every_job_of_the_run(hub, capsys):
     fake = hub(listed=listed)
     bucket = common.Bucket(bucket="async-grpo", run="r7")
     bucket.ensure_bucket()
-    common.write_proxy_endpoint(bucket, "https://a1--8000.hf.jobs", job_id="a1", incarnation=2, written_by="test")
+    proxy_client.write_proxy_endpoint(bucket, "https://a1--8000.hf.jobs", job_id="a1", incarnation=2, written_by="test")
     launch_hf.main(["--status", "r7"])
     out = capsys.readouterr().out
     assert all(j in out for j in ("a1", "a2", "a3", "a4", "a5")) and "b1" not in out and "ERROR" in out

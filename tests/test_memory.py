@@ -41,7 +41,7 @@ def test_constants_agree_with_the_code_they_model():
     import models
     import rollout
     assert memory.LOGITS_CHUNK == models.LOGITS_CHUNK
-    assert launch_hf.VLLM_UTILIZATION == rollout.Args.__dataclass_fields__["vllm_gpu_memory_utilization"].default
+    assert memory.VLLM_UTILIZATION == rollout.Args.__dataclass_fields__["vllm_gpu_memory_utilization"].default
 
 
 def test_configs_are_found_offline(tiny_model, monkeypatch):

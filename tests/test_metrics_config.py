@@ -17,14 +17,14 @@ ROWS = [{"step": s, "version": s, "reward/mean": r, "reward/correct": r, "perf/s
 LOG = """
 import json, sys
 sys.path.insert(0, {root!r})
-import common
+import common, metrics
 rows = json.loads(sys.argv[1])
-m = common.Metrics(common.Bucket(run={run!r}), "train", report_to="trackio", trackio_project="grpo-test",
+m = metrics.Metrics(common.Bucket(run={run!r}), "train", report_to="trackio", trackio_project="grpo-test",
                    config={{"lr": 3e-4}})
 for r in rows:
     m.log(r)
 m.close()
-w = common.Metrics(common.Bucket(run={run!r}), "rollout-w1")   # REPORT_TO, TRACKIO_PROJECT from the environment
+w = metrics.Metrics(common.Bucket(run={run!r}), "rollout-w1")   # REPORT_TO, TRACKIO_PROJECT from the environment
 w.log({{"version": 0, "rollout/reward_mean": 0.125}})
 w.close()
 """
@@ -63,8 +63,8 @@ def test_trackio_gets_the_same_metric_names_offline(s3_env, bucket, run_name, tm
 SPACE = """
 import sys
 sys.path.insert(0, {root!r})
-import common
-m = common.Metrics(common.Bucket(run={run!r}), "train", report_to="trackio", trackio_space="alice/dashboard")
+import common, metrics
+m = metrics.Metrics(common.Bucket(run={run!r}), "train", report_to="trackio", trackio_space="alice/dashboard")
 for s in range(1, 4):
     m.log({{"step": s, "reward/mean": 0.5}})
 m.close()

@@ -9,6 +9,8 @@ import httpx
 import pytest
 
 import common
+
+import proxy_client
 from conftest import PY, ROOT, free_port, stop, wait_http
 
 
@@ -76,7 +78,7 @@ def test_bucket_mistake_fails_at_once():
 
 def test_proxy_call_waits_for_a_proxy_that_comes_later(s3_env, run_name, tmp_path, fast_cadence):
     port = free_port()
-    client = common.ProxyClient(f"http://127.0.0.1:{port}", "tok", patience_s=None)
+    client = proxy_client.ProxyClient(f"http://127.0.0.1:{port}", "tok", patience_s=None)
     said = []
     client.say = said.append
     t, out = _in_thread(lambda: client.get("/v1/stats"))
@@ -92,7 +94,7 @@ def test_proxy_call_waits_for_a_proxy_that_comes_later(s3_env, run_name, tmp_pat
         assert len(waits) >= 2 and "ConnectError" in waits[0], said
         assert said[-1].startswith(f"the proxy (GET http://127.0.0.1:{port}/v1/stats): answering again after")
         # a 4xx is an answer, not an outage: at once, with the status and the proxy's words
-        with pytest.raises(common.ProxyError, match=r"POST http://127\.0\.0\.1:\d+/v1/batches/nope/ack -> 404") as e:
+        with pytest.raises(proxy_client.ProxyError, match=r"POST http://127\.0\.0\.1:\d+/v1/batches/nope/ack -> 404") as e:
             client.post("/v1/batches/nope/ack")
         assert e.value.status == 404 and "no open lease" in e.value.detail
     finally:
@@ -100,7 +102,7 @@ def test_proxy_call_waits_for_a_proxy_that_comes_later(s3_env, run_name, tmp_pat
 
 
 def test_a_stopping_role_stops_waiting(fast_cadence):
-    client = common.ProxyClient(f"http://127.0.0.1:{free_port()}", "tok", patience_s=None)
+    client = proxy_client.ProxyClient(f"http://127.0.0.1:{free_port()}", "tok", patience_s=None)
     client.say = lambda msg: None
     stopping = threading.Event()
     client.should_stop = stopping.is_set

@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 import common
+
+import proxy_client
 from conftest import ROOT, stop
 from proxyproc import spawn  # noqa: F401 - a fixture
 from test_proxy import group, publish
@@ -139,7 +141,7 @@ def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
 def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, spawn, tmp_path, mode):
     p = spawn("--adapter-urls", "auto" if mode == "presigned" else "proxy")
     publish(bucket, p, 1)
-    client = common.ProxyClient(p.url, create(p, "dana"))
+    client = proxy_client.ProxyClient(p.url, create(p, "dana"))
     listing = client.get("/v1/adapters/1/files")
     assert listing["via"] == mode and set(listing["files"]) == {"meta.json", *common.ADAPTER_FILES}
     url = listing["files"]["adapter_model.safetensors"]["url"]
@@ -161,7 +163,7 @@ def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, sp
 def test_a_presigned_url_that_fails_falls_back_to_the_proxy(bucket, spawn, tmp_path):
     p = spawn("--adapter-urls", "presigned")
     publish(bucket, p, 1)
-    client = common.ProxyClient(p.url, create(p, "erin"))
+    client = proxy_client.ProxyClient(p.url, create(p, "erin"))
     entry = {"url": "http://127.0.0.1:9/expired", "path": "/v1/adapters/1/files/meta.json"}  # nothing listens on :9
     assert json.loads(common._download(client, entry, None, "meta.json"))["version"] == 1
     with pytest.raises(common.AdapterError, match="presigned URL: ConnectError; proxy: HTTP 404"):

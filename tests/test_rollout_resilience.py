@@ -7,6 +7,8 @@ import os
 import pytest
 
 import common
+
+import proxy_client
 import rollout
 from test_proxy import group
 
@@ -17,12 +19,12 @@ def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp
     groups = [group() for _ in range(3)]
     for g in groups:
         spool.add(g)
-    down = common.ProxyClient("http://127.0.0.1:9", "t", patience_s=0)  # nothing listens there; don't wait
+    down = proxy_client.ProxyClient("http://127.0.0.1:9", "t", patience_s=0)  # nothing listens there; don't wait
     assert spool.flush(down) == [] and len(spool.pending()) == 3
     assert "proxy unreachable" in said[-1]
 
     proxy = start_proxy("--group-size", "4")
-    up = common.ProxyClient(proxy.url, proxy.token)
+    up = proxy_client.ProxyClient(proxy.url, proxy.token)
     spool.add(groups[0])  # the same group again (a worker restarted mid-send): idempotent
     assert sorted(spool.flush(up)) == sorted((g["group_id"], "accepted") for g in groups)
     assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 3
@@ -156,7 +158,7 @@ def test_spool_sets_aside_unreadable_files_and_sweeps_stale_temp_files(start_pro
     assert sorted(p.name for p in d.glob(".*.tmp")) == [".fresh.tmp"]
     assert any("removed 1 stale temp file" in s for s in said), said
     proxy = start_proxy("--group-size", "4")
-    assert spool.flush(common.ProxyClient(proxy.url, proxy.token)) == [(good["group_id"], "accepted")]
+    assert spool.flush(proxy_client.ProxyClient(proxy.url, proxy.token)) == [(good["group_id"], "accepted")]
     assert sorted(os.listdir(d / "unreadable")) == ["0badc0ffee0badc0ffee.json", "latin1.json"]
     assert (d / "unreadable" / "0badc0ffee0badc0ffee.json").read_text() == cut  # kept as it was, for inspection
     for name, err in (("0badc0ffee0badc0ffee.json", "JSONDecodeError"), ("latin1.json", "UnicodeDecodeError")):
@@ -167,7 +169,7 @@ def test_spool_sets_aside_unreadable_files_and_sweeps_stale_temp_files(start_pro
 FULL_DISK = r'''
 import json, os, resource, signal, sys
 sys.path[:0] = [sys.argv[5], os.path.join(sys.argv[5], "tests")]
-import common, rollout
+import common, proxy_client, rollout
 from test_proxy import group
 root, mode, url, token = sys.argv[1:5]
 said = []
@@ -190,7 +192,7 @@ for g in late:
     spool.add(g)                       # the disk refuses: held in memory, said so
 state = {"held": len(spool.held), "pending": len(spool.pending()),
          "tmp": [n for n in os.listdir(spool.dir) if n.endswith(".tmp")]}
-statuses = spool.flush(common.ProxyClient(url, token))
+statuses = spool.flush(proxy_client.ProxyClient(url, token))
 print(json.dumps({"said": said, "before_flush": state, "statuses": statuses, "held": len(spool.held),
                   "pending": spool.pending(), "ids": [g["group_id"] for g in early + late]}))
 '''

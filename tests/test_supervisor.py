@@ -19,6 +19,8 @@ import pytest
 from huggingface_hub import HfApi
 
 import common
+
+import proxy_client
 from hf_jobs import JobSpec, save_launch
 from jobs_emulator import JobsEmulator
 from supervisor import Policy, Supervisor
@@ -58,8 +60,8 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
     monkeypatch.setenv("RUN_NAME", run_name)
     monkeypatch.delenv("PROXY_URL", raising=False)
     first = start_proxy()
-    common.write_proxy_endpoint(bucket, first.url, job_id="job-1", incarnation=0, written_by="test")
-    client = common.ProxyClient("http://127.0.0.1:9", first.token)   # the built-in default: nothing there
+    proxy_client.write_proxy_endpoint(bucket, first.url, job_id="job-1", incarnation=0, written_by="test")
+    client = proxy_client.ProxyClient("http://127.0.0.1:9", first.token)   # the built-in default: nothing there
     assert str(client.http.base_url).rstrip("/") == first.url           # the record won at construction
     assert "buffer_size" in client.get("/v1/stats")
 
@@ -67,7 +69,7 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
     first.proc.wait()
     second = start_proxy()   # a new port, as a relaunched job gets a new URL (and here a new token)
     client.http.headers["X-Proxy-Token"] = second.token
-    common.write_proxy_endpoint(bucket, second.url, job_id="job-2", incarnation=1, written_by="test")
+    proxy_client.write_proxy_endpoint(bucket, second.url, job_id="job-2", incarnation=1, written_by="test")
     assert "buffer_size" in client.get("/v1/stats")  # the retry looked again; only the second knows this token
     assert str(client.http.base_url).rstrip("/") == second.url
 
@@ -80,7 +82,7 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
     gone.shutdown()
 
     monkeypatch.setenv("PROXY_URL", first.url)   # set: no lookups, the record is ignored
-    pinned = common.ProxyClient(first.url, second.token, patience_s=5.0)
+    pinned = proxy_client.ProxyClient(first.url, second.token, patience_s=5.0)
     assert pinned.resolve is None and str(pinned.http.base_url).rstrip("/") == first.url
     with pytest.raises(httpx.TransportError):
         pinned.get("/v1/stats")
@@ -262,7 +264,7 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
                     "--train-arg=--lease-wait-s", "--train-arg=5", "--train-arg=--no-skip-zero-std",
                     "--train-arg=--checkpoint-every", "--train-arg=4"])
     (proxy1,) = emu.by_role("proxy")
-    record = common.read_proxy_endpoint(bucket)
+    record = proxy_client.read_proxy_endpoint(bucket)
     assert record["job_id"] == proxy1.id and record["url"] == f"http://127.0.0.1:{proxy1.ports[8000]}"
     for r in ("rollout-1", "rollout-2", "trainer"):   # nobody is told the proxy's URL: they read the record
         assert "PROXY_URL" not in emu.by_role(r)[0].spec["environment"]
@@ -284,7 +286,7 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         emu.crash(proxy1.id)
         t_kill = time.time()
         proxy2 = wait_for(lambda: len(emu.by_role("proxy")) == 2 and emu.by_role("proxy")[1], 120, "proxy relaunch")
-        wait_for(lambda: (common.read_proxy_endpoint(bucket) or {}).get("job_id") == proxy2.id, 180, "new record")
+        wait_for(lambda: (proxy_client.read_proxy_endpoint(bucket) or {}).get("job_id") == proxy2.id, 180, "new record")
         t_recorded = time.time()
         n = len(trainer_steps(emu))
         # 2. meanwhile a worker's job reaches its timeout; the supervisor relaunches it
@@ -303,7 +305,7 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         print(out)
     assert result["code"] == 0, out
     url1, url2 = (f"http://127.0.0.1:{p.ports[8000]}" for p in (proxy1, proxy2))
-    assert url1 != url2 and common.read_proxy_endpoint(bucket)["url"] == url2
+    assert url1 != url2 and proxy_client.read_proxy_endpoint(bucket)["url"] == url2
     assert f"relaunched proxy: job {proxy2.id}" in out and f"relaunched rollout-1: job {w1b.id}" in out
     assert re.search(rf"rollout-1: job {w1.id} ended \(ERROR: Job timeout exceeded\)", out)
     assert re.search(rf"proxy: job {proxy1.id} ended \(ERROR: killed by signal 9\)", out)
@@ -312,7 +314,7 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
     stages = {j.id: j.stage()[0] for j in emu.jobs.values()}
     assert all(s in ("COMPLETED", "ERROR", "CANCELED") for s in stages.values())
     # the trainer rode out the proxy's absence. Today that holds while the relaunch takes less than the
-    # ~22 s of retries common.ProxyClient makes before a call fails (measured here: ~10 s from the kill to
+    # ~22 s of retries proxy_client.ProxyClient makes before a call fails (measured here: ~10 s from the kill to
     # the new URL in the bucket); with a client that waits out outages of any length it holds at any load
     (trainer,) = emu.by_role("trainer")
     assert stages[trainer.id] == "COMPLETED" and stages[w1b.id] == "COMPLETED", stages

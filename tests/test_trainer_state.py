@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import train
+import trainer_state
 
 
 def _model(tiny_model):
@@ -22,13 +23,13 @@ def test_checkpoint_round_trip(tiny_model, bucket):
         opt.step()
         sched.step()
     state = {"step": 7, "version": 7, "acked": [{"batch_id": "b1", "groups": ["g1", "g2"]}]}
-    train.save_checkpoint(bucket, model, opt, sched, state)
+    trainer_state.save_checkpoint(bucket, model, opt, sched, state)
     rng_next = torch.rand(3)
 
     model2, opt2, sched2, params2 = _model(tiny_model)
     assert not all(torch.equal(a, b) for a, b in zip(params, params2))
     torch.manual_seed(123)
-    got = train.load_checkpoint(bucket, model2, opt2, sched2)
+    got = trainer_state.load_checkpoint(bucket, model2, opt2, sched2)
     assert got == state
     assert all(torch.equal(a, b) for a, b in zip(params, params2))
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
@@ -39,24 +40,24 @@ def test_checkpoint_round_trip(tiny_model, bucket):
 
 def test_corrupt_checkpoint_refused(tiny_model, bucket):
     model, opt, sched, _ = _model(tiny_model)
-    train.save_checkpoint(bucket, model, opt, sched, {"step": 1, "version": 1, "acked": []})
+    trainer_state.save_checkpoint(bucket, model, opt, sched, {"step": 1, "version": 1, "acked": []})
     key = "checkpoints/step_00000001/trainer_state.pt"
     data = bytearray(bucket.get(key)[0])
     data[-5] ^= 0xFF
     bucket.put(key, bytes(data))
     with pytest.raises(SystemExit, match="sha256"):
-        train.load_checkpoint(bucket, model, opt, sched)
+        trainer_state.load_checkpoint(bucket, model, opt, sched)
 
 
 def test_second_trainer_fails_at_once(bucket):
-    etag = train.claim_run(bucket, "trainer-a", ttl=60)
+    etag = trainer_state.claim_run(bucket, "trainer-a", ttl=60)
     with pytest.raises(SystemExit, match="another trainer .'trainer-a'"):
-        train.claim_run(bucket, "trainer-b", ttl=60)
-    etag = train.heartbeat(bucket, "trainer-a", etag)
-    train.claim_run(bucket, "trainer-a", ttl=60)  # the same trainer restarted takes over
-    with pytest.raises(train.TakenOver, match="taken over by another trainer"):
-        train.heartbeat(bucket, "trainer-a", etag)  # our old ETag is gone: someone else wrote it
-    train.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
+        trainer_state.claim_run(bucket, "trainer-b", ttl=60)
+    etag = trainer_state.heartbeat(bucket, "trainer-a", etag)
+    trainer_state.claim_run(bucket, "trainer-a", ttl=60)  # the same trainer restarted takes over
+    with pytest.raises(trainer_state.TakenOver, match="taken over by another trainer"):
+        trainer_state.heartbeat(bucket, "trainer-a", etag)  # our old ETag is gone: someone else wrote it
+    trainer_state.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
 
 
 def test_final_registration_of_a_version_the_proxy_adopted(tiny_model, start_proxy, bucket, tmp_path):
@@ -64,14 +65,15 @@ def test_final_registration_of_a_version_the_proxy_adopted(tiny_model, start_pro
     adapters/latest.json as not final: the trainer's final registration publishes the same weights
     once more and registers that as final; a relaunch after that finds it done and does nothing."""
     import common
+    import proxy_client
     model, _, _, _ = _model(tiny_model)
     args = train.Args(model=tiny_model, lora_r=4, lora_alpha=8)
     model.save_pretrained(tmp_path / "v1")
     common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
     proxy = start_proxy("--group-size", "4")  # started after the publish: it adopts version 1
-    client = common.ProxyClient(proxy.url, proxy.token)
+    client = proxy_client.ProxyClient(proxy.url, proxy.token)
     assert {k: client.get("/v1/adapters/latest")[k] for k in ("version", "done")} == {"version": 1, "done": False}
-    owner = train.Owner(bucket, "t1", ttl=60)
+    owner = trainer_state.Owner(bucket, "t1", ttl=60)
     train.register_final(client, bucket, owner, model, args, 1, 1)
     assert {k: client.get("/v1/adapters/latest")[k] for k in ("version", "done")} == {"version": 2, "done": True}
     meta = bucket.get_json("adapters/v000002/meta.json")

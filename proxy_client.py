@@ -1,0 +1,172 @@
+"""The proxy client every role uses (rollout.py, train.py, evaluate.py, the launcher's token commands),
+and the record in the run's prefix that says where the proxy answers now.
+
+A call waits out an unreachable proxy or a 5xx for as long as its patience says (common.patiently),
+honours 429 + Retry-After (backpressure, counted), and raises ProxyError at once on any other 4xx.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Any, Callable
+
+import httpx
+
+from common import Bucket, log, patiently
+
+# On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
+# run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
+# answer /health (the launcher, the supervisor: they read `job.status.expose_urls`) writes
+# `proxy/endpoint.json`; workers and the trainer read it when PROXY_URL is unset, and again
+# whenever the URL they use stops answering.
+
+PROXY_ENDPOINT = "proxy/endpoint.json"  # {url, incarnation, job_id, written_at, written_by}
+
+
+def write_proxy_endpoint(bucket: Bucket, url: str, job_id: str | None = None, incarnation: int | None = None,
+                         written_by: str = "") -> dict:
+    """Record where the run's proxy answers now (last writer wins: it has just seen that proxy healthy)."""
+    record = {"url": url.rstrip("/"), "incarnation": incarnation, "job_id": job_id, "written_at": time.time(),
+              "written_by": written_by}
+    bucket.put_json(PROXY_ENDPOINT, record)
+    return record
+
+
+def read_proxy_endpoint(bucket: Bucket) -> dict | None:
+    """The run's proxy address record, or None when nobody wrote one (a local run: PROXY_URL is set)."""
+    record = bucket.get_json(PROXY_ENDPOINT)
+    return record if isinstance(record, dict) and isinstance(record.get("url"), str) else None
+
+
+def endpoint_resolver(bucket: Bucket | None = None) -> Callable[[], str | None]:
+    """A `ProxyClient(resolve=...)` that reads the run's record (the run from the environment by default)."""
+    held: list[Bucket] = [bucket] if bucket is not None else []
+
+    def resolve() -> str | None:
+        if not held:
+            held.append(Bucket())
+        record = read_proxy_endpoint(held[0])
+        return record["url"] if record else None
+    return resolve
+
+
+def default_resolver() -> Callable[[], str | None] | None:
+    """PROXY_URL set: it overrides, no lookups. Unset, with a run in the environment (BUCKET): the record."""
+    if os.environ.get("PROXY_URL") or not os.environ.get("BUCKET"):
+        return None
+    return endpoint_resolver()
+
+
+
+class ProxyError(RuntimeError):
+    """The proxy answered 4xx: our request was wrong, or the state it names (acked, expired, not
+    newer) is final; retrying will not help. `status` and `detail` say which."""
+
+    def __init__(self, method: str, url: str, status: int, text: str):
+        super().__init__(f"{method} {url} -> {status}: {text[:500]}")
+        self.status = status
+        try:
+            self.detail = str(json.loads(text).get("detail", ""))
+        except (ValueError, AttributeError):
+            self.detail = text[:500]
+
+
+class ProxyBusy(httpx.HTTPError):
+    """Still 429 when the caller asked to stop waiting (not retried: the spool keeps the group)."""
+
+
+def _retryable(e: BaseException) -> bool:
+    if isinstance(e, httpx.TransportError):
+        return True
+    return isinstance(e, httpx.HTTPStatusError) and e.response.status_code >= 500
+
+
+class ProxyClient:
+    """Talks to proxy.py. The proxy token goes in `X-Proxy-Token`; `Authorization` carries the HF
+    token when the proxy sits behind the HF Jobs `--expose` gateway, else the proxy token too.
+
+    A call waits out an unreachable proxy or a 5xx for `patience_s` (None: as long as it takes,
+    saying so every 30 s), or until `should_stop()`; then it raises the last httpx error. A 429
+    waits as long as Retry-After says, counted in `backpressure_s`. A 4xx raises ProxyError at once.
+
+    `resolve` returns the proxy's current URL (default: the run's `proxy/endpoint.json` when PROXY_URL
+    is unset, see `default_resolver`). It is asked once here, then before every retry and whenever
+    what answers is not the run's proxy any more (`refresh_url`), so a proxy relaunched at a new
+    address is found again."""
+
+    def __init__(self, url: str, token: str | None, hf_token: str | None = None, patience_s: float | None = None,
+                 resolve: Callable[[], str | None] | None = None):
+        headers = {}
+        if token:
+            headers["X-Proxy-Token"] = token
+        auth = hf_token or token
+        if auth:
+            headers["Authorization"] = f"Bearer {auth}"
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=120))
+        self.patience_s = patience_s
+        self.backpressure_s = 0.0  # total time spent waiting on 429 answers
+        self.should_stop = lambda: False  # a stopping role gives up waiting (outage or 429)
+        self.say = log
+        self.resolve = resolve if resolve is not None else default_resolver()
+        self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
+
+    def with_patience(self, patience_s: float | None) -> "ProxyClient":
+        """The same client (connections, token, should_stop, URL lookups) with another patience."""
+        other = copy.copy(self)
+        other.patience_s = patience_s
+        return other
+
+    def refresh_url(self) -> bool:
+        """Ask `resolve` where the proxy is now; switch to that URL if it moved. True if it did."""
+        if self.resolve is None:
+            return False
+        try:
+            url = self.resolve()
+        except Exception as e:  # noqa: BLE001 - the bucket is down too: keep the URL we have, the caller retries
+            self.say(f"proxy address lookup failed ({type(e).__name__}: {e}); keeping {self.url}")
+            return False
+        if not url or url.rstrip("/") == self.url:
+            return False
+        self.say(f"proxy: now at {url} (was {self.url})")
+        self.url = url.rstrip("/")
+        self.http.base_url = self.url
+        return True
+
+    def _call(self, method: str, path: str, **kw) -> Any:
+        tries = [0]
+
+        def attempt() -> Any:
+            if tries[0]:  # a retry: the proxy may have been relaunched at a new address
+                self.refresh_url()
+            tries[0] += 1
+            return self._once(method, path, **kw)
+        return patiently(attempt, f"the proxy ({method} {self.url}{path})", _retryable, self.patience_s, self.say,
+                         lambda: self.should_stop())
+
+    def _once(self, method: str, path: str, **kw) -> Any:
+        while True:
+            r = self.http.request(method, path, **kw)
+            if r.status_code in (401, 403, 404) and self.refresh_url():
+                continue  # what answered was not the run's proxy any more (a gateway, another server)
+            if r.status_code != 429:
+                break
+            # backpressure: the proxy's buffer is full; wait as told and count the time
+            if self.should_stop():
+                raise ProxyBusy(f"{method} {path}: buffer full and we are stopping")
+            wait = float(r.headers.get("Retry-After", "1"))
+            self.backpressure_s += wait
+            time.sleep(wait)
+        if 400 <= r.status_code < 500:
+            raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
+        if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
+            raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
+        return r.json()
+
+    def get(self, path: str, **params) -> Any:
+        return self._call("GET", path, params=params)
+
+    def post(self, path: str, body: Any = None) -> Any:
+        return self._call("POST", path, json=body)
