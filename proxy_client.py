@@ -104,14 +104,18 @@ class ProxyClient:
         auth = hf_token or token
         if auth:
             headers["Authorization"] = f"Bearer {auth}"
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=120))
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
         self.patience_s = patience_s
         self.backpressure_s = 0.0  # total time spent waiting on 429 answers
         self.should_stop = lambda: False  # a stopping role gives up waiting (outage or 429)
         self.say = log
         self.resolve = resolve if resolve is not None else default_resolver()
         self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
+
+    @property
+    def url(self) -> str:
+        """Where requests go now: the HTTP client's base URL is the one record of it."""
+        return str(self.http.base_url).rstrip("/")
 
     def with_patience(self, patience_s: float | None) -> "ProxyClient":
         """The same client (connections, token, should_stop, URL lookups) with another patience."""
@@ -131,8 +135,7 @@ class ProxyClient:
         if not url or url.rstrip("/") == self.url:
             return False
         self.say(f"proxy: now at {url} (was {self.url})")
-        self.url = url.rstrip("/")
-        self.http.base_url = self.url
+        self.http.base_url = url.rstrip("/")
         return True
 
     def _call(self, method: str, path: str, **kw) -> Any:
