@@ -116,7 +116,7 @@ def _verified(blob: bytes) -> tuple[str, dict]:
     """(covers, state) of a snapshot object; ValueError when it is torn, truncated or not one."""
     lines = blob.split(b"\n")
     if len(lines) != 4 or lines[3] != b"":
-        raise ValueError(f"{len(lines) - 1} lines, not 3")
+        raise ValueError(f"cut short or not a snapshot: {len(lines) - 1} whole lines, not 3")
     end = json.loads(lines[2])
     head = lines[0] + b"\n" + lines[1] + b"\n"
     if end.get("t") != "end" or end.get("bytes") != len(head) or end.get("sha256") != hashlib.sha256(head).hexdigest():
@@ -131,15 +131,16 @@ def read_snapshot(bucket: Bucket) -> tuple[str, str, dict] | None:
         pointer = bucket.get_json(POINTER) or {}
     except ValueError:  # not JSON: as good as no pointer
         pointer = {}
-    if "key" in pointer and (snap := _try(bucket, pointer["key"])):
+    if "key" in pointer and (snap := snapshot_at(bucket, pointer["key"])):
         return snap
     for key in sorted(bucket.list(SNAPSHOTS), key=lambda k: k.rsplit("/", 1)[1], reverse=True):
-        if key != pointer.get("key") and (snap := _try(bucket, key)):
+        if key != pointer.get("key") and (snap := snapshot_at(bucket, key)):
             return snap
     return None
 
 
-def _try(bucket: Bucket, key: str) -> tuple[str, str, dict] | None:
+def snapshot_at(bucket: Bucket, key: str) -> tuple[str, str, dict] | None:
+    """(key, covers, state) of the snapshot `key`, or None (and why on stderr) when it does not verify."""
     got = bucket.get(key)
     try:
         if got is None:
