@@ -40,6 +40,7 @@ import json
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,9 +73,18 @@ def next_incarnation(keys: list[str]) -> int:
 
 
 def read_objects(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[tuple[str, bytes]]:
-    """(key, bytes) of the given objects in the given order, fetched in parallel (a missing one: b"")."""
+    """(key, bytes) of the given objects in the given order (a missing one: b""), fetched in parallel, at most
+    4 x threads ahead of the caller: memory stays flat however many there are."""
     with ThreadPoolExecutor(threads) as pool:
-        yield from zip(keys, pool.map(lambda k: (bucket.get(k) or (b"", ""))[0], keys))
+        ahead: deque = deque()
+        for key in keys:
+            ahead.append((key, pool.submit(lambda k: (bucket.get(k) or (b"", ""))[0], key)))
+            if len(ahead) > 4 * threads:
+                done, fut = ahead.popleft()
+                yield done, fut.result()
+        while ahead:
+            done, fut = ahead.popleft()
+            yield done, fut.result()
 
 
 def read_lines(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[bytes]:

@@ -15,14 +15,15 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
         --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        proxy.py access.py adapter_files.py common.py journal.py participants.py prompts.py routing.py \
-        runconfig.py serving.py --host 0.0.0.0 --port 8000
+        proxy.py access.py adapter_files.py common.py journal.py ledger.py participants.py prompts.py \
+        routing.py runconfig.py serving.py snapshots.py --host 0.0.0.0 --port 8000
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal
 (journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
 (as sent) or event (lease, renew, ack, expire, version, prompt cursor, duplicate, stale arrival), in
-order, and a snapshot of the counters. On start the proxy replays that log, so `kill -9` at any moment
-is fine. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
+order, and the counters. What those lines mean is ledger.py; a snapshot of that state is written every
+few seconds, and a start reads the newest one and the commits after it (snapshots.py), so `kill -9` at
+any moment is fine and a restart takes as long after a day as after a minute. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
 server's own limits are serving.py; checking published versions and handing their files to workers
 without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
 (per participant and worker) is participants.py.
@@ -103,10 +104,10 @@ class Args:
     """adapter files the proxy streams at once (more get 503 + Retry-After)"""
     use_bucket: bool = True
     """journal to the bucket and replay it on start, verify registered versions, write metrics (needs BUCKET)"""
-    snapshot_s: float = 60.0
-    """write a snapshot of the state at most this many seconds after a commit (a start reads it and the commits after)"""
-    snapshot_commits: int = 1000
-    """... or after this many commits, if sooner: a start reads at most about this many commits"""
+    snapshot_s: float = 10.0
+    """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
+    snapshot_commits: int = 200
+    """... or every this many commits, if sooner: a start reads about this many commits at most"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for

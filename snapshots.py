@@ -3,8 +3,9 @@ after it, and a running proxy writes a snapshot now and then, off its event loop
 objects' format, ledger.py what the records mean; proxy.py owns a Keeper and hands its live state over.
 
 When: every `every_s` seconds or `every_commits` commits, whichever comes first, if anything was
-committed since the last one, and once more at a clean stop (a relaunch after a timeout then reads no
-commits at all). A start that had to read more than `every_commits` commits writes one at once.
+committed since the last one; at once after a start that read any commit past its snapshot (so that
+quick restarts, a crash loop say, never pile up a long tail); and once more at a clean stop (a
+relaunch after a timeout then reads no commits at all).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Keeper:
         self.ledger = Ledger(**limits)
         self.uncertain: list[str] = []  # commits that failed: a snapshot waits until each is known absent
         self.snapped = 0                # ledger.commits when the last snapshot was taken
+        self.due = False                # a snapshot is due at once (the start read commits past its snapshot)
 
     def start(self) -> tuple[dict, int, str]:
         """Read the state back (before the server accepts requests): (Ledger.live()'s state, this start's
@@ -40,7 +42,7 @@ class Keeper:
             self.ledger.apply_object(key, blob)
         live = self.ledger.live(lambda keys: journal.read_objects(self.bucket, keys))
         self.ledger.forget_lines()
-        self.snapped = self.ledger.commits - len(keys)  # a long tail read now makes a snapshot due at once
+        self.snapped, self.due = self.ledger.commits - len(keys), bool(keys)
         if live["lost"]:  # only if someone deleted journal objects: a full replay could not find them either
             print(f"proxy: {len(live['lost'])} buffered or leased groups are missing from the journal", file=sys.stderr)
         return live, incarnation, f"state from {start} and {len(keys)} commits in {time.time() - t0:.1f}s"
@@ -62,7 +64,7 @@ class Keeper:
         return True
 
     async def run(self, every_s: float, every_commits: int, incarnation: int, writer: str) -> None:
-        last = time.monotonic()
+        last = time.monotonic() - (every_s if self.due else 0.0)
         while True:
             await asyncio.sleep(1.0)
             if self.ledger.commits - self.snapped < every_commits and time.monotonic() - last < every_s:
