@@ -215,11 +215,15 @@ class Bucket:
         got = self.get(rel)
         return None if got is None else json.loads(got[0])
 
-    def list(self, prefix: str) -> list[str]:
-        """Relative keys under `prefix` (ListObjectsV2 only: the HF gateway has nothing else)."""
+    def list(self, prefix: str, start_after: str | None = None) -> list[str]:
+        """Relative keys under `prefix` (ListObjectsV2 only: the HF gateway has nothing else); with
+        `start_after`, only the keys that sort after it (a server that ignores StartAfter returns them all:
+        callers that need the cut make it themselves)."""
         out, token = [], None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
+            if start_after:
+                kw["StartAfter"] = self.key(start_after)
             if token:
                 kw["ContinuationToken"] = token
             r = self._call("list", prefix, lambda: self.s3.list_objects_v2(**kw))

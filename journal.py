@@ -16,14 +16,31 @@ process writing the same key: read the object back; if it holds exactly our byte
 
 Each process start is a new incarnation, one more than the highest in the bucket. Objects of runs
 from before 2026-11-29 also live under proxy/log/ (same naming); they are read in the same order.
+
+Snapshots make a start read a bounded amount: a snapshot is the owner's state after one commit, which
+it names; a start reads the newest complete one and then only the commits after it. The journal
+itself is never shortened (it is the audit log of every trajectory).
+
+    proxy/snapshots/{covered commit}.{writer incarnation:06d}.json     three JSON lines:
+        {"t":"snapshot","covers":"rollouts/000003-00000017.jsonl","incarnation":4,"writer":...,"time":...}
+        {...the owner's state, opaque here...}
+        {"t":"end","sha256":"<of the two lines above>","bytes":N}
+    proxy/snapshot.json     the pointer, written after the snapshot: {"key", "covers", "sha256", "time"}
+
+The end line makes a torn or truncated snapshot recognisable; the pointer saves a listing. A process
+killed between the snapshot and the pointer leaves the older pointer: the next start reads the older
+snapshot and more commits, and loses nothing. A snapshot that does not verify is skipped for the
+newest one that does (a listing), and with none the start replays every commit.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,35 +48,122 @@ from common import Bucket, ConflictError
 
 PREFIX = "rollouts/"
 LEGACY_PREFIX = "proxy/log/"
+SNAPSHOTS = "proxy/snapshots/"
+POINTER = "proxy/snapshot.json"
 
 
 def object_name(incarnation: int, seq: int) -> str:
     return f"{PREFIX}{incarnation:06d}-{seq:08d}.jsonl"
 
 
-def log_keys(bucket: Bucket) -> list[str]:
-    """Every journal object, in log order (incarnation, then sequence; legacy objects first on a tie)."""
-    keys = bucket.list(PREFIX) + bucket.list(LEGACY_PREFIX)
-    return sorted(keys, key=lambda k: (k.rsplit("/", 1)[1], k.startswith("proxy/")))
+def _order(key: str) -> tuple[str, bool]:
+    return key.rsplit("/", 1)[1], key.startswith("proxy/")  # incarnation, then sequence; legacy first on a tie
+
+
+def log_keys(bucket: Bucket, after: str | None = None) -> list[str]:
+    """Every journal object in log order, or only those after the commit `after`: then the listing starts
+    there (ListObjectsV2 StartAfter), so a start lists the tail, not the run."""
+    start = f"{PREFIX}{_order(after)[0].split('.')[0]}" if after else None  # sorts just before `after`'s name
+    keys = sorted(bucket.list(PREFIX, start_after=start) + bucket.list(LEGACY_PREFIX), key=_order)
+    return [k for k in keys if after is None or _order(k) > _order(after)]
 
 
 def next_incarnation(keys: list[str]) -> int:
     return max((int(k.rsplit("/", 1)[1].split("-")[0]) for k in keys), default=-1) + 1
 
 
+def read_objects(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[tuple[str, bytes]]:
+    """(key, bytes) of the given objects in the given order (a missing one: b""), fetched in parallel, at most
+    4 x threads ahead of the caller: memory stays flat however many there are."""
+    with ThreadPoolExecutor(threads) as pool:
+        ahead: deque = deque()
+        for key in keys:
+            ahead.append((key, pool.submit(lambda k: (bucket.get(k) or (b"", ""))[0], key)))
+            if len(ahead) > 4 * threads:
+                done, fut = ahead.popleft()
+                yield done, fut.result()
+        while ahead:
+            done, fut = ahead.popleft()
+            yield done, fut.result()
+
+
 def read_lines(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[bytes]:
     """The lines of the given objects, object by object in the given order (fetched in parallel)."""
-    with ThreadPoolExecutor(threads) as pool:
-        for blob in pool.map(lambda k: (bucket.get(k) or (b"", ""))[0], keys):
-            yield from blob.splitlines()
+    for _, blob in read_objects(bucket, keys, threads):
+        yield from blob.splitlines()
 
 
-def encode(header: dict, records: list[bytes | dict], trailer: list[dict]) -> bytes:
-    """One commit object: the header, the records as given (bytes are already one JSON line), the trailer."""
-    lines = [json.dumps(header, separators=(",", ":")).encode()]
-    lines += [r if isinstance(r, bytes) else json.dumps(r, separators=(",", ":")).encode() for r in records]
-    lines += [json.dumps(t, separators=(",", ":")).encode() for t in trailer]
-    return b"\n".join(lines) + b"\n"
+def put_once(bucket: Bucket, key: str, data: bytes) -> None:
+    """A conditional put (If-None-Match); a 412 is ours when the object holds exactly our bytes (the answer to
+    an earlier attempt was lost and botocore retried). Anything else in our key raises ConflictError."""
+    try:
+        bucket.put(key, data, if_none_match=True)
+    except ConflictError:
+        got = bucket.get(key)  # raises BucketError when unreadable: the caller fails and retries
+        if got is None or got[0] != data:
+            raise
+        print(f"journal: {key} was already written by us (an answer was lost); carrying on", file=sys.stderr, flush=True)
+
+
+# ---- snapshots ------------------------------------------------------------------------------------
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def write_snapshot(bucket: Bucket, covers: str, state: dict, incarnation: int, writer: str) -> str:
+    """Write a snapshot of `state` (the owner's state after commit `covers`), then the pointer to it.
+    Runs in a thread: the encoding and both puts are off the event loop. Returns the snapshot's key."""
+    key = f"{SNAPSHOTS}{covers.rsplit('/', 1)[1].rsplit('.', 1)[0]}.{incarnation:06d}.json"
+    head = _dumps({"t": "snapshot", "covers": covers, "incarnation": incarnation, "writer": writer,
+                   "time": round(time.time(), 3)}) + b"\n" + _dumps(state) + b"\n"
+    digest = hashlib.sha256(head).hexdigest()
+    put_once(bucket, key, head + _dumps({"t": "end", "sha256": digest, "bytes": len(head)}) + b"\n")
+    bucket.put(POINTER, _dumps({"key": key, "covers": covers, "sha256": digest, "time": round(time.time(), 3)}))
+    return key
+
+
+def _verified(blob: bytes) -> tuple[str, dict]:
+    """(covers, state) of a snapshot object; ValueError when it is torn, truncated or not one."""
+    lines = blob.split(b"\n")
+    if len(lines) != 4 or lines[3] != b"":
+        raise ValueError(f"cut short or not a snapshot: {len(lines) - 1} whole lines, not 3")
+    end = json.loads(lines[2])
+    head = lines[0] + b"\n" + lines[1] + b"\n"
+    if end.get("t") != "end" or end.get("bytes") != len(head) or end.get("sha256") != hashlib.sha256(head).hexdigest():
+        raise ValueError("its checksum does not match its bytes")
+    return json.loads(lines[0])["covers"], json.loads(lines[1])
+
+
+def read_snapshot(bucket: Bucket) -> tuple[str, str, dict] | None:
+    """The newest snapshot that verifies: (its key, the commit it covers, the state), or None. The pointer
+    names the newest; if it is missing, or its snapshot does not verify, the newest listed one that does."""
+    try:
+        pointer = bucket.get_json(POINTER) or {}
+    except ValueError:  # not JSON: as good as no pointer
+        pointer = {}
+    if "key" in pointer and (snap := snapshot_at(bucket, pointer["key"])):
+        return snap
+    for key in sorted(bucket.list(SNAPSHOTS), key=lambda k: k.rsplit("/", 1)[1], reverse=True):
+        if key != pointer.get("key") and (snap := snapshot_at(bucket, key)):
+            return snap
+    return None
+
+
+def snapshot_at(bucket: Bucket, key: str) -> tuple[str, str, dict] | None:
+    """(key, covers, state) of the snapshot `key`, or None (and why on stderr) when it does not verify."""
+    got = bucket.get(key)
+    try:
+        if got is None:
+            raise ValueError("it is missing")
+        return (key, *_verified(got[0]))
+    except ValueError as e:  # json's decode errors are ValueErrors too
+        print(f"journal: ignoring snapshot {key}: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def encode(header: dict, records: list[bytes | dict]) -> bytes:
+    """One commit object: the header, then the records as given (bytes are already one JSON line)."""
+    return b"\n".join([_dumps(header)] + [r if isinstance(r, bytes) else _dumps(r) for r in records]) + b"\n"
 
 
 class JournalWriteError(RuntimeError):
@@ -74,15 +178,21 @@ class Writer:
 
     trailer(): lines added at the end of every commit (computed when the commit is formed).
     on_foreign(message): called when another process owns a key we tried to write (two writers on one
-    log); the proxy stops there. Without a bucket, commits succeed at once (a proxy without durability)."""
+    log); the proxy stops there. Without a bucket, commits succeed at once (a proxy without durability).
+    committed(key, time, records): each commit that reached the bucket, in log order, before its callers
+    hear of it (records: as appended, then the trailer). uncertain(key): a commit that failed; its put
+    may still have landed (every answer lost), which only a read of the key can tell."""
 
     def __init__(self, bucket: Bucket | None, incarnation: int, depth: int = 1,
                  trailer: Callable[[], list[dict]] = lambda: [],
                  on_foreign: Callable[[str], None] = lambda msg: None,
-                 observe: Callable[[float], None] = lambda seconds: None):
+                 observe: Callable[[float], None] = lambda seconds: None,
+                 committed: Callable[[str, float, list], None] = lambda key, at, records: None,
+                 uncertain: Callable[[str], None] = lambda key: None):
         self.bucket, self.incarnation, self.seq = bucket, incarnation, 0
         self.writer_id = uuid.uuid4().hex
         self.trailer, self.on_foreign, self.observe = trailer, on_foreign, observe
+        self.committed, self.uncertain = committed, uncertain
         self.slots = asyncio.Semaphore(depth)
         self.queue: list[tuple[bytes | dict, asyncio.Future]] = []
         self.wake = asyncio.Event()
@@ -103,11 +213,14 @@ class Writer:
             batch, self.queue = self.queue, []
             header = {"t": "commit", "incarnation": self.incarnation, "seq": self.seq, "writer": self.writer_id,
                       "time": round(time.time(), 3)}
-            data = encode(header, [r for r, _ in batch], self.trailer())
-            prev = asyncio.create_task(self.commit(object_name(self.incarnation, self.seq), data, batch, prev))
+            records = [r for r, _ in batch] + self.trailer()
+            data = encode(header, records)
+            prev = asyncio.create_task(self.commit(object_name(self.incarnation, self.seq), data, batch, prev,
+                                                   header["time"], records))
             self.seq += 1
 
-    async def commit(self, key: str, data: bytes, batch: list, prev: asyncio.Task | None) -> None:
+    async def commit(self, key: str, data: bytes, batch: list, prev: asyncio.Task | None, at: float = 0.0,
+                     records: list = ()) -> None:
         t0, err = time.perf_counter(), None
         try:
             if self.bucket is not None:
@@ -120,6 +233,9 @@ class Writer:
             await prev
         if err is not None:
             print(f"journal: commit {key} failed: {err}", file=sys.stderr, flush=True)
+            self.uncertain(key)
+        else:
+            self.committed(key, at, records)
         for _, fut in batch:
             if not fut.done():
                 if err is None:
@@ -128,15 +244,9 @@ class Writer:
                     fut.set_exception(JournalWriteError("could not write to the bucket, nothing changed; retry"))
 
     def put(self, key: str, data: bytes) -> None:
-        """A conditional put; a 412 is ours when the object holds exactly our bytes (the answer to an
-        earlier attempt was lost and botocore retried). Anything else in our key is another writer."""
+        """put_once; anything but our own bytes in our key is another writer."""
         try:
-            self.bucket.put(key, data, if_none_match=True)
+            put_once(self.bucket, key, data)
         except ConflictError:
-            got = self.bucket.get(key)  # raises BucketError when unreadable: the commit fails, callers retry
-            if got is not None and got[0] == data:
-                print(f"journal: {key} was already written by us (an answer was lost); carrying on",
-                      file=sys.stderr, flush=True)
-                return
             self.on_foreign(f"journal object {key} was written by another process")
             raise

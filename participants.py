@@ -35,6 +35,19 @@ class Senders:
         p["groups"] += groups
         p["last_seen"] = at
 
+    def state(self) -> dict:
+        """What a snapshot keeps (the per-second window is live only: it starts empty after a restart)."""
+        return {"workers": [[k, d["last_seen"], d["groups"]] for k, d in self.workers.items()],
+                "participants": {n: dict(d) for n, d in self.participants.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict, max_workers: int = 4096) -> "Senders":
+        s = cls(max_workers)
+        for key, last_seen, groups in state["workers"][-max_workers:]:
+            s.workers[key] = {"last_seen": last_seen, "groups": groups, "recent": deque(maxlen=100_000)}
+        s.participants = {n: dict(d) for n, d in state["participants"].items()}
+        return s
+
     def stats(self, now: float, roles: dict[str, dict]) -> dict:
         """{"participants": {name: {groups, last_seen_s_ago?, **roles[name]}}, "workers": {key: {groups, last_seen_s_ago}}}"""
         people = {n: {"groups": 0, **info} for n, info in roles.items()}

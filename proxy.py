@@ -15,14 +15,15 @@ make outbound HTTP calls to it; it never calls them.
     hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
         --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        proxy.py access.py adapter_files.py common.py journal.py metrics.py participants.py prompts.py \
-        proxy_client.py routing.py runconfig.py serving.py --host 0.0.0.0 --port 8000
+        proxy.py access.py adapter_files.py common.py journal.py ledger.py metrics.py participants.py \
+        prompts.py proxy_client.py routing.py runconfig.py serving.py snapshots.py --host 0.0.0.0 --port 8000
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal
 (journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
 (as sent) or event (lease, renew, ack, expire, version, prompt cursor, duplicate, stale arrival), in
-order, and a snapshot of the counters. On start the proxy replays that log, so `kill -9` at any moment
-is fine. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
+order, and the counters. What those lines mean is ledger.py; a snapshot of that state is written every
+few seconds, and a start reads the newest one and the commits after it (snapshots.py), so `kill -9` at
+any moment is fine and a restart takes as long after a day as after a minute. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
 server's own limits are serving.py; checking published versions and handing their files to workers
 without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
 (per participant and worker) is participants.py.
@@ -34,7 +35,6 @@ import gc
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 import uuid
@@ -54,12 +54,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
 import access  # noqa: E402
 import journal  # noqa: E402
 from access import ADMIN, scope  # noqa: E402
-from common import Bucket, BucketError, TrajectoryGroup  # noqa: E402
+from common import Bucket, BucketError, ConflictError, TrajectoryGroup  # noqa: E402
 from metrics import Metrics, peak_rss_mb  # noqa: E402
 from adapter_files import FILES, Downloads, check_published  # noqa: E402
+from ledger import HEAD, Entry, Recent, Versions, Window  # noqa: E402
 from participants import Senders  # noqa: E402
 from prompts import Cursors, PromptError  # noqa: E402
 from serving import Limits, serve  # noqa: E402
+from snapshots import Keeper  # noqa: E402
 from routing import install as install_routing  # noqa: E402
 from runconfig import record_config  # noqa: E402
 
@@ -103,27 +105,29 @@ class Args:
     """adapter files the proxy streams at once (more get 503 + Retry-After)"""
     use_bucket: bool = True
     """journal to the bucket and replay it on start, verify registered versions, write metrics (needs BUCKET)"""
+    snapshot_s: float = 10.0
+    """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
+    snapshot_commits: int = 200
+    """... or every this many commits, if sooner: a start reads about this many commits at most"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
 # ---- state ----------------------------------------------------------------------------------------
-# a group is held as the JSON line we logged (cheap to keep, leased without re-encoding). A lease's deadline
-# is on this process's monotonic clock: nothing compares clocks of two hosts, and a replayed lease gets a
-# fresh lease_s from the moment of replay
-Entry = namedtuple("Entry", "gid version raw")
+# a group is held as the JSON line we logged (ledger.Entry: cheap to keep, leased without re-encoding). A
+# lease's deadline is on this process's monotonic clock: nothing compares clocks of two hosts, and a replayed
+# lease gets a fresh lease_s from the moment of replay. What the journal says is ledger.py's to know
 Lease = namedtuple("Lease", "batch_id entries deadline lease_s")
 
 @dataclass
 class State:
     buffer: "OrderedDict[str, Entry]" = field(default_factory=OrderedDict)  # group_id -> entry (FIFO)
-    seen: set = field(default_factory=set)          # every group_id ever accepted or refused as stale (idempotency)
+    window: Window = field(default_factory=Window)  # the duplicate window (ledger.py): ids answered `duplicate`
     pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
     leases: dict = field(default_factory=dict)      # batch_id -> Lease
-    acked: set = field(default_factory=set)         # batch ids acked
-    expired: set = field(default_factory=set)       # batch ids whose lease ran out
-    # registered: this process's monotonic time of the registration (None: replayed, or adopted at start)
-    versions: list = field(default_factory=lambda: [{"version": 0, "step": 0, "published_at": None, "registered": None}])
+    acked: Recent = field(default_factory=Recent)   # the last batch ids acked
+    expired: Recent = field(default_factory=Recent)  # the last batch ids whose lease ran out
+    versions: Versions = field(default_factory=Versions)  # registered versions, the latest in full
     pending_version: int = 0                        # a version whose journal write is in flight
     done: bool = False                              # the trainer registered its final version
     cursors: Cursors = field(default_factory=lambda: Cursors(0, MAX_DATASETS))  # prompt dispatch
@@ -138,7 +142,7 @@ class State:
 
     @property
     def latest(self) -> int:
-        return self.versions[-1]["version"]
+        return self.versions.latest
 
 S = State()
 BUCKET: Bucket | None = None
@@ -148,7 +152,7 @@ REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it a
 POLICY = access.POLICY
 
 def too_stale(version: int, latest: int | None = None) -> bool:
-    return (S.latest if latest is None else latest) - version > ARGS.max_staleness
+    return (S.latest if latest is None else latest) - version > ARGS.max_staleness or version < S.window.floor
 
 def drop_stale(count: bool = True) -> int:
     """Remove groups staler than max_staleness from the buffer; returns how many."""
@@ -170,7 +174,7 @@ def fresh_head(n: int) -> list[Entry] | None:
 def return_lease(bid: str) -> None:
     """A lease ran out: its groups go back to the front of the buffer (they are the oldest)."""
     lease = S.leases.pop(bid)
-    S.expired.add(bid)
+    S.expired.add(bid, len(lease.entries))
     S.counters["leases_expired"] += 1
     for e in reversed(lease.entries):
         S.buffer[e.gid] = e
@@ -202,88 +206,28 @@ def stats() -> dict:
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
             "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
             **S.senders.stats(time.time(), roles),
+            "duplicate_window": {"groups": len(S.window), "min_version": S.window.floor},
             "cursors": S.cursors.table, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
-# ---- replay: the journal's lines, applied in log order --------------------------------------------
-_HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
-_TAIL = re.compile(rb',"participant":"([a-z0-9_-]+)"\}\s*$')  # appended by us to a participant's group
+# ---- start: the state read back from the bucket (snapshots.py) ----------------------------------
+KEEPER: Keeper | None = None  # the state after the last commit in the bucket, and its snapshots (None: no bucket)
 
-def replay(bucket: Bucket) -> None:
-    """Rebuild the state from the bucket's log (runs before the server accepts requests): one pass in log
-    order; a group is always logged before any event that names it."""
-    t0 = time.time()
-    keys = journal.log_keys(bucket)
-    S.incarnation = journal.next_incarnation(keys)
-    holder: dict[str, str] = {}  # group_id -> the lease that last took it
-    leased: dict[str, int] = {}  # batch_id -> number of groups
-    snapshot, accepted, stale, legacy_hist, at = {}, 0, 0, False, 0.0
-    for line in journal.read_lines(bucket, keys):
-        if line.startswith(b'{"group_id"'):  # one we wrote: id and version lead, no full parse
-            m, tail = _HEAD.match(line), _TAIL.search(line, max(0, len(line) - 64))  # the tail only: lines are ~33 kB
-            gid = m[1].decode()
-            accepted += gid not in S.seen
-            S.seen.add(gid)
-            S.buffer[gid] = Entry(gid, int(m[3]), line)
-            S.senders.touch(tail[1].decode() if tail else None, m[2].decode(), at, groups=1, live=False)
-            continue
-        e = json.loads(line)
-        t = e["t"]
-        if t == "commit":
-            at = e["time"]
-        elif t == "lease":
-            # a later lease of the same group means the earlier one ran out (its expiry write was lost)
-            for b in {holder[g] for g in e["group_ids"] if g in holder and holder[g] in S.leases}:
-                return_lease(b)
-            entries = [S.buffer.pop(g) for g in e["group_ids"] if g in S.buffer]
-            S.leases[e["batch_id"]] = Lease(e["batch_id"], entries, 0.0, e.get("lease_s", ARGS.lease_s))
-            holder.update(dict.fromkeys(e["group_ids"], e["batch_id"]))
-            leased[e["batch_id"]] = len(e["group_ids"])
-            legacy_hist |= "latest" not in e
-            for x in entries:
-                s = e.get("latest", S.latest) - x.version
-                S.staleness_hist[s] = S.staleness_hist.get(s, 0) + 1
-        elif t == "renew" and e["batch_id"] in S.leases:
-            S.leases[e["batch_id"]] = S.leases[e["batch_id"]]._replace(lease_s=e["lease_s"])
-        elif t == "ack" and e["batch_id"] not in S.acked:  # its groups are consumed for good
-            S.leases.pop(e["batch_id"], None)
-            S.acked.add(e["batch_id"])
-        elif t == "expire" and e["batch_id"] in S.leases:
-            return_lease(e["batch_id"])
-        elif t == "version" and e["version"] > S.latest:
-            S.versions.append({**{k: e[k] for k in ("version", "step", "published_at")}, "registered": None})
-            S.done = e["final"]
-        elif t == "cursor":
-            S.cursors.apply(e)
-        elif t == "stale":  # refused as stale on arrival: a resubmission is a duplicate
-            S.seen.add(e["group_id"])
-            stale += 1
-            S.senders.touch(e.get("participant"), e["worker_id"], at, live=False)
-        elif t == "counters":
-            snapshot = e
-    drop_stale(count=False)
-    for bid, lease in S.leases.items():  # every open lease gets a full lease_s from now: no clock of another host
-        S.leases[bid] = lease._replace(deadline=time.monotonic() + lease.lease_s)  # (or of ours, earlier) is compared
-    # what the log implies is recounted exactly; the rest (429s, and runs journaled before 2026-12) is the
-    # snapshot the last commit carried. Every accepted group is now buffered, leased, acked or was dropped
-    in_leases = sum(len(lease.entries) for lease in S.leases.values()) + sum(leased.get(b, 0) for b in S.acked)
-    old = snapshot.get("counters", {})
-    S.counters.update(old)
-    S.counters.update(groups_accepted=accepted, batches_leased=len(leased), groups_leased=sum(leased.values()),
-                      batches_acked=len(S.acked), groups_acked=sum(leased.get(b, 0) for b in S.acked),
-                      leases_expired=len(S.expired),
-                      groups_dropped_stale=max(stale + accepted - len(S.buffer) - in_leases, old.get("groups_dropped_stale", 0)))
-    if legacy_hist:
-        S.staleness_hist = {int(k): v for k, v in snapshot.get("staleness_hist", {}).items()}
-    print(f"proxy: incarnation {S.incarnation}, replayed {len(keys)} objects in {time.time() - t0:.1f}s: "
-          f"{len(S.seen)} groups, buffer {len(S.buffer)}, {len(S.leases)} leases, version {S.latest}", file=sys.stderr)
+def take_over(live: dict) -> None:
+    """The state a start read back (ledger.Ledger.live) becomes the live state."""
+    S.buffer, S.window, S.acked, S.expired = live["buffer"], live["window"], live["acked"], live["expired"]
+    S.versions, S.done, S.cursors.table, S.senders = live["versions"], live["done"], live["cursors"], live["senders"]
+    S.counters.update(live["counters"])
+    S.staleness_hist = live["staleness_hist"]
+    # every open lease gets a full lease_s from now: no clock of another host (or of ours, earlier) is compared
+    S.leases = {b: Lease(b, entries, time.monotonic() + lease_s, lease_s) for b, (entries, lease_s) in live["leases"].items()}
 
 def fatal_foreign_writer(msg: str) -> None:
     print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
     os._exit(3)
 
 def counters_trailer() -> list[dict]:  # every commit ends with them: a restart loses no count an answer reported
-    return [{"t": "counters", "counters": S.counters, "staleness_hist": S.staleness_hist}]
+    return [{"t": "counters", "counters": dict(S.counters), "staleness_hist": dict(S.staleness_hist)}]
 
 # ---- metrics: request latency and staleness as histograms; the state's numbers read at scrape time ----
 REGISTRY = CollectorRegistry()
@@ -320,7 +264,7 @@ def _observe(scope: dict, seconds: float) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    global BUCKET, METRICS, JOURNAL, DOWNLOADS
+    global BUCKET, METRICS, JOURNAL, DOWNLOADS, KEEPER
     POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), _observe
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
@@ -332,13 +276,21 @@ async def lifespan(app: FastAPI):
         await asyncio.to_thread(POLICY.tokens.load)
         POLICY.tokens.bucket = BUCKET
         await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
-        await asyncio.to_thread(replay, startup)
+        KEEPER = Keeper(startup, max_staleness=ARGS.max_staleness, lease_s=ARGS.lease_s, max_workers=MAX_WORKERS,
+                        max_datasets=MAX_DATASETS)
+        live, S.incarnation, how = await asyncio.to_thread(KEEPER.start)
+        KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
+        take_over(live)
+        print(f"proxy: incarnation {S.incarnation}, {how}: {S.counters['groups_accepted']} groups accepted, buffer "
+              f"{len(S.buffer)}, {len(S.leases)} leases, duplicate window {len(S.window)}, version {S.latest}", file=sys.stderr)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
         DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
         DOWNLOADS.bucket = BUCKET
     JOURNAL = journal.Writer(BUCKET, S.incarnation, ARGS.commit_depth, trailer=counters_trailer,
-                             on_foreign=fatal_foreign_writer, observe=COMMIT.observe)
-    tasks = [asyncio.create_task(JOURNAL.run()), asyncio.create_task(_housekeeping())]
+                             on_foreign=fatal_foreign_writer, observe=COMMIT.observe,
+                             **(dict(committed=KEEPER.ledger.commit, uncertain=KEEPER.uncertain.append) if KEEPER else {}))
+    snapshots = [KEEPER.run(ARGS.snapshot_s, ARGS.snapshot_commits, S.incarnation, JOURNAL.writer_id)] if KEEPER else []
+    tasks = [asyncio.create_task(f) for f in (JOURNAL.run(), _housekeeping(), *snapshots)]
     # each group validated makes dozens of container objects: by default the cyclic GC ran every ~30 groups and
     # walked every module's objects (the p99 doubled). What is alive now is frozen out of the walk; runs are rarer
     gc.freeze()
@@ -353,6 +305,9 @@ async def lifespan(app: FastAPI):
                 print(f"proxy: not adopting version {latest['version']} from adapters/latest.json: {e.detail}", file=sys.stderr)
     yield
     [t.cancel() for t in tasks]
+    if KEEPER is not None:  # the next start (a relaunch after a timeout, say) then reads no commits at all
+        with suppress(BucketError, ConflictError):
+            await KEEPER.snapshot(S.incarnation, JOURNAL.writer_id)
     if METRICS is not None:
         METRICS.flush()
     print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
@@ -390,12 +345,14 @@ class SubmitResponse(BaseModel):
 # 33 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
 _GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
-async def journaled(gid: str, rec: bytes | dict) -> None:
-    """Write a record about group `gid`; a second submission of it meanwhile waits for this write."""
+async def journaled(gid: str, rec: bytes | dict, version: int | None = None) -> None:
+    """Write a record about group `gid` (accepted at `version`: then in the duplicate window); a second
+    submission of it meanwhile waits for this write."""
     S.pending[gid] = fut = JOURNAL.append(rec)
     try:
         await fut
-        S.seen.add(gid)  # before anything else runs: a duplicate waiting on `fut` must see it
+        if version is not None:
+            S.window.add(gid, version)  # before anything else runs: a duplicate waiting on `fut` must see it
     finally:
         del S.pending[gid]
 
@@ -417,8 +374,8 @@ async def submit_group(request: Request) -> SubmitResponse:
     participant = None if who.name == ADMIN else who.name
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
-    if gid in S.seen:
-        S.counters["groups_duplicate"] += 1  # counted before its record is formed: the commit's snapshot holds it
+    if gid in S.window:
+        S.counters["groups_duplicate"] += 1  # counted before its record is formed: the commit's counters line holds it
         try:
             await JOURNAL.append({"t": "duplicate", "group_id": gid})
         except journal.JournalWriteError:
@@ -442,13 +399,13 @@ async def submit_group(request: Request) -> SubmitResponse:
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding
-    m = _HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
+    m = HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
     keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
     raw = body.rstrip() if keep else group.model_dump_json().encode()
     if participant:  # the sender, as its token says (a client cannot send this field: unknown fields are refused)
         raw = raw[:-1] + b',"participant":"' + participant.encode() + b'"}'
     entry = Entry(gid, group.policy_version, raw)
-    await journaled(gid, raw)
+    await journaled(gid, raw, group.policy_version)
     async with S.cond:
         S.counters["groups_accepted"] += 1
         S.senders.touch(participant, group.worker_id, time.time(), groups=1)
@@ -556,12 +513,12 @@ async def ack_batch(batch_id: str = BatchId) -> dict:
     async with S.cond:
         lease = open_lease(batch_id)
         del S.leases[batch_id]
-        S.acked.add(batch_id)
+        S.acked.add(batch_id, len(lease.entries))
         fut = JOURNAL.append({"t": "ack", "batch_id": batch_id})
     try:
         await fut
     except journal.JournalWriteError:
-        S.acked.discard(batch_id)
+        S.acked.pop(batch_id, None)
         S.leases[batch_id] = lease
         raise
     S.counters["groups_acked"] += len(lease.entries)
@@ -611,9 +568,10 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
         finally:
             S.pending_version = 0
         async with S.cond:
-            S.versions.append({**v, "registered": None if adopted else time.monotonic()})
+            S.versions.add(**v, registered=None if adopted else time.monotonic())
             S.done = req.final
             dropped = drop_stale()
+            S.window.advance(S.latest - ARGS.max_staleness)  # what is older would be answered `stale` anyway
             S.cond.notify_all()
             return {"latest_version": S.latest, "dropped_stale": dropped}
 
@@ -623,7 +581,7 @@ async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float 
     proxy registered it, on its own clock (null if it did not, e.g. before a restart)."""
     async with S.cond:
         await wait_until(lambda: S.latest > after or S.done, wait_s)
-        v = S.versions[-1]
+        v = S.versions.last
         return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.done,
                 "max_staleness": ARGS.max_staleness,
                 "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
@@ -631,7 +589,7 @@ async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float 
 def registered(version: int) -> None:
     if DOWNLOADS is None:
         raise HTTPException(404, "this proxy has no bucket: there are no adapter files to hand out")
-    if not any(v["version"] == version for v in S.versions[1:]):
+    if version not in S.versions:
         raise HTTPException(404, f"version {version} is not registered (latest {S.latest})")
 
 @app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))

@@ -38,8 +38,10 @@ class Restartable:
 
 
 def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_path):
+    # a snapshot every 5 commits: the kills land before, during and after snapshot writes, and each start
+    # reads a snapshot and the commits after it
     px = Restartable(run_name, tmp_path, "--group-size", "4", "--lease-s", "4", "--max-buffer", "100000",
-                    "--max-staleness", "100")
+                    "--max-staleness", "100", "--snapshot-commits", "5")
     px.start()
     http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
     stop, holding = threading.Event(), threading.Event()
@@ -147,6 +149,8 @@ def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_pat
     assert len(prompts) > 40  # at least one epoch boundary was crossed
     st = http.get("/v1/stats").json()
     assert st["incarnation"] == px.starts - 1 and st["groups_accepted"] >= len(ok) and st["buffer_size"] == 0
+    starts = [open(tmp_path / f"proxy-{i}.log").read() for i in range(1, px.starts)]
+    assert sum("state from snapshot proxy/snapshots/" in log for log in starts) >= 5, "the restarts read snapshots"
     px.kill()
 
 

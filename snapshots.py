@@ -1,0 +1,77 @@
+"""How the proxy's state survives it: a start rebuilds the state from the newest snapshot and the commits
+after it, and a running proxy writes a snapshot now and then, off its event loop. journal.py holds the
+objects' format, ledger.py what the records mean; proxy.py owns a Keeper and hands its live state over.
+
+When: every `every_s` seconds or `every_commits` commits, whichever comes first, if anything was
+committed since the last one; at once after a start that read any commit past its snapshot (so that
+quick restarts, a crash loop say, never pile up a long tail); and once more at a clean stop (a
+relaunch after a timeout then reads no commits at all).
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import journal
+from common import Bucket, BucketError, ConflictError
+from ledger import Ledger
+
+
+class Keeper:
+    def __init__(self, bucket: Bucket, **limits):
+        """limits: Ledger's max_staleness, lease_s, max_workers, max_datasets (this start's settings)."""
+        self.bucket, self.limits = bucket, limits
+        self.ledger = Ledger(**limits)
+        self.uncertain: list[str] = []  # commits that failed: a snapshot waits until each is known absent
+        self.snapped = 0                # ledger.commits when the last snapshot was taken
+        self.due = False                # a snapshot is due at once (the start read commits past its snapshot)
+
+    def start(self) -> tuple[dict, int, str]:
+        """Read the state back (before the server accepts requests): (Ledger.live()'s state, this start's
+        incarnation, a line for the log)."""
+        t0, snap, start = time.time(), journal.read_snapshot(self.bucket), "the first commit"
+        if snap:
+            try:
+                self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits), f"snapshot {snap[0]}"
+            except ValueError as e:
+                print(f"proxy: not using snapshot {snap[0]}: {e}; replaying every commit", file=sys.stderr)
+        keys = journal.log_keys(self.bucket, after=self.ledger.covers)
+        incarnation = journal.next_incarnation(keys + ([self.ledger.covers] if self.ledger.covers else []))
+        for key, blob in journal.read_objects(self.bucket, keys):
+            self.ledger.apply_object(key, blob)
+        live = self.ledger.live(lambda keys: journal.read_objects(self.bucket, keys))
+        self.ledger.forget_lines()
+        self.snapped, self.due = self.ledger.commits - len(keys), bool(keys)
+        if live["lost"]:  # only if someone deleted journal objects: a full replay could not find them either
+            print(f"proxy: {len(live['lost'])} buffered or leased groups are missing from the journal", file=sys.stderr)
+        return live, incarnation, f"state from {start} and {len(keys)} commits in {time.time() - t0:.1f}s"
+
+    async def snapshot(self, incarnation: int, writer: str) -> bool:
+        """Write one if anything was committed since the last: the ledger's state, taken between two commits,
+        encoded and written in a thread (nothing waits for it). False: no more until the next start."""
+        if self.ledger.commits == self.snapped:
+            return True
+        checked = list(self.uncertain)
+        if checked and await asyncio.to_thread(lambda: [k for k in checked if self.bucket.get(k) is not None]):
+            # a commit answered as failed is in the bucket after all: only a start applies it in its place
+            print("proxy: a failed journal commit was written after all; no snapshots until the next start", file=sys.stderr)
+            return False
+        del self.uncertain[:len(checked)]
+        commits, covers, state = self.ledger.commits, self.ledger.covers, self.ledger.to_snapshot()
+        await asyncio.to_thread(journal.write_snapshot, self.bucket, covers, state, incarnation, writer)
+        self.snapped = commits
+        return True
+
+    async def run(self, every_s: float, every_commits: int, incarnation: int, writer: str) -> None:
+        last = time.monotonic() - (every_s if self.due else 0.0)
+        while True:
+            await asyncio.sleep(1.0)
+            if self.ledger.commits - self.snapped < every_commits and time.monotonic() - last < every_s:
+                continue
+            try:
+                if not await self.snapshot(incarnation, writer):
+                    return
+                last = time.monotonic()
+            except (BucketError, ConflictError) as e:  # nothing depends on it: the next turn tries again
+                print(f"proxy: snapshot not written, trying again later: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,153 @@
+"""The journal's meaning (ledger.py) and the snapshots built from it: a start from a snapshot plus the
+commits after it rebuilds, field by field, the state a replay of every commit builds, at any cut point
+and for every snapshot the running proxy wrote; and nothing the ledger keeps grows with the run."""
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import journal
+from ledger import BATCHES, Ledger
+from proxyproc import spawn  # noqa: F401 - a fixture
+from test_proxy import group, publish
+from test_proxy_access import as_, create
+
+FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7")
+LIMITS = {"max_staleness": 2, "lease_s": 1.0}
+
+
+def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
+    """Random traffic of every kind the journal records, from the admin token and a participant's, with a
+    second submitter alongside (commits of several records): new groups, stale ones, resubmissions, leases
+    acked, renewed, or abandoned to expire, versions, prompt leases. `book` carries over between calls."""
+    alice = as_(p, book.setdefault("alice", None) or create(p, "alice"))
+    book["alice"] = alice.headers["x-proxy-token"]
+    sent, stop = book.setdefault("sent", []), threading.Event()
+
+    def submit(client, version: int) -> str:
+        g = group(version=version, worker=rng.choice(["w1", "w2", "w3"]))
+        r = client.post("/v1/groups", json=g)
+        assert r.status_code == 200, r.text
+        sent.append(g)
+        return r.json()["status"]
+
+    def alongside():
+        with as_(p, book["alice"]) as c:
+            while not stop.is_set():
+                submit(c, book["version"])
+                time.sleep(0.02)
+
+    t = threading.Thread(target=alongside, daemon=True)
+    t.start()
+    try:
+        for _ in range(rounds):
+            latest = book["version"]
+            for _ in range(rng.randint(1, 3)):
+                assert submit(rng.choice([p.http, alice]), max(0, latest - rng.choice([0, 0, 1]))) in ("accepted", "stale")
+            if latest > 2 and rng.random() < 0.2:
+                assert submit(p.http, latest - 3) == "stale"
+            if sent and rng.random() < 0.4:
+                assert p.http.post("/v1/groups", json=rng.choice(sent)).json()["status"] in ("duplicate", "stale")
+            if rng.random() < 0.6:
+                b = p.http.post("/v1/batches/lease", json={"num_groups": rng.randint(1, 3)}).json()["batch_id"]
+                what = rng.random()
+                if b and what < 0.2:
+                    assert p.http.post(f"/v1/batches/{b}/renew").status_code == 200
+                if b and what < 0.75:
+                    assert p.http.post(f"/v1/batches/{b}/ack").status_code == 200
+            if rng.random() < 0.15:
+                publish(bucket, p, latest + 1)
+                book["version"] = latest + 1
+            if rng.random() < 0.3:
+                assert alice.post("/v1/prompts/lease", json={"dataset": rng.choice("ab"), "size": 7, "n": 3}).status_code == 200
+        time.sleep(1.5)  # abandoned leases run out (lease_s 1): expiries are journaled too
+    finally:
+        stop.set()
+        t.join(30)
+
+
+def kill(p) -> None:
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+
+
+def replayed(blobs: dict, keys: list[str], ledger: Ledger | None = None) -> Ledger:
+    ledger = ledger or Ledger(**LIMITS)
+    for k in keys:
+        ledger.apply_object(k, blobs[k])
+    return ledger
+
+
+def assert_same(a: Ledger, b: Ledger, read, where: str) -> None:
+    """Field by field: the ledgers' snapshots, then the live state each hands a start (group lines included)."""
+    sa, sb = a.to_snapshot(), b.to_snapshot()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k] == sb[k], f"{where}: {k} differs: {str(sa[k])[:300]} != {str(sb[k])[:300]}"
+    la, lb = a.live(read), b.live(read)
+    plain = {"window": lambda w: w.state(), "versions": lambda v: v.state(), "senders": lambda s: s.state(),
+             "acked": lambda r: list(r.items()), "expired": lambda r: list(r.items()), "buffer": lambda d: list(d.items())}
+    for k in la:
+        f = plain.get(k, lambda x: x)
+        assert f(la[k]) == f(lb[k]), f"{where}: live {k} differs"
+    assert not la["lost"] and all(e.raw for e in la["buffer"].values())
+
+
+def test_snapshot_plus_tail_equals_full_replay_at_random_cut_points(bucket, spawn):
+    rng, book = random.Random(20261213), {"version": 0}
+    p = spawn(*FLAGS)
+    drive(p, bucket, rng, 50, book)
+    kill(p)  # the second incarnation starts from the first one's snapshot and its tail
+    q = spawn(*FLAGS)
+    assert "state from snapshot proxy/snapshots/" in open(q.log).read()
+    drive(q, bucket, rng, 50, book)
+    stats = q.stats()
+    kill(q)
+
+    keys = journal.log_keys(bucket)
+    blobs = dict(journal.read_objects(bucket, keys))
+    read = lambda ks: journal.read_objects(bucket, ks)  # noqa: E731
+    full = replayed(blobs, keys)
+    assert full.counts["groups_accepted"] == stats["groups_accepted"] > 100 and full.counts["leases_expired"] > 0
+    assert full.counts["groups_duplicate"] > 0 and full.counts["groups_dropped_stale"] > 0 and full.expired
+    assert set(full.senders.participants) == {"admin", "alice"}
+    for cut in sorted(rng.sample(range(1, len(keys)), 10)):
+        head = replayed(blobs, keys[:cut])
+        restored = Ledger.from_snapshot(json.loads(json.dumps(head.to_snapshot())), **LIMITS)
+        assert_same(full, replayed(blobs, keys[cut:], restored), read, f"cut after {cut} of {len(keys)} commits")
+
+    # every snapshot the running proxies wrote (their ledgers fed by their own commits, the second one's
+    # started from a snapshot of the first) is the state a replay reaches at the commit it names
+    written = bucket.list(journal.SNAPSHOTS)
+    assert len({k.rsplit(".", 2)[1] for k in written}) == 2 and len(written) >= 6, written
+    for key in written:
+        _, covers, state = journal.snapshot_at(bucket, key)
+        at = replayed(blobs, keys[:keys.index(covers) + 1])
+        assert_same(at, Ledger.from_snapshot(state, **LIMITS), read, key)
+
+
+def test_nothing_the_ledger_keeps_grows_with_the_run():
+    """Synthetic commits as the proxy writes them: 8 groups, then their lease, a version and the ack. The
+    snapshot of a run 4x longer is the same size, and each structure stays within its bound."""
+    def run(steps: int) -> Ledger:
+        led = Ledger(max_staleness=3, lease_s=300.0)
+        for step in range(steps):
+            gids = [f"{step:06d}{i:026d}" for i in range(8)]
+            led.commit(f"rollouts/000000-{2 * step:08d}.jsonl", 1e9 + step, [
+                b'{"group_id":"%s","worker_id":"w%d","policy_version":%d,"prompt_ids":[1]}' % (g.encode(), i, step)
+                for i, g in enumerate(gids)])
+            led.commit(f"rollouts/000000-{2 * step + 1:08d}.jsonl", 1e9 + step, [
+                {"t": "lease", "batch_id": f"b{step}", "group_ids": gids, "lease_s": 300.0, "latest": step},
+                {"t": "version", "version": step + 1, "step": step + 1, "published_at": 1e9, "final": False},
+                {"t": "ack", "batch_id": f"b{step}"}, {"t": "counters", "counters": {}, "staleness_hist": {}}])
+        return led
+
+    short, long = run(2 * BATCHES), run(8 * BATCHES)  # 16k and 65k groups
+    assert long.counts["groups_acked"] == 8 * 8 * BATCHES and long.latest == 8 * BATCHES
+    for led in (short, long):
+        assert len(led.window) <= (3 + 1) * 8 and len(led.acked) == BATCHES and not led.buffer and not led.holder
+        assert led.versions.ranges == [[1, led.latest]] and len(led.senders.workers) == 8
+    size = [len(json.dumps(led.to_snapshot())) for led in (short, long)]
+    assert size[1] < 1.01 * size[0], size
