@@ -75,13 +75,28 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
     return cache, h_last, mask.repeat_interleave(repeats, dim=0), mask.sum(1).repeat_interleave(repeats)
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+def row_temperatures(temperature, n: int) -> torch.Tensor:
+    """One sampling temperature per sequence, [n] float32, from a number or n numbers; each must be
+    finite and > 0 (the logits are divided by it)."""
+    t = torch.as_tensor(temperature, dtype=torch.float32)
+    t = t.expand(n) if t.ndim == 0 else t
+    if t.shape != (n,):
+        raise ValueError(f"{t.numel()} temperatures for {n} sequences: give one number, or one per sequence")
+    if not (torch.isfinite(t) & (t > 0)).all():
+        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature,
                         pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of exactly the sampled completion tokens under `model`, on the tempered
     distribution (logits / T) the worker sampled from. completions are group-major:
-    completions[b*G + g] continues prompts[b]. Returns (logp [N, T], mask [N, T])."""
+    completions[b*G + g] continues prompts[b]. `temperature`: one number for all rows, or one per
+    completion (groups of different temperatures may share a micro-batch).
+    Returns (logp [N, T], mask [N, T])."""
     G = len(completions) // len(prompts)
     lm = _causal_lm(model)
+    temps = row_temperatures(temperature, len(completions)).to(lm.device)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
     cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
     hidden = h_last[:, None]
@@ -93,8 +108,10 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                                use_cache=True, **cache_kw(lm.get_decoder(), cache))
         hidden = torch.cat([hidden, out.last_hidden_state], 1)
     sel = cmask.bool()
-    # lm_head only on completion positions: the vocab projection is a large share of the FLOPs
-    logits = lm.get_output_embeddings()(hidden[sel]).float() / temperature
+    # lm_head only on completion positions: the vocab projection is a large share of the FLOPs;
+    # each position divided by its own row's temperature
+    row_t = temps[:, None].expand(sel.shape)[sel]
+    logits = lm.get_output_embeddings()(hidden[sel]).float() / row_t[:, None]
     lp = torch.log_softmax(logits, -1).gather(-1, cids[sel][:, None]).squeeze(-1)
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
