@@ -375,6 +375,8 @@ def main(args: Args) -> None:
                 print(f"[{args.worker_id}] keeping version {version}: {e}", file=sys.stderr)
         if sync.done and new is None and version >= sync.seen:
             break
+        if args.sync and sync.done and version >= sync.seen:
+            break  # --sync: the final version has nothing left to train: a round with it would go unused
         if args.sync and version == last_round_version and (sync.seen <= version or sync.ready is not None):
             # --sync: the trainer is training on our last round: wait for the version it publishes
             # (if that version was verified but failed to load, go on with ours rather than deadlock)

@@ -14,13 +14,15 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+import tyro
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import report  # noqa: E402
 
 
 @dataclass
 class Args:
-    runs: tuple[str, ...]
+    runs: tyro.conf.Positional[tuple[str, ...]]
     """run folders (runs/<run>) holding metrics/ as saved by report.py"""
     png: str = "runs/async_vs_sync.png"
     level: float = 0.8
@@ -88,5 +90,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    import tyro
     main(tyro.cli(Args))
