@@ -25,7 +25,9 @@ class Args:
     runs: tyro.conf.Positional[tuple[str, ...]]
     """run folders (runs/<run>) holding metrics/ as saved by report.py"""
     png: str = "runs/async_vs_sync.png"
+    """where the plot goes"""
     level: float = 0.8
+    """the reward level of "first reaches" (5-step mean)"""
 
 
 def mode_of(path: str) -> str:
@@ -70,6 +72,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(args: Args) -> None:
+    if not args.runs:
+        raise SystemExit("give the run folders to compare, e.g. runs/avs-*-sync-* runs/avs-*-async-*")
     rows = [row(p, args.level) for p in args.runs]
     cols = ["run", "step", "s", "steps/min", "idle", "generated", "leased", "trained", "stale", "steps", "wall"]
     print(f"first reaches {args.level}: step, s = seconds into training; idle = trainer waiting for a batch")

@@ -13,7 +13,7 @@
 # bench/async_vs_sync.py prints, per run and as medians per mode, when the 5-step mean reward first
 # reaches 0.8 (step and seconds into training), steps per minute, the trainer's idle share, tokens
 # generated / leased / trained, and writes runs/avs-<stamp>.png: reward per step and per second.
-# A run takes 6-16 min here; other load on the machine slows both modes (note `uptime`).
+# A run takes 10-40 min on 2 cores shared with other jobs; the script notes the load before each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIRS=1; STEPS=40; PASS=(); STAMP=$(date +%Y%m%d-%H%M%S)
@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
     --pairs) PAIRS="$2"; shift ;;
     --steps) STEPS="$2"; shift ;;
     --train-arg|--rollout-arg|--proxy-arg) PASS+=("$1" "$2"); shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "async_vs_sync.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
