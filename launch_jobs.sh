@@ -136,6 +136,10 @@ PIDS+=($TRAIN)
 while kill -0 "$TRAIN" 2>/dev/null; do
   alive=0; for p in "${PIDS[@]:2:$WORKERS}"; do kill -0 "$p" 2>/dev/null && alive=1; done
   if [ $alive = 0 ]; then
+    # a worker exits 0 by itself once the trainer registered its final version (the trainer may
+    # still be writing its last checkpoint): then only the trainer is left to wait for
+    clean=1; for p in "${PIDS[@]:2:$WORKERS}"; do wait "$p" || clean=0; done
+    [ $clean = 1 ] && break
     echo "every rollout worker died; last lines of their logs:" >&2; tail -n 5 "$OUT"/rollout-*.log >&2; exit 1
   fi
   sleep 1
