@@ -7,7 +7,7 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
                      (from the bucket, or through the URLs the proxy hands out: no bucket keys)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
-  4. math            GRPO group advantages, clipped token loss vs behaviour logprobs
+  4. math            GRPO group advantages, zero-std groups, the policy objectives (ppo, cispo, decoupled)
   5. command lines   CLI args without the files HF Jobs ships beside the script
 
 Beside it: proxy_client.py (the proxy client and the proxy's address record), metrics.py (JSONL
@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import boto3
 import httpx
@@ -435,42 +435,94 @@ def new_group_id() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. math (docs/DESIGN.md). Shapes: B groups, G completions, N = B*G sequences, T completion tokens.
+# 4. math (docs/DESIGN.md, "The math"). Shapes: B groups, G completions, N = B*G sequences, T
+# completion tokens. mu: the behaviour policy, i.e. the logprobs the worker recorded while sampling;
+# pi: the trainer's policy (with grad); pi_prox: pi's value before this optimizer step (detached).
+
+Objective = Literal["ppo", "cispo", "decoupled"]
+OBJECTIVES: tuple[str, ...] = ("ppo", "cispo", "decoupled")
 
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4, scale_std: bool = True) -> torch.Tensor:
-    """rewards [B, G] -> advantages [B, G]: (r - mean) / (std + eps), or r - mean (Dr. GRPO).
-    A group whose rewards are all equal gets advantage 0: it carries no signal."""
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not scale_std:
-        return centered
-    return centered / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+def zero_std_groups(rewards) -> torch.Tensor:
+    """[B] bool: groups whose G rewards are all equal (no signal). Decided on the rewards as given:
+    max == min in float64, which holds every Python float exactly. A float32 std compared with 0
+    would miss some: eight rewards of 0.1 have a float32 std of 7.45e-9."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    return r.amax(dim=1) == r.amin(dim=1)
+
+
+def group_advantages(rewards, eps: float = 1e-4, scale_std: bool = True) -> torch.Tensor:
+    """rewards [B, G] (a tensor or nested lists of floats) -> advantages [B, G] in float32:
+    (r - mean) / (std + eps), or r - mean (Dr. GRPO). Computed in float64; a group whose rewards
+    are all equal gets exactly 0 (not a rounding residue divided by eps)."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_std:
+        adv = adv / (r.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return torch.where(zero_std_groups(r)[:, None], 0.0, adv).float()
+
+
+class LossOut(NamedTuple):
+    loss: torch.Tensor       # scalar, with grad
+    stats: dict[str, float]  # clip/*, is/*, ratio/*, kl over the completion tokens
+    ratio: torch.Tensor      # [N, T] pi / mu per token, detached; 1 on padding
+    clipped: torch.Tensor    # [N, T] bool: tokens whose gradient the objective clipped or truncated
+
+
+def _ppo_clip(ratio, a, eps_low, eps_high):
+    """-min(ratio A, clip(ratio) A) per token, and where the clip took the gradient away."""
+    loss_t = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+    low = (ratio.detach() < 1 - eps_low) & (a < 0)
+    high = (ratio.detach() > 1 + eps_high) & (a > 0)
+    return loss_t, low, high
 
 
 def grpo_loss(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-              eps_low: float = 0.2, eps_high: float = 0.2, tis_cap: float | None = None,
-              logp_ref: torch.Tensor | None = None, beta: float = 0.0,
-              agg: Literal["token", "grpo"] = "token") -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped token-level GRPO loss against the behaviour policy.
+              objective: Objective = "ppo", eps_low: float = 0.2, eps_high: float = 0.2, is_cap: float = 2.0,
+              logp_prox: torch.Tensor | None = None, logp_ref: torch.Tensor | None = None, beta: float = 0.0,
+              agg: Literal["token", "grpo"] = "token") -> LossOut:
+    """Token-level policy loss against the behaviour policy mu. Per token of sequence i, A = adv[i]:
 
-    logp, logp_behav, logp_ref, mask: [N, T]; adv: [N]. mask is 1 on completion tokens only
-    (prompt and padding are never in these tensors, and padded slots carry mask 0).
-    agg="token": sum over all completion tokens / their count (DAPO-style); "grpo": mean per
-    sequence, then mean over sequences. tis_cap: truncated importance weight on the ratio
-    (detached, capped at C) for sampler/trainer numerical mismatch.
+      ppo        -min(r A, clip(r, 1-eps_low, 1+eps_high) A)                  r = pi / mu
+      cispo      -sg(min(r, C)) A log pi                                       (MiniMax-M1, CISPO)
+      decoupled  -sg(min(pi_prox / mu, C)) min(u A, clip(u, 1-eps_low, 1+eps_high) A)
+                                                                 u = pi / pi_prox  (AReaL)
+
+    C = is_cap; sg = stop-gradient. Then + beta * k3(pi, ref) per token when logp_ref is given.
+    logp_prox defaults to logp.detach(): the trainer's weights before this step, as computed in this
+    very forward, so u = 1 in value and d u / d log pi = 1 (see docs/DESIGN.md for what that implies).
+
+    logp, logp_behav, logp_prox, logp_ref, mask: [N, T]; adv: [N]. mask is 1 on completion tokens
+    only (padded slots carry 0). agg="token": sum over all completion tokens / their count
+    (DAPO-style); "grpo": mean per sequence, then mean over sequences.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
     mask = mask.to(logp.dtype)
+    on = mask.bool()
+    a = adv[:, None].to(logp.dtype)
     ratio = torch.exp((logp - logp_behav) * mask)  # masked first: padding can never yield inf * 0
-    a = adv[:, None]
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a
-    loss_t = -torch.minimum(unclipped, clipped)
-    if tis_cap is not None:
-        loss_t = loss_t * torch.clamp(ratio.detach(), max=tis_cap)
+    no = torch.zeros_like(on)
+    low = high = trunc = no
+    weight = None
+    if objective == "ppo":
+        loss_t, low, high = _ppo_clip(ratio, a, eps_low, eps_high)
+    elif objective == "cispo":
+        raw = ratio.detach()
+        weight = torch.clamp(raw, max=is_cap)
+        trunc = (raw > is_cap) & (a != 0)
+        loss_t = -weight * a * logp
+    else:
+        prox = logp.detach() if logp_prox is None else logp_prox.detach()
+        raw = torch.exp((prox - logp_behav) * mask)
+        weight = torch.clamp(raw, max=is_cap)
+        trunc = (raw > is_cap) & (a != 0)
+        loss_t, low, high = _ppo_clip(torch.exp((logp - prox) * mask), a, eps_low, eps_high)
+        loss_t = weight * loss_t
     kl_t = torch.zeros_like(logp)
     if logp_ref is not None:
         # k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0
-        d = logp_ref - logp
+        d = (logp_ref - logp) * mask
         kl_t = torch.exp(d) - d - 1
         loss_t = loss_t + beta * kl_t
     if agg == "token":
@@ -479,16 +531,18 @@ def grpo_loss(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, m
         loss = ((loss_t * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        low = ((ratio < 1 - eps_low) & (a < 0)).to(mask.dtype) * mask   # clipped on the low side
-        high = ((ratio > 1 + eps_high) & (a > 0)).to(mask.dtype) * mask  # clipped on the high side
-        r_masked = ratio[mask.bool()]
+        low, high, trunc = low & on, high & on, trunc & on
+        clipped = low | high | trunc
+        r_on = ratio[on]
         stats = {"clip/low_frac": float(low.sum() / n), "clip/high_frac": float(high.sum() / n),
-                 "clip/frac": float((low + high).sum() / n),
-                 "ratio/mean": float(r_masked.mean()) if r_masked.numel() else 1.0,
-                 "ratio/min": float(r_masked.min()) if r_masked.numel() else 1.0,
-                 "ratio/max": float(r_masked.max()) if r_masked.numel() else 1.0,
+                 "clip/frac": float(clipped.sum() / n), "is/trunc_frac": float(trunc.sum() / n),
+                 "ratio/mean": float(r_on.mean()) if r_on.numel() else 1.0,
+                 "ratio/min": float(r_on.min()) if r_on.numel() else 1.0,
+                 "ratio/max": float(r_on.max()) if r_on.numel() else 1.0,
                  "kl": float((kl_t * mask).sum() / n)}
-    return loss, stats
+        if weight is not None:
+            stats["is/weight_mean"] = float(weight[on].mean()) if r_on.numel() else 1.0
+    return LossOut(loss, stats, ratio.detach(), clipped)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -81,20 +81,35 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
     return cache, h_last, mask.repeat_interleave(repeats, dim=0), mask.sum(1).repeat_interleave(repeats)
 
 
-def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+def row_temperatures(temperature, n: int) -> torch.Tensor:
+    """One sampling temperature per sequence, [n] float32, from a number or n numbers; each must be
+    finite and > 0 (the logits are divided by it)."""
+    t = torch.as_tensor(temperature, dtype=torch.float32)
+    t = t.expand(n) if t.ndim == 0 else t
+    if t.shape != (n,):
+        raise ValueError(f"{t.numel()} temperatures for {n} sequences: give one number, or one per sequence")
+    if not (torch.isfinite(t) & (t > 0)).all():
+        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def completion_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature,
                         pad: int, checkpoint: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of exactly the sampled completion tokens under `model`, on the tempered
     distribution (logits / T) the worker sampled from. completions are group-major:
-    completions[b*G + g] continues prompts[b]. Returns (logp [N, T], mask [N, T]).
+    completions[b*G + g] continues prompts[b]. `temperature`: one number for all rows, or one per
+    completion (groups of different temperatures may share a micro-batch).
+    Returns (logp [N, T], mask [N, T]).
 
     checkpoint: recompute activations in backward instead of keeping them (see
     checkpointed_logprobs); None follows enable_checkpointing(model). Same numbers either way."""
     G = len(completions) // len(prompts)
     lm = _causal_lm(model)
+    temps = row_temperatures(temperature, len(completions)).to(lm.device)
     if checkpoint is None:
         checkpoint = getattr(lm, CHECKPOINT_ATTR, False)
     if checkpoint and torch.is_grad_enabled():
-        return checkpointed_logprobs(lm, prompts, completions, temperature, pad)
+        return checkpointed_logprobs(lm, prompts, completions, temps, pad)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
     cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
     hidden = h_last[:, None]
@@ -106,15 +121,18 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
                                use_cache=True, **cache_kw(lm.get_decoder(), cache))
         hidden = torch.cat([hidden, out.last_hidden_state], 1)
     sel = cmask.bool()
-    # lm_head only on completion positions: the vocab projection is a large share of the FLOPs
-    lp = _token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], temperature)
+    # lm_head only on completion positions: the vocab projection is a large share of the FLOPs;
+    # each position divided by its own row's temperature
+    row_t = temps[:, None].expand(sel.shape)[sel]
+    lp = _token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], row_t)
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 
 
-def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(head(hidden) / T)[ids] for [n, D] hidden states and [n] token ids, in float32."""
-    logits = head(hidden).float() / temperature
+def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """log softmax(head(hidden) / T)[ids] for [n, D] hidden states, [n] token ids and [n] temperatures,
+    in float32."""
+    logits = head(hidden).float() / temps[:, None]
     return torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
 
 
@@ -173,7 +191,7 @@ def _checkpointed_layers(decoder):
             del layer.forward  # back to the class's forward
 
 
-def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[int]], temps: torch.Tensor,
                           pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """completion_logprobs with activation checkpointing: the same computation (prompt once per
     group, its states shared by the G completions, gradient through them), less memory."""
@@ -199,10 +217,10 @@ def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[i
                           use_cache=True, **cache_kw(decoder, shared))
             hidden = torch.cat([hidden, out.last_hidden_state], 1)
     sel = cmask.bool()
-    h, t = hidden[sel], cids[sel]
+    h, t, row_t = hidden[sel], cids[sel], temps[:, None].expand(sel.shape)[sel]
     head = lm.get_output_embeddings()
-    lp = torch.cat([checkpoint(_token_logprobs, head, h[i:i + LOGITS_CHUNK], t[i:i + LOGITS_CHUNK], temperature,
-                               use_reentrant=False) for i in range(0, len(t), LOGITS_CHUNK)])
+    lp = torch.cat([checkpoint(_token_logprobs, head, h[i:i + LOGITS_CHUNK], t[i:i + LOGITS_CHUNK],
+                               row_t[i:i + LOGITS_CHUNK], use_reentrant=False) for i in range(0, len(t), LOGITS_CHUNK)])
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 

@@ -98,6 +98,10 @@ class Args:
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """hf backend: model dtype (auto: bfloat16 on a GPU that has it, else float32; vllm: --vllm-dtype)"""
+    sync: bool = False
+    """strictly synchronous (the baseline of bench/async_vs_sync.sh): one round with the newest
+    adapter, then wait for the next version before the next round; with prompts_per_round equal to
+    the trainer's batch_groups, one round is one batch and nothing generated goes unused"""
     vllm_lora_rank: int = 0
     """vllm, and a server started here: max LoRA rank (0: from the latest published adapter, else 16 = train.py's r)"""
     vllm_dtype: str = "auto"
@@ -490,6 +494,7 @@ def main(args: Args) -> None:
           f"G={args.group_size}, backend {args.backend}", file=sys.stderr)
 
     rounds, bp_prev = 0, 0.0  # bp_prev: time the previous round's submissions waited on 429
+    last_round_version = -1   # --sync: the version the last round was generated with
     while not stop.is_set() and not (sync.done and sync.ready is None):
         row: dict = {}
         new = sync.take()
@@ -508,6 +513,13 @@ def main(args: Args) -> None:
                 print(f"[{args.worker_id}] keeping version {version}: {e}", file=sys.stderr)
         if sync.done and new is None and version >= sync.seen:
             break
+        if args.sync and sync.done and version >= sync.seen:
+            break  # --sync: the final version has nothing left to train: a round with it would go unused
+        if args.sync and version == last_round_version and (sync.seen <= version or sync.ready is not None):
+            # --sync: the trainer is training on our last round: wait for the version it publishes
+            # (if that version was verified but failed to load, go on with ours rather than deadlock)
+            routed.serve(chat, version, wait_s=0.05)
+            continue
         if sync.latest - version > sync.max_staleness:
             # what we'd generate now would be dropped as stale: wait for the new adapter (serving meanwhile)
             routed.serve(chat, version, wait_s=0.5)
@@ -561,7 +573,7 @@ def main(args: Args) -> None:
                     "rollout/groups_accepted": statuses.count("accepted"),
                     "rollout/groups_stale": statuses.count("stale"), "group_status": sent})
         metrics.log(row)
-        rounds, bp_prev = rounds + 1, row["rollout/backpressure_s"]
+        rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], version
         print(f"[{args.worker_id}] round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, "
               f"{ntok / gen_s:.0f} tok/s" + (f", {row['serve/requests']} routed request(s) answered"
                                              if row["serve/requests"] else ""), file=sys.stderr, flush=True)

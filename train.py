@@ -32,6 +32,7 @@ Departures from the GRPO paper, on purpose:
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -48,7 +49,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter  # noqa: E402
+from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups  # noqa: E402
 from metrics import Metrics  # noqa: E402
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
 from proxy_client import ProxyClient, ProxyError  # noqa: E402
@@ -93,18 +94,25 @@ class Args:
     """recompute activations in backward (models.enable_checkpointing); auto: on with a GPU (the Jobs
     layout's 512-token completions need it at every model size, README "Model sizes and memory"),
     off on CPU (the local demo's short completions fit without, and run ~30% faster)"""
+    loss: Literal["ppo", "cispo", "decoupled"] = "ppo"
+    """policy objective (README, "Objectives"): ppo = PPO clip of pi/mu against the recorded behaviour
+    logprobs; cispo = capped, detached IS weight times A log pi (MiniMax-M1); decoupled = PPO clip
+    around the pre-step weights times a capped IS weight pi_prox/mu (AReaL)"""
     eps_low: float = 0.2
+    """ppo, decoupled: the ratio is clipped to [1 - eps_low, 1 + eps_high]"""
     eps_high: float = 0.2
+    is_cap: float = 2.0
+    """cispo, decoupled: cap C on the detached importance weight (cispo: pi/mu, decoupled: pi_prox/mu)"""
     beta: float = 0.0
     """k3 KL penalty toward the base model (adapter disabled); 0 skips the reference pass"""
-    tis_cap: float | None = None
-    """truncated importance weight cap C on the ratio (None: off)"""
     scale_std: bool = True
     """divide advantages by the group std (False: Dr. GRPO)"""
     loss_agg: Literal["token", "grpo"] = "token"
+    """token: sum over all completion tokens / their count; grpo: mean per sequence, then over sequences"""
     skip_zero_std: bool = True
-    """leave out groups whose rewards are all equal (DAPO-style): with beta=0 they have no
-    gradient, but would dilute the token mean, and skipping them saves their forward/backward"""
+    """with beta = 0, leave out groups whose rewards are all equal (DAPO-style): their advantage is 0,
+    so they have no gradient, but they would dilute the token mean and cost a forward/backward.
+    With beta > 0 they are trained (their KL term has a gradient) whatever this says"""
     temperature: float = 1.0
     """sampling temperature, used only if a group does not say its own in meta"""
     publish_every: int = 1
@@ -154,43 +162,102 @@ def build_model(args: Args):
     return model, tok
 
 
+def group_temperature(group: dict, default: float) -> float | None:
+    """The temperature the group was sampled at (meta.temperature, else `default`); None when it
+    is not a finite number > 0, so the group cannot be scored."""
+    t = group["meta"].get("temperature", default)
+    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+    return float(t) if ok else None
+
+
+class ByStaleness:
+    """One step's diagnostics per staleness s (= the trainer's version - the group's policy_version):
+    groups and mean reward over the whole batch; mean and max |ratio - 1| and the clipped share over
+    the tokens trained on. Flat metric keys stale/<s>/..., as train_step returns them."""
+
+    def __init__(self, groups: list[dict], rewards: list[list[float]], version: int):
+        self.version, self.acc = version, {}
+        for g, r in zip(groups, rewards):
+            a = self._at(g)
+            a["groups"] += 1
+            a["reward"] += sum(r)
+            a["samples"] += len(r)
+
+    def _at(self, group: dict) -> dict:
+        return self.acc.setdefault(self.version - group["policy_version"], dict.fromkeys(
+            ("groups", "reward", "samples", "tokens", "dev_sum", "dev_max", "clipped"), 0.0))
+
+    def add_tokens(self, group: dict, ratio: torch.Tensor, clipped: torch.Tensor) -> None:
+        """ratio, clipped: the group's trained tokens (1-D)."""
+        a, dev = self._at(group), (ratio - 1).abs()
+        a["tokens"] += dev.numel()
+        a["dev_sum"] += dev.sum().item()
+        a["dev_max"] = max(a["dev_max"], dev.max().item() if dev.numel() else 0.0)
+        a["clipped"] += clipped.sum().item()
+
+    def metrics(self) -> dict:
+        out = {}
+        for lag, a in sorted(self.acc.items()):
+            out[f"stale/{lag}/groups"] = int(a["groups"])
+            out[f"stale/{lag}/reward"] = a["reward"] / a["samples"]
+            out[f"stale/{lag}/tokens"] = int(a["tokens"])  # the weight of the ratio statistics
+            if a["tokens"]:
+                out[f"stale/{lag}/ratio_dev_mean"] = a["dev_sum"] / a["tokens"]
+                out[f"stale/{lag}/ratio_dev_max"] = a["dev_max"]
+                out[f"stale/{lag}/clip_frac"] = a["clipped"] / a["tokens"]
+        return out
+
+
 def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool) -> dict:
-    """One GRPO step's forward/backward over `groups` (gradients accumulate in model)."""
+    """One step's forward/backward over `groups` (gradients accumulate in model); returns its metrics,
+    per-staleness diagnostics included (staleness = `version` - the group's policy_version)."""
     G = len(groups[0]["completions"])
-    rewards = torch.tensor([[c["reward"] for c in g["completions"]] for g in groups])
+    rewards = [[c["reward"] for c in g["completions"]] for g in groups]
     adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
-    zero_std = (rewards.std(1, unbiased=False) == 0)
-    keep = [i for i in range(len(groups)) if not (args.skip_zero_std and zero_std[i])]
+    zero_std = zero_std_groups(rewards)                                          # [B]
+    temps = [group_temperature(g, args.temperature) for g in groups]
+    for g, t in zip(groups, temps):
+        if t is None:
+            print(f"warning: group {g['group_id']} has temperature {g['meta'].get('temperature')!r}: "
+                  "not a number > 0, left out of this step", file=sys.stderr)
+    # beta = 0: a zero-std group has A = 0 on every token, so no gradient at all; skipping it only
+    # saves its forward/backward and keeps it out of the token mean. beta > 0: its KL term has a
+    # gradient, so it is trained.
+    skip = args.skip_zero_std and args.beta == 0
+    keep = [i for i in range(len(groups)) if temps[i] is not None and not (skip and zero_std[i])]
     n_tok = sum(len(c["token_ids"]) for i in keep for c in groups[i]["completions"])
+    by_lag = ByStaleness(groups, rewards, version)
     stats: dict[str, float] = {}
     agg_stats: dict[str, list] = {}
     onpolicy: list[torch.Tensor] = []
     for s in range(0, len(keep), args.micro_groups):
         mb = keep[s:s + args.micro_groups]
         prompts = [groups[i]["prompt_ids"] for i in mb]
-        comps = [c for i in mb for c in groups[i]["completions"]]
-        T = groups[mb[0]]["meta"].get("temperature", args.temperature)
-        logp, mask = completion_logprobs(model, prompts, [c["token_ids"] for c in comps], T, pad=0)
-        behav = pad_right([c["logprobs"] for c in comps], 0.0, dtype=torch.float32)[0].to(logp.device)
+        ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
+        row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
+        logp, mask = completion_logprobs(model, prompts, ids, row_t, pad=0)
+        behav = pad_right([c["logprobs"] for i in mb for c in groups[i]["completions"]], 0.0,
+                          dtype=torch.float32)[0].to(logp.device)
         a = adv[mb].reshape(-1).to(logp.device)                                    # [N]
         ref = None
         if args.beta > 0:
             with torch.no_grad(), model.disable_adapter():
-                ref, _ = completion_logprobs(model, prompts, [c["token_ids"] for c in comps], T, pad=0)
-        loss, st = grpo_loss(logp, behav, a, mask, args.eps_low, args.eps_high, args.tis_cap, ref, args.beta,
-                             args.loss_agg)
+                ref, _ = completion_logprobs(model, prompts, ids, row_t, pad=0)
+        out = grpo_loss(logp, behav, a, mask, objective=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
+                        is_cap=args.is_cap, logp_ref=ref, beta=args.beta, agg=args.loss_agg)
         # weight each micro-batch by its share, so accumulation equals one big batch
         share = mask.sum().item() / n_tok if args.loss_agg == "token" else len(mb) / len(keep)
-        (loss * share).backward()
-        for k, v in {**st, "loss": loss.item()}.items():
+        (out.loss * share).backward()
+        for k, v in {**out.stats, "loss": out.loss.item()}.items():
             agg_stats.setdefault(k, []).append((v, share))
         with torch.no_grad():
-            # ratio on groups generated by exactly the weights we hold: must be 1 (+- fp noise)
-            rows = [j * G + g for j, i in enumerate(mb) for g in range(G)
-                    if fresh_weights and groups[i]["policy_version"] == version]
-            if rows:
-                r = torch.exp(logp[rows] - behav[rows])[mask[rows].bool()]
-                onpolicy.append(r)
+            for j, i in enumerate(mb):
+                rows = slice(j * G, (j + 1) * G)
+                m = mask[rows].bool()
+                by_lag.add_tokens(groups[i], out.ratio[rows][m], out.clipped[rows][m])
+                # ratio on groups generated by exactly the weights we hold: must be 1 (+- fp noise)
+                if fresh_weights and groups[i]["policy_version"] == version:
+                    onpolicy.append(out.ratio[rows][m])
     for k, vs in agg_stats.items():
         if k == "ratio/min":
             stats[k] = min(v for v, _ in vs)
@@ -202,8 +269,10 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         r = torch.cat(onpolicy)
         stats["ratio/onpolicy_mean"] = r.mean().item()
         stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
+    stats.update(by_lag.metrics())
     stats["groups/zero_std_frac"] = zero_std.float().mean().item()
     stats["groups/trained"] = len(keep)
+    stats["groups/bad_temperature"] = temps.count(None)
     stats["tokens"] = n_tok
     return stats
 
@@ -315,6 +384,7 @@ def batch_metrics(groups: list[dict], latest: int) -> dict:
             "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
             "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
             "sample/completion_len": sum(len(c["token_ids"]) for g in groups for c in g["completions"]) / len(rewards),
+            "tokens/leased": sum(len(c["token_ids"]) for g in groups for c in g["completions"]),
             "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings)}
 
 
@@ -437,8 +507,9 @@ def main(args: Args) -> None:
             ckpt_s, last_ckpt = checkpoint(bucket, owner, metrics, ledger, model, opt, sched, step, version), step
         bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
                         wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
-        tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  staleness "
-                   f"{row['sample/staleness_mean']:.2f}  ratio {st.get('ratio/mean', 1):.3f}  clip {st.get('clip/frac', 0):.3f}  "
+        by_lag = " ".join(f"{k.split('/')[1]}:{v}" for k, v in st.items() if k.startswith("stale/") and k.endswith("/groups"))
+        tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  groups by staleness {by_lag}  "
+                   f"ratio {st.get('ratio/mean', 1):.3f}  clip {st.get('clip/frac', 0):.3f}  "
                    f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
         if stop.is_set():
             break

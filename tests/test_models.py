@@ -25,9 +25,9 @@ def lora_model(path, dtype="float32", four_bit=False, seed=0):
     return model
 
 
-def logprobs_and_grads(model, checkpoint: bool):
+def logprobs_and_grads(model, checkpoint: bool, temperature=T):
     model.zero_grad(set_to_none=True)
-    logp, mask = completion_logprobs(model, PROMPTS, COMPS, T, pad=0, checkpoint=checkpoint)
+    logp, mask = completion_logprobs(model, PROMPTS, COMPS, temperature, pad=0, checkpoint=checkpoint)
     weights = torch.arange(1, logp.numel() + 1, dtype=logp.dtype).reshape(logp.shape)  # every token counts differently
     (logp * weights * mask).sum().backward()
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -66,6 +66,21 @@ def kept_bytes(model, checkpoint, comps=tuple([list(range(20, 60))] * 4)) -> int
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         completion_logprobs(model, PROMPTS, list(comps), T, pad=0, checkpoint=checkpoint)
     return sum(v for k, v in seen.items() if k not in params)
+
+
+def test_checkpointing_applies_each_rows_temperature(tiny_model):
+    """Groups of different temperatures in one micro-batch: the checkpointed path divides each row's
+    logits by that row's temperature, as the plain path does, and a row matches a call at its own T."""
+    model = lora_model(tiny_model)
+    temps = [0.7, 0.7, 1.3, 1.3]
+    lp0, g0 = logprobs_and_grads(model, checkpoint=False, temperature=temps)
+    lp1, g1 = logprobs_and_grads(model, checkpoint=True, temperature=temps)
+    assert torch.allclose(lp0, lp1, atol=1e-6, rtol=0)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-6, rtol=1e-5), n
+    at_13, _ = logprobs_and_grads(model, checkpoint=True, temperature=1.3)
+    assert torch.allclose(lp1[2:], at_13[2:], atol=1e-6, rtol=0)
+    assert not torch.allclose(lp1[:2], at_13[:2], atol=1e-3, rtol=0)
 
 
 def test_checkpointing_keeps_fewer_tensors_for_backward(tiny_model):

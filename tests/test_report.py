@@ -1,0 +1,45 @@
+"""report.py's summary numbers from metrics rows: first step at which the 5-step mean reaches a
+level, the per-staleness table, idle share and token counts, and the offline --from-dir round trip."""
+import json
+
+import report
+
+
+def _rows():
+    rewards = [0.2, 0.4, 0.6, 0.7, 0.9, 0.9, 1.0, 0.8]  # 5-step means: 0.56, 0.70, 0.82 (step 7), ...
+    rows = []
+    for i, r in enumerate(rewards, 1):
+        rows.append({"step": i, "version": i, "wall_s": 10.0 * i, "reward/mean": r, "perf/rollout_wait_s": 2.0,
+                     "perf/step_s": 10.0, "rollout/backpressure_s": 0.0, "sample/staleness_mean": 1.0,
+                     "sample/staleness_max": 2, "tokens": 100, "tokens/leased": 120, "mem/peak_rss_mb": 1.0,
+                     "stale/1/groups": 6, "stale/1/reward": r, "stale/1/tokens": 100, "stale/1/ratio_dev_mean": 0.1,
+                     "stale/1/ratio_dev_max": 0.2 * i, "stale/1/clip_frac": 0.05,
+                     "stale/2/groups": 2, "stale/2/reward": 0.0, "stale/2/tokens": 0})
+    rows[0]["stale/1/clip_frac"] = 0.45  # weighted by tokens with the others: (0.45 + 7 * 0.05) / 8
+    return rows
+
+
+def test_first_reaching_and_staleness_table():
+    train = _rows()
+    assert report.first_reaching(train, 0.8) == {"step": 7, "wall_s": 70.0}
+    assert report.first_reaching(train, 0.99) is None
+    s = report.summarize(train, {"w1": [{"version": 0, "rollout/reward_mean": 0.25, "rollout/samples": 64,
+                                         "rollout/gen_s": 2.0, "rollout/tokens_per_s": 500.0, "mem/peak_rss_mb": 2.0}]}, [])
+    assert s["first_reaches_0.8"] == {"step": 7, "wall_s": 70.0}
+    assert s["steps_per_min"] == 6.0 and s["trainer_idle_frac"] == 0.2
+    assert (s["tokens_generated"], s["tokens_leased"], s["tokens_trained"]) == (1000, 960, 800)
+    one, two = s["by_staleness"][1], s["by_staleness"][2]
+    assert one["groups"] == 48 and one["reward"] == round(sum(r["reward/mean"] for r in train) / 8, 3)
+    assert one["ratio_dev_mean"] == 0.1 and one["ratio_dev_max"] == 1.6 and one["clip_frac"] == 0.1
+    assert two == {"groups": 16, "reward": 0.0, "tokens": 0, "ratio_dev_mean": None, "ratio_dev_max": None,
+                   "clip_frac": None}
+    assert report.headline(s) == "5-step mean reward first reaches 0.8 at step 7, 70 s into training"
+
+
+def test_from_dir_round_trip(tmp_path, capsys):
+    train = _rows()
+    report.save_dir(str(tmp_path), train, {"w1": []}, [])
+    report.main(report.Args(from_dir=str(tmp_path)))
+    out = capsys.readouterr().out
+    assert "first reaches 0.8 at step 7, 70 s" in out and (tmp_path / "reward_curve.png").stat().st_size > 0
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 8
