@@ -15,7 +15,7 @@ and a leaked bucket listing leaks no token. A token is 256 random bits, so a pla
 as a slow hash here (there is nothing to brute-force).
 
 Each route declares its role in one place, its decorator: `@app.post(path, openapi_extra=scope("worker"))`
-(`large_body=True` for the one route that takes big bodies); a route without a declaration needs the
+(`large_body=True` for the routes that take big bodies: groups, chat requests, routed answers); a route without a declaration needs the
 admin token. A module that adds routes declares them the same way and adds them to the app itself
 (`install(app)`, as here): FastAPI 0.16x matches an included APIRouter's routes lazily, at a cost on
 every request.
@@ -221,8 +221,8 @@ def refusal(status: int, detail: str, close: bool, extra: dict | None = None):
 class Rules:
     """(method, path) -> (least role, large body), read once from the app's OpenAPI schema (it lists every
     route, included routers too, with its openapi_extra): exact paths in a dict, templated ones as regexes.
-    A route without a declaration needs the admin token. Unknown paths and methods need a valid token (any
-    role); FastAPI then answers 404 or 405."""
+    A route without a declaration needs the admin token. Unknown paths and methods need a worker token
+    (an inference token gets 403); FastAPI then answers 404 or 405."""
 
     def __init__(self, openapi: dict):
         self.exact: dict[str, dict] = {}

@@ -138,7 +138,7 @@ class Bucket:
             # outages are waited out by `patiently` around each call
             retries={"mode": "standard", "max_attempts": int(os.environ.get("S3_MAX_ATTEMPTS", "3"))},
             connect_timeout=5, read_timeout=60, max_pool_connections=32,
-            # the HF gateway wants path addressing and no default CRC checksums (DESIGN section 8)
+            # the HF gateway wants path addressing and no default CRC checksums (docs/DESIGN.md, "The Hugging Face S3 gateway")
             s3={"addressing_style": "path"},
             request_checksum_calculation="when_required" if hf_gateway else "when_supported",
             response_checksum_validation="when_required" if hf_gateway else "when_supported",
@@ -383,7 +383,7 @@ def _download(client: "ProxyClient", entry: dict, path: Path | None, what: str) 
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. schema of a trajectory group (DESIGN 3.3). Hard bounds here; the proxy adds its run's limits.
+# 3. schema of a trajectory group (docs/DESIGN.md section 4). Hard bounds here; the proxy adds its run's limits.
 
 MAX_TOKENS = 32768  # per prompt or completion; the proxy narrows this with its own flags
 

@@ -72,6 +72,21 @@ def next_incarnation(keys: list[str]) -> int:
     return max((int(k.rsplit("/", 1)[1].split("-")[0]) for k in keys), default=-1) + 1
 
 
+def put_fence(bucket: Bucket, incarnation: int, seq: int, by: int) -> tuple[str, bytes]:
+    """Take the next journal key of incarnation `incarnation` (a proxy that may still be running) for
+    incarnation `by`, the proxy starting now: an object holding only a fence line. The older proxy's next
+    put meets it (412, not its bytes) and that proxy stops (journal.Writer's on_foreign), so two proxies
+    never both write the run's log, whichever the supervisor, a person or a slow platform started. A put
+    of the older proxy already in flight may land after the fence: its callers are never answered
+    (futures resolve in log order), and a reader skips it (ledger.py). ConflictError: that key is taken
+    (the older proxy wrote it meanwhile, or another start fenced it first): read it and fence again."""
+    key = object_name(incarnation, seq)
+    data = encode({"t": "fence", "incarnation": incarnation, "seq": seq, "by": by, "writer": uuid.uuid4().hex,
+                   "time": round(time.time(), 3)}, [])
+    put_once(bucket, key, data)
+    return key, data
+
+
 def read_objects(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[tuple[str, bytes]]:
     """(key, bytes) of the given objects in the given order (a missing one: b""), fetched in parallel, at most
     4 x threads ahead of the caller: memory stays flat however many there are."""

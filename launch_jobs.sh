@@ -33,7 +33,7 @@ without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N roll
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
          bash launch_jobs.sh --watch RUN [--detach]          (supervise: relaunch every job that ends early)
 participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):
-         bash launch_jobs.sh --token-create NAME [--role worker|trainer|admin] [--max-rps R]
+         bash launch_jobs.sh --token-create NAME [--role inference|worker|trainer|admin] [--max-rps R]
          bash launch_jobs.sh --token-revoke NAME | --token-limit NAME --max-rps R | --token-list
 EOF
 }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterable, Iterator
 
@@ -126,6 +127,12 @@ class Recent(OrderedDict):
             self.popitem(last=False)
 
 
+def position(key: str) -> tuple[int, int]:
+    """(incarnation, seq) of a journal object, from its name."""
+    inc, seq = key.rsplit("/", 1)[1].split(".")[0].split("-")
+    return int(inc), int(seq)
+
+
 class Ledger:
     def __init__(self, max_staleness: int, lease_s: float, max_workers: int = 4096, max_datasets: int = 64,
                  keep_raw: bool = True):
@@ -149,6 +156,8 @@ class Ledger:
         self.at = 0.0              # time of the commit being applied
         self.covers: str | None = None  # the last commit applied
         self.commits = 0           # commits applied, ever
+        self.tip = (-1, 0)         # (incarnation, next seq) of the newest writer the log names: a start fences it
+        self.fenced: dict[int, int] = {}  # incarnation -> its last seq that counts (a later start fenced it off)
 
     @property
     def latest(self) -> int:
@@ -156,7 +165,14 @@ class Ledger:
 
     # ---- applying the log ---------------------------------------------------------------------------
     def apply_object(self, key: str, blob: bytes) -> None:
-        """One journal object as read from the bucket."""
+        """One journal object as read from the bucket. A commit of an incarnation after the seq where a later
+        start fenced it off is not part of the log: that proxy died at its first put there (journal.fence),
+        and a put already in flight may have landed after it, its callers never answered."""
+        inc, seq = position(key)
+        if seq > self.fenced.get(inc, seq):
+            print(f"proxy: {key} is not applied: incarnation {inc} was fenced off after seq {self.fenced[inc]}",
+                  file=sys.stderr)
+            return
         for line in blob.splitlines():
             if line.startswith(b'{"group_id"'):
                 self.group_line(key, line)
@@ -177,6 +193,8 @@ class Ledger:
     def _done_with(self, key: str) -> None:
         self.covers = key
         self.commits += 1
+        inc, seq = position(key)
+        self.tip = max(self.tip, (inc, seq + 1))
 
     def group_line(self, key: str, line: bytes) -> None:
         m, tail = HEAD.match(line), TAIL.search(line, max(0, len(line) - 64))  # lines are ~33 kB: no full parse
@@ -195,6 +213,9 @@ class Ledger:
         t = e.get("t")
         if t == "commit":
             self.at = e["time"]
+        elif t == "fence":  # incarnation e["incarnation"] ends before e["seq"]; e["by"] writes from now on
+            self.fenced[e["incarnation"]] = e["seq"] - 1
+            self.tip = max(self.tip, (e["by"], 0))
         elif t == "lease":
             self.lease(e)
         elif t == "renew" and e["batch_id"] in self.leases:
@@ -280,7 +301,8 @@ class Ledger:
                 "done": self.done, "cursors": {d: dict(c) for d, c in self.cursors.table.items()},
                 "senders": self.senders.state(), "counts": dict(self.counts),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()}, "legacy_hist": self.legacy_hist,
-                "trailer": json.loads(json.dumps(self.trailer))}
+                "trailer": json.loads(json.dumps(self.trailer)), "tip": list(self.tip),
+                "fenced": {str(k): v for k, v in self.fenced.items()}}
 
     @classmethod
     def from_snapshot(cls, d: dict, max_staleness: int, lease_s: float, max_workers: int = 4096,
@@ -301,6 +323,12 @@ class Ledger:
         led.counts = {**led.counts, **d["counts"]}
         led.staleness_hist = {int(k): v for k, v in d["staleness_hist"].items()}
         led.legacy_hist, led.trailer = d["legacy_hist"], d["trailer"]
+        led.fenced = {int(k): v for k, v in d.get("fenced", {}).items()}
+        if "tip" in d:
+            led.tip = tuple(d["tip"])
+        elif led.covers:  # a snapshot from before fences: the writer of the commit it covers
+            inc, seq = position(led.covers)
+            led.tip = (inc, seq + 1)
         return led
 
     # ---- what a start hands the live proxy ----------------------------------------------------------

@@ -83,7 +83,7 @@ class Args:
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
     max_body_mb: float = 8.0
-    """POST /v1/groups bodies above this get 413 (every other route: 64 KiB)"""
+    """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
     """a request body must arrive within this many seconds (else 408)"""
     head_timeout_s: float = 10.0

@@ -310,8 +310,12 @@ def install(app) -> None:
     """Add the routes to `app`, each with the least token role that may call it (access.py): clients of the
     policy need `inference`, the workers that take and answer requests `worker`. On the app itself, not an
     included APIRouter: FastAPI matches those lazily, at a cost on every request (access.install)."""
-    for method, path, endpoint, role in [("POST", "/v1/chat/completions", chat_completions, "inference"),
-                                         ("GET", "/v1/inference/stats", inference_stats, "inference"),
-                                         ("POST", "/v1/inference/lease", lease_requests, "worker"),
-                                         ("POST", "/v1/inference/answers", post_answers, "worker")]:
-        app.add_api_route(path, endpoint, methods=[method], openapi_extra=scope(role), tags=["inference"])
+    # a request's prompt (up to max_prompt_chars, 4 bytes each in UTF-8) and a batch of answers (max_tokens
+    # each) can be well over the 64 KiB every other small route gets: these two take bodies up to
+    # --max-body-mb, and their schemas bound what is in them
+    for method, path, endpoint, role, large in [
+            ("POST", "/v1/chat/completions", chat_completions, "inference", True),
+            ("GET", "/v1/inference/stats", inference_stats, "inference", False),
+            ("POST", "/v1/inference/lease", lease_requests, "worker", False),
+            ("POST", "/v1/inference/answers", post_answers, "worker", True)]:
+        app.add_api_route(path, endpoint, methods=[method], openapi_extra=scope(role, large_body=large), tags=["inference"])

@@ -36,16 +36,35 @@ class Keeper:
                 self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits), f"snapshot {snap[0]}"
             except ValueError as e:
                 print(f"proxy: not using snapshot {snap[0]}: {e}; replaying every commit", file=sys.stderr)
+        before = self.ledger.commits
         keys = journal.log_keys(self.bucket, after=self.ledger.covers)
-        incarnation = journal.next_incarnation(keys + ([self.ledger.covers] if self.ledger.covers else []))
         for key, blob in journal.read_objects(self.bucket, keys):
             self.ledger.apply_object(key, blob)
+        incarnation = self.fence_off()
         live = self.ledger.live(lambda keys: journal.read_objects(self.bucket, keys))
         self.ledger.forget_lines()
-        self.snapped, self.due = self.ledger.commits - len(keys), bool(keys)
+        self.snapped, self.due = before, self.ledger.commits > before
         if live["lost"]:  # only if someone deleted journal objects: a full replay could not find them either
             print(f"proxy: {len(live['lost'])} buffered or leased groups are missing from the journal", file=sys.stderr)
         return live, incarnation, f"state from {start} and {len(keys)} commits in {time.time() - t0:.1f}s"
+
+    def fence_off(self) -> int:
+        """Stop the proxy that wrote the log last, should it still run, from writing to it again (a fence at its
+        next key, journal.put_fence); what it wrote before the fence is applied. Returns this start's
+        incarnation: one more than the newest writer the log names."""
+        while True:
+            inc, seq = self.ledger.tip
+            if inc < 0:
+                return 0  # an empty log: nobody to fence
+            try:
+                key, data = journal.put_fence(self.bucket, inc, seq, by=inc + 1)
+            except ConflictError:  # it wrote that commit meanwhile, or another start fenced it first
+                key = journal.object_name(inc, seq)
+                got = self.bucket.get(key)
+                self.ledger.apply_object(key, got[0] if got else b"")
+                continue
+            self.ledger.apply_object(key, data)
+            return inc + 1
 
     async def snapshot(self, incarnation: int, writer: str) -> bool:
         """Write one if anything was committed since the last: the ledger's state, taken between two commits,

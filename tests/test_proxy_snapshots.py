@@ -165,3 +165,39 @@ def test_the_duplicate_window_holds_across_a_restart_from_a_snapshot(bucket, spa
     assert r.http.post("/v1/groups", json=group(version=0)).json()["status"] == "stale"
     assert r.http.post("/v1/groups", json=g1).json()["status"] == "duplicate"
     assert r.http.post(f"/v1/batches/{b1['batch_id']}/ack").json() == {"acked": 1}
+
+
+def test_a_second_proxy_on_the_run_fences_off_the_first(bucket, spawn):
+    """Two proxies on one run at once (a relaunch while the old job still runs, one started by hand): the later
+    start writes a fence at the first one's next journal key. The first stops at its next write (exit 3) and
+    never answers that request 2xx; a put of it that lands after the fence anyway is not part of the log;
+    the second, and any later start, sees exactly the groups that were answered `accepted`."""
+    a = spawn()
+    g1, g2, g3 = group(version=0), group(version=0), group(version=0)
+    assert a.http.post("/v1/groups", json=g1).json()["status"] == "accepted"
+    last_a = journal.log_keys(bucket)[-1]
+
+    b = spawn()
+    inc_a, seq_a = (int(x) for x in last_a.rsplit("/", 1)[1].split(".")[0].split("-"))
+    fence = bucket.get(journal.object_name(inc_a, seq_a + 1))[0]
+    assert b'"t":"fence"' in fence and f'"by":{inc_a + 1}'.encode() in fence
+    try:
+        answer = a.http.post("/v1/groups", json=g2).status_code
+    except Exception:  # noqa: BLE001 - the process is gone before it answers: what a client usually sees
+        answer = None
+    assert answer is None or answer >= 500
+    assert a.proc.wait(timeout=30) == 3
+    assert "Another proxy is journaling to this run" in open(a.log).read()
+
+    # what a put of the first proxy already in flight would have left: a commit after its fence
+    orphan = journal.encode({"t": "commit", "incarnation": inc_a, "seq": seq_a + 2, "writer": "a", "time": time.time()},
+                            [journal._dumps(g3)])
+    bucket.put(journal.object_name(inc_a, seq_a + 2), orphan, if_none_match=True)
+
+    assert b.http.post("/v1/groups", json=g2).json()["status"] == "accepted"
+    assert b.http.post("/v1/groups", json=g1).json()["status"] == "duplicate"
+    kill(b)
+    c = spawn()
+    assert f"incarnation {inc_a} was fenced off after seq {seq_a}" in open(c.log).read()
+    assert sorted(drain(c)) == sorted([g1["group_id"], g2["group_id"]])  # not g3, never answered
+    assert full_replay(bucket).fenced[inc_a] == seq_a  # (and c fenced b off at its start)

@@ -38,17 +38,22 @@ def test_routes_have_their_scopes_and_a_participant_answers_only_its_own_leases(
 
     as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 0})  # now serving
     got = []
-    t = threading.Thread(target=lambda: got.append(as_["asker"].post("/v1/chat/completions", json=CHAT)))
+    # bodies over 64 KiB within the routes' own limits (a 30k-character prompt of 4-byte characters, a 200 kB
+    # answer) are taken: the general small-body cap must not refuse what the schema allows
+    big = {**CHAT, "messages": [{"role": "user", "content": "\U0001d465" * 30000}]}
+    t = threading.Thread(target=lambda: got.append(as_["asker"].post("/v1/chat/completions", json=big)))
     t.start()
     (req,) = as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 20}).json()["requests"]
     fake = {"request_id": req["request_id"], "adapter_version": 0, "text": "carol's", "finish_reason": "stop",
             "prompt_tokens": 1, "completion_tokens": 1}
     r = as_["carol"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [fake]})
     assert r.json() == {"accepted": 0, "unknown": [req["request_id"]]}  # leased to bob/w1, not carol/w1
-    r = as_["bob"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": "7"}]})
+    assert req["messages"] == big["messages"]
+    long_text = "7" * 200_000
+    r = as_["bob"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": long_text}]})
     assert r.json()["accepted"] == 1
     t.join(30)
-    assert got[0].status_code == 200 and got[0].json()["choices"][0]["message"]["content"] == "7"
+    assert got[0].status_code == 200 and got[0].json()["choices"][0]["message"]["content"] == long_text
     assert got[0].json()["worker_id"] == "bob/w1"
 
 
