@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch_jobs.sh --setup-only
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q --durations=15 tests "$@"
