@@ -14,7 +14,10 @@ The header makes every commit's bytes unique to the process that wrote it, so a 
 lost (botocore retries it, the retry meets our own object and gets 412) is told apart from another
 process writing the same key: read the object back; if it holds exactly our bytes, the write landed.
 
-Each process start is a new incarnation, one more than the highest in the bucket. Objects of runs
+Each process start is a new incarnation, one more than the newest writer the log names, and first
+fences that writer off: an object holding only {"t":"fence","incarnation":P,"seq":S,"by":N} at P's
+next key (put_fence), so P, should it still run, stops at its next put; readers skip any commit of P
+after S (ledger.py). Objects of runs
 from before 2026-11-29 also live under proxy/log/ (same naming); they are read in the same order.
 
 Snapshots make a start read a bounded amount: a snapshot is the owner's state after one commit, which

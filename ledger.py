@@ -166,7 +166,7 @@ class Ledger:
     # ---- applying the log ---------------------------------------------------------------------------
     def apply_object(self, key: str, blob: bytes) -> None:
         """One journal object as read from the bucket. A commit of an incarnation after the seq where a later
-        start fenced it off is not part of the log: that proxy died at its first put there (journal.fence),
+        start fenced it off is not part of the log: that proxy died at its first put there (journal.put_fence),
         and a put already in flight may have landed after it, its callers never answered."""
         inc, seq = position(key)
         if seq > self.fenced.get(inc, seq):
