@@ -319,6 +319,8 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        """Stop the server's whole process group: the API server exits first, its engine processes a few
+        seconds later (vLLM's own shutdown), so wait for the group, not only for the process we started."""
         if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -326,12 +328,20 @@ class ManagedServer:
                 os.killpg(self.proc.pid, sig)  # the whole group: the API server and its engine processes
             except ProcessLookupError:
                 break
-            try:
-                self.proc.wait(wait)
+            if self._group_gone(wait):
                 break
-            except subprocess.TimeoutExpired:
-                continue
         self.proc = None
+
+    def _group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.proc.poll()  # reap the leader, or the group would never look empty
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.1)
+        return False
 
 
 class ServerSampler:

@@ -105,6 +105,9 @@ class Args:
     """adapter files the proxy streams at once (more get 503 + Retry-After)"""
     use_bucket: bool = True
     """journal to the bucket and replay it on start, verify registered versions, write metrics (needs BUCKET)"""
+    bucket_patience_s: float = 20.0
+    """while serving, a bucket call waits out an outage this long, then the request gets 503 (its caller
+    retries); before serving, the start waits however long it takes"""
     snapshot_s: float = 10.0
     """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
     snapshot_commits: int = 200
@@ -269,7 +272,7 @@ async def lifespan(app: FastAPI):
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     if ARGS.use_bucket and os.environ.get("BUCKET"):
-        BUCKET = Bucket()  # while serving: 20 s of patience, then 503 (which the callers wait out)
+        BUCKET = Bucket(patience_s=ARGS.bucket_patience_s)  # while serving; then 503 (which the callers wait out)
         startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
         S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
         POLICY.tokens = access.Tokens(startup, ARGS.token)

@@ -333,8 +333,8 @@ def test_9_answers_name_no_bucket_run_or_endpoint(s3_env, spawn, tmp_path):
     fwd = subprocess.Popen([sys.executable, str(ROOT / "tests" / "tcp_forward.py"), str(fwd_port), s3_port])
     try:
         time.sleep(0.5)
-        p = spawn(env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}", "BUCKET": secret_bucket,
-                       "RUN_NAME": secret_run, "S3_MAX_ATTEMPTS": "1"})
+        p = spawn("--bucket-patience-s", "3", env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}",
+                                                    "BUCKET": secret_bucket, "RUN_NAME": secret_run, "S3_MAX_ATTEMPTS": "1"})
         assert p.http.post("/v1/groups", json=group()).json()["status"] == "accepted"
         stop(fwd)
         for method, path, body in [("POST", "/v1/groups", group()),
