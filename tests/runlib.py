@@ -1,5 +1,6 @@
-"""Helpers for the tests that run whole runs as processes (chaos, trainer lifecycle): restartable
-roles with their logs, and the audit of a finished run from what it left in the bucket."""
+"""Helpers for the tests that run whole runs as processes (chaos, trainer lifecycle, the end-to-end
+loops): restartable roles with their logs, one worker and the trainer on the tiny model, and the audit
+of a finished run from what it left in the bucket."""
 from __future__ import annotations
 
 import json
@@ -7,10 +8,12 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import common
+from conftest import ROOT, stop
 
 
 class Role:
@@ -42,6 +45,27 @@ class Role:
     def last_run(self) -> str:
         """The log of the latest start only."""
         return self.text().rsplit(f"===== start {self.starts} =====", 1)[-1]
+
+
+def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *rollout_extra: str) -> None:
+    """One rollout worker (`rollout_extra` added to its flags) and the trainer on the tiny model against
+    `proxy`, `steps` steps of 2 groups of 4; both must exit 0, the worker by itself once the trainer
+    registered its final version. Its log: logdir/rollout.log."""
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "OMP_NUM_THREADS": "1"}
+    log = open(logdir / "rollout.log", "w")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1",
+                               *rollout_extra], env=env, stdout=log, stderr=log)
+    try:
+        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(steps),
+                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
+                               env=env, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stderr[-3000:]
+        worker.wait(timeout=120)  # exits by itself once the trainer registers its final version
+    finally:
+        stop(worker)
+    assert worker.returncode == 0, (logdir / "rollout.log").read_text()[-3000:]
 
 
 def wait_for(pred, timeout: float, what: str, role: Role | None = None, alive: tuple[Role, ...] = ()) -> float:

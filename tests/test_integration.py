@@ -3,35 +3,16 @@ S3 server: the loop closes, versions advance, groups from published adapters are
 every adapter file in the bucket matches its sha256."""
 import hashlib
 import json
-import os
-import subprocess
-import sys
 
-import common
 import runconfig
-from conftest import ROOT, stop
+from runlib import tiny_loop
 
 
 def test_end_to_end_tiny(tiny_model, start_proxy, bucket, run_name, tmp_path):
     # a small buffer and max_staleness 1 keep the worker close to the trainer, so that groups from
     # published adapters (not only version 0) are trained on however the two processes are scheduled
     proxy = start_proxy("--group-size", "4", "--max-buffer", "4", "--max-staleness", "1")
-    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
-           "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "rollout.log", "w")
-    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
-                               "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1"],
-                              env=env, stdout=log, stderr=log)
-    try:
-        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "5",
-                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5",
-                                "--no-skip-zero-std"],
-                               env=env, capture_output=True, text=True, timeout=600)
-        assert train.returncode == 0, train.stderr[-3000:]
-        worker.wait(timeout=120)  # exits by itself once the trainer registers its final version
-    finally:
-        stop(worker)
-    assert worker.returncode == 0, (tmp_path / "rollout.log").read_text()[-3000:]
+    tiny_loop(tiny_model, proxy, run_name, tmp_path, 5)
 
     rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

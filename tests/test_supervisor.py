@@ -88,6 +88,23 @@ def test_a_client_finds_a_relaunched_proxy_at_its_new_url(start_proxy, bucket, r
         pinned.get("/v1/stats")
 
 
+def watch(run_name: str, *policy: str) -> int:
+    """`bash launch_jobs.sh --watch RUN` in this process: the supervisor's exit code."""
+    try:
+        launch_hf.main(["--watch", run_name, *policy])
+        return 0
+    except SystemExit as e:
+        return e.code
+
+
+def watch_in_thread(run_name: str, *policy: str) -> tuple[threading.Thread, dict]:
+    """watch() in a daemon thread, started; its exit code lands in the dict as "code"."""
+    result: dict = {}
+    watcher = threading.Thread(target=lambda: result.update(code=watch(run_name, *policy)), daemon=True)
+    watcher.start()
+    return watcher, result
+
+
 class Gone(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(404)
@@ -210,17 +227,9 @@ def test_a_role_that_crash_loops_is_given_up_and_said_so(emulator, bucket, run_n
     for spec in specs:   # what the launcher would have started
         api.run_uv_job(str(tmp_path / spec.script), script_args=spec.args, timeout=spec.timeout, namespace="alice",
                        labels={"async-grpo-run": run_name, "role": spec.role})
-    result: dict = {}
-
-    def supervise():
-        try:
-            launch_hf.main(["--watch", run_name, "--policy.poll-s", "0.5", "--policy.backoff-s", "1",
-                            "--policy.crash-limit", "3", "--policy.min-uptime-s", "300"])
-            result["code"] = 0
-        except SystemExit as e:
-            result["code"] = e.code
-    watcher = threading.Thread(target=supervise, daemon=True)
-    watcher.start()
+    policy = ["--policy.poll-s", "0.5", "--policy.backoff-s", "1", "--policy.crash-limit", "3",
+              "--policy.min-uptime-s", "300"]
+    watcher, result = watch_in_thread(run_name, *policy)
     watcher.join(180)
     out = capsys.readouterr().out
     assert not watcher.is_alive() and result["code"] == 1, out
@@ -238,8 +247,7 @@ def test_a_role_that_crash_loops_is_given_up_and_said_so(emulator, bucket, run_n
     assert w.stage()[0] == "RUNNING"     # the rest keeps running until --cancel, which a later supervisor respects
     launch_hf.main(["--cancel", run_name])
     assert w.stage()[0] == "CANCELED" and "recorded the stop" in capsys.readouterr().out
-    supervise()
-    assert result["code"] == 0 and "was stopped by --cancel" in capsys.readouterr().out
+    assert watch(run_name, *policy) == 0 and "was stopped by --cancel" in capsys.readouterr().out
     assert len(emu.jobs) == 4            # nothing was relaunched after the stop
 
 
@@ -269,17 +277,8 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
     for r in ("rollout-1", "rollout-2", "trainer"):   # nobody is told the proxy's URL: they read the record
         assert "PROXY_URL" not in emu.by_role(r)[0].spec["environment"]
 
-    result: dict = {}
-
-    def supervise():
-        try:
-            launch_hf.main(["--watch", run_name, "--policy.poll-s", "1", "--policy.backoff-s", "1",
-                            "--policy.proxy-wait-s", "180", "--policy.drain-s", "180"])
-            result["code"] = 0
-        except SystemExit as e:
-            result["code"] = e.code
-    watcher = threading.Thread(target=supervise, daemon=True)
-    watcher.start()
+    watcher, result = watch_in_thread(run_name, "--policy.poll-s", "1", "--policy.backoff-s", "1",
+                                      "--policy.proxy-wait-s", "180", "--policy.drain-s", "180")
     try:
         # 1. the proxy's job crashes a few steps in; the supervisor relaunches it at a new URL
         wait_for(lambda: len(trainer_steps(emu)) >= 3, 300, "three trainer steps", every=1)

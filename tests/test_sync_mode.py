@@ -2,32 +2,15 @@
 round per version, every group trained at staleness 0, nothing generated left unused, even with a
 buffer and staleness limit that would let an async worker run ahead."""
 import json
-import os
-import subprocess
-import sys
 
-from conftest import ROOT, stop
+from runlib import tiny_loop
 
 STEPS = 4
 
 
 def test_sync_worker_generates_one_round_per_version(tiny_model, start_proxy, bucket, run_name, tmp_path):
     proxy = start_proxy("--group-size", "4", "--max-buffer", "64", "--max-staleness", "3")
-    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
-           "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "rollout.log", "w")
-    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
-                               "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1", "--sync"],
-                              env=env, stdout=log, stderr=log)
-    try:
-        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(STEPS),
-                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
-                               env=env, capture_output=True, text=True, timeout=600)
-        assert train.returncode == 0, train.stderr[-3000:]
-        worker.wait(timeout=120)  # exits by itself once the trainer registers its final version
-    finally:
-        stop(worker)
-    assert worker.returncode == 0, (tmp_path / "rollout.log").read_text()[-3000:]
+    tiny_loop(tiny_model, proxy, run_name, tmp_path, STEPS, "--sync")
 
     rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
