@@ -130,3 +130,23 @@ def tiny_model(tmp_path_factory) -> str:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+# ---- seeds: every randomised test draws from `seed`, prints it before it can fail, and replays from it
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a randomised test: TEST_SEED from the environment (a replay), else a fresh one. It is
+    printed at once (pytest shows it with the failure) and named again in the failure report."""
+    value = int(os.environ.get("TEST_SEED") or secrets.randbits(32))
+    request.node.test_seed = value
+    print(f"seed {value}: replay with TEST_SEED={value} bash tests/run.sh '{request.node.nodeid}'",
+          file=sys.stderr, flush=True)
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and hasattr(item, "test_seed"):
+        report.sections.append(("seed", f"TEST_SEED={item.test_seed} bash tests/run.sh '{item.nodeid}'"))
