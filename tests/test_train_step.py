@@ -97,17 +97,18 @@ def test_zero_std_groups_and_the_kl_term(tiny_model):
 def test_per_staleness_diagnostics(tiny_model):
     """Per staleness: groups, mean reward, mean/max |ratio - 1| and clip fraction. The stale-1
     group's recorded logprobs are log 2 lower than the weights now give: ratio 2 on every token,
-    clipped (ppo, eps 0.2) on the completions with A > 0, half of them."""
+    clipped (ppo, eps 0.2) on the completions with A > 0: one of its four (rewards [1, 0, 0, 0], not
+    symmetric, so a flipped advantage would clip three of four instead)."""
     model, args = _model(tiny_model)
-    groups = [_group(model, 6, [1.0, 0.0, 1.0, 0.0], version=3), _group(model, 7, [0.0, 1.0, 1.0, 0.0], version=2, shift=math.log(2)),
+    groups = [_group(model, 6, [1.0, 0.0, 1.0, 0.0], version=3), _group(model, 7, [1.0, 0.0, 0.0, 0.0], version=2, shift=math.log(2)),
               _group(model, 8, [0.1] * G, version=1)]
     st = train.train_step(model, groups, args, version=3, fresh_weights=True)
     assert st["stale/0/groups"] == 1 and st["stale/1/groups"] == 1 and st["stale/2/groups"] == 1
-    assert st["stale/0/reward"] == 0.5 and st["stale/1/reward"] == 0.5 and st["stale/2/reward"] == pytest.approx(0.1)
+    assert st["stale/0/reward"] == 0.5 and st["stale/1/reward"] == 0.25 and st["stale/2/reward"] == pytest.approx(0.1)
     assert st["stale/0/ratio_dev_max"] < 1e-4 and st["stale/0/clip_frac"] == 0.0
     assert st["stale/1/ratio_dev_mean"] == pytest.approx(1.0, abs=1e-4)
     assert st["stale/1/ratio_dev_max"] == pytest.approx(1.0, abs=1e-4)
-    assert st["stale/1/clip_frac"] == 0.5 and st["stale/1/tokens"] == G * 3
+    assert st["stale/1/clip_frac"] == 0.25 and st["stale/1/tokens"] == G * 3
     assert st["stale/2/tokens"] == 0 and "stale/2/ratio_dev_mean" not in st  # zero-std: not trained
     # cispo truncates the IS weight above is_cap instead: nothing truncated at ratio 2 with C = 2.5
     args.loss, args.is_cap = "cispo", 2.5
@@ -137,3 +138,34 @@ def test_a_group_with_a_bad_temperature_is_left_out(tiny_model, capsys):
     st = train.train_step(model, [good, bad], args, version=0, fresh_weights=True)
     assert st["groups/trained"] == 1 and st["groups/bad_temperature"] == 1
     assert "g00000013 has temperature 0" in capsys.readouterr().err
+
+
+def _sequence_logprobs(model, group) -> list[float]:
+    """Each completion's summed logprob under the model now (T = 1), without grad."""
+    from models import completion_logprobs
+    with torch.no_grad():
+        lp, mask = completion_logprobs(model, [group["prompt_ids"]], [c["token_ids"] for c in group["completions"]], 1.0, pad=0)
+    return (lp * mask).sum(1).tolist()
+
+
+@pytest.mark.parametrize("objective", ["ppo", "cispo", "decoupled"])
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_step_raises_the_rewarded_completion_and_lowers_the_others(tiny_model, objective, stale):
+    """The direction of the update, pinned: after one optimizer step on a group with rewards
+    [1, 0, 0, 0], the rewarded completion is more likely and each unrewarded one less likely, for every
+    objective, on-policy and one version stale (behaviour logprobs 0.1 off the trainer's). Negating the
+    advantages in train_step makes every case fail. Rewards that are symmetric in sign ([1, 0, 1, 0])
+    cannot tell the two directions apart, which is why this group has a single winner."""
+    model, args = _model(tiny_model, loss=objective)
+    _perturb(model)
+    group = _group(model, 14, [1.0, 0.0, 0.0, 0.0], n_tok=4, shift=0.1 if stale else 0.0, version=0)
+    before = _sequence_logprobs(model, group)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    opt.zero_grad()
+    st = train.train_step(model, [group], args, version=1 if stale else 0, fresh_weights=True)
+    assert st["groups/trained"] == 1 and st["clip/frac"] == 0.0
+    opt.step()
+    after = _sequence_logprobs(model, group)
+    moved = [a - b for a, b in zip(after, before)]
+    assert moved[0] > 1e-3, moved
+    assert all(m < -1e-4 for m in moved[1:]), moved
