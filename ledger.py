@@ -9,12 +9,8 @@ proxy.py writes them, keeps its live state, and drives a Ledger:
   snapshot is exactly the state after the commit it names, however far the live state has run ahead
   (a lease is taken before its write, an accepted group is buffered after it).
 
-The duplicate window. A resubmitted group must be answered `duplicate` for as long as it could
-otherwise be trained again. A group whose policy_version is below latest - max_staleness is answered
-`stale` on arrival whether or not it came before, and is never buffered or leased: so the ids worth
-remembering are those of accepted groups with policy_version >= floor, floor = latest - max_staleness
-(never lowered, also when a restart raises --max-staleness: a group below it is `stale` either way).
-A group refused as stale on arrival is not remembered: sent again, it is `stale` again.
+What the records do to the buffer, leases, window and versions is book.py's (a Ledger is a Book), so
+the live proxy and replay follow the same rules.
 
 Memory. Everything here is bounded by the run's settings, not its length: the buffer and open leases
 (--max-buffer, a group's place named by the commit that holds its line, not its bytes), the window
@@ -28,103 +24,20 @@ import json
 import re
 import sys
 from collections import OrderedDict, namedtuple
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+
+from book import BATCHES, Book, Entry, Held, Recent, Versions, Window  # noqa: F401 - BATCHES: the bound, for callers
 
 from participants import Senders
 from prompts import Cursors
 
 FORMAT = 1      # of to_snapshot()'s dict; a start refuses another (and replays every commit instead)
-BATCHES = 1024  # acked and expired batch ids remembered, each
 
 # a group line as we write it leads with these fields (proxy.py keeps a body as sent only when it does)
 HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
 TAIL = re.compile(rb',"participant":"([a-z0-9_-]+)"\}\s*$')  # appended by the proxy to a participant's group
 
-Entry = namedtuple("Entry", "gid version raw")        # a group as the live proxy holds it: the line we logged
-Ref = namedtuple("Ref", "gid version key raw")        # as the ledger holds it: which commit holds its line
-Held = namedtuple("Held", "refs lease_s ids")         # an open lease: its groups, its duration, the ids it named
-
-COUNTED = ("groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_leased", "groups_acked",
-           "batches_leased", "batches_acked", "leases_expired")
-
-
-class Window:
-    """The duplicate window: group id -> policy_version of every accepted group at version >= floor."""
-
-    def __init__(self, floor: int = 0, by_version: dict[int, list[str]] | None = None):
-        self.floor, self.by_version = floor, by_version or {}
-        self.ids = {g: v for v, gids in self.by_version.items() for g in gids}
-
-    def __contains__(self, gid: str) -> bool:
-        return gid in self.ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def add(self, gid: str, version: int) -> None:
-        if version >= self.floor and gid not in self.ids:
-            self.ids[gid] = version
-            self.by_version.setdefault(version, []).append(gid)
-
-    def advance(self, floor: int) -> None:
-        """Forget every group below `floor` (a handful of versions to drop, whatever the groups per version)."""
-        if floor > self.floor:
-            for v in [v for v in self.by_version if v < floor]:
-                for gid in self.by_version.pop(v):
-                    del self.ids[gid]
-            self.floor = floor
-
-    def state(self) -> dict:
-        return {"floor": self.floor, "ids": {str(v): list(g) for v, g in self.by_version.items()}}
-
-    @classmethod
-    def from_state(cls, d: dict) -> Window:
-        return cls(d["floor"], {int(v): list(g) for v, g in d["ids"].items()})
-
-
-class Versions:
-    """Registered adapter versions: the latest in full, all of them as ranges (membership is all a worker
-    asks about an older one). Version 0, the base model, is the latest before any registration."""
-
-    def __init__(self, last: dict | None = None, ranges: list[list[int]] | None = None):
-        self.last = last or {"version": 0, "step": 0, "published_at": None, "registered": None}
-        self.ranges = ranges or []  # [[first, last], ...], ascending
-
-    @property
-    def latest(self) -> int:
-        return self.last["version"]
-
-    def add(self, version: int, step: int, published_at: float, registered: float | None = None) -> None:
-        """registered: this process's monotonic time of the registration (None: replayed or adopted)."""
-        self.last = {"version": version, "step": step, "published_at": published_at, "registered": registered}
-        if self.ranges and self.ranges[-1][1] == version - 1:
-            self.ranges[-1][1] = version
-        else:
-            self.ranges.append([version, version])
-
-    def __contains__(self, version: int) -> bool:
-        return any(a <= version <= b for a, b in self.ranges)
-
-    def state(self) -> dict:
-        return {"last": {k: self.last[k] for k in ("version", "step", "published_at")}, "ranges": [list(r) for r in self.ranges]}
-
-    @classmethod
-    def from_state(cls, d: dict) -> Versions:
-        return cls({**d["last"], "registered": None}, [list(r) for r in d["ranges"]])
-
-
-class Recent(OrderedDict):
-    """The last `cap` batch ids of one kind (acked, expired), each with its number of groups."""
-
-    def __init__(self, items: Iterable = (), cap: int = BATCHES):
-        super().__init__(items)
-        self.cap = cap
-
-    def add(self, batch_id: str, groups: int) -> None:
-        self[batch_id] = groups
-        self.move_to_end(batch_id)
-        while len(self) > self.cap:
-            self.popitem(last=False)
+Ref = namedtuple("Ref", "gid version key raw")        # a group as the ledger holds it: which commit holds its line
 
 
 def position(key: str) -> tuple[int, int]:
@@ -133,24 +46,18 @@ def position(key: str) -> tuple[int, int]:
     return int(inc), int(seq)
 
 
-class Ledger:
+class Ledger(Book):
+    """A Book fed by the journal: the proxy's state after the last commit applied, with what replay needs
+    beyond the book (prompt cursors, senders, the log's position, fences) and its snapshots."""
+
     def __init__(self, max_staleness: int, lease_s: float, max_workers: int = 4096, max_datasets: int = 64,
                  keep_raw: bool = True):
         """keep_raw: hold each buffered or leased group's line as read (a start); a running proxy holds the
         lines itself and its ledger only their places."""
-        self.max_staleness, self.lease_s, self.keep_raw = max_staleness, lease_s, keep_raw
-        self.max_workers, self.max_datasets = max_workers, max_datasets
-        self.buffer: OrderedDict[str, Ref] = OrderedDict()  # group_id -> where its line is (FIFO)
-        self.leases: dict[str, Held] = {}                    # batch_id -> open lease
-        self.holder: dict[str, str] = {}                     # group_id -> the open lease that named it
-        self.window = Window()
-        self.acked, self.expired = Recent(), Recent()
-        self.versions = Versions()
-        self.done = False
+        super().__init__(max_staleness, lease_s)
+        self.keep_raw, self.max_workers, self.max_datasets = keep_raw, max_workers, max_datasets
         self.cursors = Cursors(0, max_datasets)
         self.senders = Senders(max_workers)
-        self.counts = dict.fromkeys(COUNTED, 0)
-        self.staleness_hist: dict[int, int] = {}
         self.legacy_hist = False   # a lease without "latest" (journaled before 2026-12): the trailer's histogram
         self.trailer: dict = {}    # the counters line of the last commit: counts the log does not imply (429s)
         self.at = 0.0              # time of the commit being applied
@@ -158,10 +65,6 @@ class Ledger:
         self.commits = 0           # commits applied, ever
         self.tip = (-1, 0)         # (incarnation, next seq) of the newest writer the log names: a start fences it
         self.fenced: dict[int, int] = {}  # incarnation -> its last seq that counts (a later start fenced it off)
-
-    @property
-    def latest(self) -> int:
-        return self.versions.latest
 
     # ---- applying the log ---------------------------------------------------------------------------
     def apply_object(self, key: str, blob: bytes) -> None:
@@ -201,13 +104,8 @@ class Ledger:
         gid, version = m[1].decode(), int(m[3])
         if gid in self.window:  # the live proxy never logs a group twice; an old log might
             return
-        self.counts["groups_accepted"] += 1
         self.senders.touch(tail[1].decode() if tail else None, m[2].decode(), self.at, groups=1, live=False)
-        if self.too_stale(version):  # a version was registered while it was being written
-            self.counts["groups_dropped_stale"] += 1
-            return
-        self.window.add(gid, version)
-        self.buffer[gid] = Ref(gid, version, key, line if self.keep_raw else None)
+        self.accept(Ref(gid, version, key, line if self.keep_raw else None))
 
     def event(self, e: dict) -> None:
         t = e.get("t")
@@ -217,18 +115,16 @@ class Ledger:
             self.fenced[e["incarnation"]] = e["seq"] - 1
             self.tip = max(self.tip, (e["by"], 0))
         elif t == "lease":
-            self.lease(e)
+            self.legacy_hist |= "latest" not in e
+            self.lease(e["batch_id"], e["group_ids"], e.get("lease_s", self.lease_s), e.get("latest"))
         elif t == "renew" and e["batch_id"] in self.leases:
-            self.leases[e["batch_id"]] = self.leases[e["batch_id"]]._replace(lease_s=e["lease_s"])
+            self.renew(e["batch_id"], e["lease_s"])
         elif t == "ack":
             self.ack(e["batch_id"])
         elif t == "expire" and e["batch_id"] in self.leases:
             self.return_lease(e["batch_id"])
         elif t == "version" and e["version"] > self.latest:
-            self.versions.add(e["version"], e["step"], e["published_at"])
-            self.done = e.get("final", False)
-            self.drop_stale()
-            self.window.advance(self.latest - self.max_staleness)
+            self.register(e["version"], e["step"], e["published_at"], e.get("final", False))
         elif t == "cursor":
             self.cursors.apply(e)
         elif t == "stale":  # refused as stale on arrival
@@ -239,55 +135,6 @@ class Ledger:
         elif t == "counters":
             self.trailer = {"counters": dict(e.get("counters", {})), "staleness_hist": dict(e.get("staleness_hist", {}))}
 
-    def too_stale(self, version: int) -> bool:
-        return version < self.window.floor or self.latest - version > self.max_staleness
-
-    def drop_stale(self) -> None:
-        stale = [gid for gid, r in self.buffer.items() if self.too_stale(r.version)]
-        for gid in stale:
-            del self.buffer[gid]
-        self.counts["groups_dropped_stale"] += len(stale)
-
-    def lease(self, e: dict) -> None:
-        bid, ids = e["batch_id"], e["group_ids"]
-        # a later lease of the same group means the earlier one ran out (its expiry write was lost)
-        for b in {self.holder[g] for g in ids if g in self.holder}:
-            self.return_lease(b)
-        refs = [self.buffer.pop(g) for g in ids if g in self.buffer]
-        self.leases[bid] = Held(refs, e.get("lease_s", self.lease_s), list(ids))
-        self.holder.update(dict.fromkeys(ids, bid))
-        self.counts["batches_leased"] += 1
-        self.counts["groups_leased"] += len(ids)
-        self.legacy_hist |= "latest" not in e
-        for r in refs:
-            s = e.get("latest", self.latest) - r.version
-            self.staleness_hist[s] = self.staleness_hist.get(s, 0) + 1
-
-    def _close(self, bid: str) -> Held:
-        held = self.leases.pop(bid)
-        for g in held.ids:
-            if self.holder.get(g) == bid:
-                del self.holder[g]
-        return held
-
-    def return_lease(self, bid: str) -> None:
-        """A lease ran out: its groups go back to the front of the buffer (they are the oldest)."""
-        held = self._close(bid)
-        self.expired.add(bid, len(held.ids))
-        self.counts["leases_expired"] += 1
-        for r in reversed(held.refs):
-            self.buffer[r.gid] = r
-            self.buffer.move_to_end(r.gid, last=False)
-        self.drop_stale()
-
-    def ack(self, bid: str) -> None:
-        if bid in self.acked:
-            return
-        groups = len(self._close(bid).ids) if bid in self.leases else self.expired.get(bid, 0)
-        self.acked.add(bid, groups)
-        self.counts["batches_acked"] += 1
-        self.counts["groups_acked"] += groups
-
     # ---- snapshots ------------------------------------------------------------------------------------
     def to_snapshot(self) -> dict:
         """The state after commit `covers`, as plain JSON values that share nothing with the ledger (taken on
@@ -295,7 +142,7 @@ class Ledger:
         ref = lambda r: [r.gid, r.version, r.key]  # noqa: E731
         return {"format": FORMAT, "covers": self.covers, "commits": self.commits, "at": self.at,
                 "buffer": [ref(r) for r in self.buffer.values()],
-                "leases": [[b, [ref(r) for r in h.refs], h.lease_s, list(h.ids)] for b, h in self.leases.items()],
+                "leases": [[b, [ref(r) for r in h.items], h.lease_s, list(h.ids)] for b, h in self.leases.items()],
                 "window": self.window.state(), "acked": [[b, n] for b, n in self.acked.items()],
                 "expired": [[b, n] for b, n in self.expired.items()], "versions": self.versions.state(),
                 "done": self.done, "cursors": {d: dict(c) for d, c in self.cursors.table.items()},
@@ -353,7 +200,8 @@ class Ledger:
         lost = [gid for gid in missing if gid not in lines]
         snap = self.to_snapshot()
         return {"buffer": OrderedDict((g, entry(r)) for g, r in self.buffer.items() if g not in lost),
-                "leases": {b: ([entry(r) for r in h.refs if r.gid not in lost], h.lease_s) for b, h in self.leases.items()},
+                "leases": {b: ([entry(r) for r in h.items if r.gid not in lost], h.lease_s, list(h.ids))
+                           for b, h in self.leases.items()},
                 "lost": lost, "window": Window.from_state(snap["window"]),
                 "acked": Recent(self.acked.items()), "expired": Recent(self.expired.items()),
                 "versions": Versions.from_state(snap["versions"]), "done": self.done, "cursors": snap["cursors"],
@@ -364,10 +212,10 @@ class Ledger:
     def _refs(self) -> Iterator[Ref]:
         yield from self.buffer.values()
         for h in self.leases.values():
-            yield from h.refs
+            yield from h.items
 
     def forget_lines(self) -> None:
         """From now on the live proxy holds the lines: keep only their places."""
         self.keep_raw = False
         self.buffer = OrderedDict((g, r._replace(raw=None)) for g, r in self.buffer.items())
-        self.leases = {b: h._replace(refs=[r._replace(raw=None) for r in h.refs]) for b, h in self.leases.items()}
+        self.leases = {b: h._replace(items=[r._replace(raw=None) for r in h.items]) for b, h in self.leases.items()}

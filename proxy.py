@@ -38,7 +38,6 @@ import os
 import sys
 import time
 import uuid
-from collections import OrderedDict, namedtuple
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
@@ -57,7 +56,8 @@ from access import ADMIN, scope  # noqa: E402
 from common import Bucket, BucketError, ConflictError, TrajectoryGroup  # noqa: E402
 from metrics import Metrics, peak_rss_mb  # noqa: E402
 from adapter_files import FILES, Downloads, check_published  # noqa: E402
-from ledger import HEAD, Entry, Recent, Versions, Window  # noqa: E402
+from book import Book, Entry, Held  # noqa: E402
+from ledger import HEAD  # noqa: E402
 from participants import Senders  # noqa: E402
 from prompts import Cursors, PromptError  # noqa: E402
 from serving import Limits, serve  # noqa: E402
@@ -117,35 +117,31 @@ ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
 # ---- state ----------------------------------------------------------------------------------------
-# a group is held as the JSON line we logged (ledger.Entry: cheap to keep, leased without re-encoding). A
-# lease's deadline is on this process's monotonic clock: nothing compares clocks of two hosts, and a replayed
-# lease gets a fresh lease_s from the moment of replay. What the journal says is ledger.py's to know
-Lease = namedtuple("Lease", "batch_id entries deadline lease_s")
+# The buffer, the leases, the duplicate window and the versions are a Book (book.py: every rule that changes
+# them, the same rules replay follows). A group is held as the JSON line we logged (book.Entry: cheap to keep,
+# leased without re-encoding). A lease's deadline is on this process's monotonic clock: nothing compares clocks
+# of two hosts, and a replayed lease gets a fresh lease_s from the moment of replay.
 
 @dataclass
 class State:
-    buffer: "OrderedDict[str, Entry]" = field(default_factory=OrderedDict)  # group_id -> entry (FIFO)
-    window: Window = field(default_factory=Window)  # the duplicate window (ledger.py): ids answered `duplicate`
+    book: Book = field(default_factory=lambda: Book(3, 300.0))
+    deadlines: dict = field(default_factory=dict)   # batch_id -> monotonic deadline of its open lease
     pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
-    leases: dict = field(default_factory=dict)      # batch_id -> Lease
-    acked: Recent = field(default_factory=Recent)   # the last batch ids acked
-    expired: Recent = field(default_factory=Recent)  # the last batch ids whose lease ran out
-    versions: Versions = field(default_factory=Versions)  # registered versions, the latest in full
     pending_version: int = 0                        # a version whose journal write is in flight
-    done: bool = False                              # the trainer registered its final version
+    rejected_full: int = 0                          # 429s (not in the log: the commits' counters line carries it)
     cursors: Cursors = field(default_factory=lambda: Cursors(0, MAX_DATASETS))  # prompt dispatch
     senders: Senders = field(default_factory=lambda: Senders(MAX_WORKERS))  # groups per participant and worker
-    counters: dict = field(default_factory=lambda: dict.fromkeys(
-        ["groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_rejected_full",
-         "groups_leased", "groups_acked", "batches_leased", "batches_acked", "leases_expired"], 0))
-    staleness_hist: dict = field(default_factory=dict)  # staleness at lease -> groups
     incarnation: int = 0
     run_id: str = "local"                           # a hash of the bucket, endpoint and run: names none of them
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
     def latest(self) -> int:
-        return self.versions.latest
+        return self.book.latest
+
+    @property
+    def counters(self) -> dict:
+        return {**self.book.counts, "groups_rejected_full": self.rejected_full}
 
 S = State()
 BUCKET: Bucket | None = None
@@ -154,39 +150,10 @@ DOWNLOADS: Downloads | None = None
 REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 POLICY = access.POLICY
 
-def too_stale(version: int, latest: int | None = None) -> bool:
-    return (S.latest if latest is None else latest) - version > ARGS.max_staleness or version < S.window.floor
-
-def drop_stale(count: bool = True) -> int:
-    """Remove groups staler than max_staleness from the buffer; returns how many."""
-    stale = [gid for gid, e in S.buffer.items() if too_stale(e.version)]
-    for gid in stale:
-        del S.buffer[gid]
-    S.counters["groups_dropped_stale"] += len(stale) * count
-    return len(stale)
-
-def fresh_head(n: int) -> list[Entry] | None:
-    """The oldest n groups that may be leased, or None while fewer wait. The buffer never holds a group stale
-    against the latest version; while a registration is being journaled, groups it will make stale are
-    passed over (a lease decided now comes after that version in the log), not dropped: it may yet fail."""
-    if S.pending_version <= S.latest:
-        return [e for _, e in zip(range(n), S.buffer.values())] if len(S.buffer) >= n else None
-    fresh = [e for e in S.buffer.values() if not too_stale(e.version, S.pending_version)]
-    return fresh[:n] if len(fresh) >= n else None
-
-def return_lease(bid: str) -> None:
-    """A lease ran out: its groups go back to the front of the buffer (they are the oldest)."""
-    lease = S.leases.pop(bid)
-    S.expired.add(bid, len(lease.entries))
-    S.counters["leases_expired"] += 1
-    for e in reversed(lease.entries):
-        S.buffer[e.gid] = e
-        S.buffer.move_to_end(e.gid, last=False)
-    drop_stale()  # the buffer never holds a stale group: a full one has nothing stale to give up
-
 def expire_leases(now: float) -> None:
-    for bid in [b for b, lease in S.leases.items() if lease.deadline <= now]:
-        return_lease(bid)
+    for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
+        del S.deadlines[bid]
+        S.book.return_lease(bid)
         # not awaited: if this write is lost, replay gives the lease a fresh lease_s, or a later lease of its
         # groups ends it; an expiry never needs to be durable before anything else
         JOURNAL.append({"t": "expire", "batch_id": bid})
@@ -205,11 +172,11 @@ def stats() -> dict:
     tokens = POLICY.tokens
     roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None}
              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
-    return {"buffer_size": len(S.buffer), "latest_version": S.latest, "done": S.done, "open_leases": len(S.leases),
+    return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
-            "staleness_hist": {str(k): v for k, v in sorted(S.staleness_hist.items())},
+            "staleness_hist": {str(k): v for k, v in sorted(S.book.staleness_hist.items())},
             **S.senders.stats(time.time(), roles),
-            "duplicate_window": {"groups": len(S.window), "min_version": S.window.floor},
+            "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
             "cursors": S.cursors.table, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
@@ -218,19 +185,17 @@ KEEPER: Keeper | None = None  # the state after the last commit in the bucket, a
 
 def take_over(live: dict) -> None:
     """The state a start read back (ledger.Ledger.live) becomes the live state."""
-    S.buffer, S.window, S.acked, S.expired = live["buffer"], live["window"], live["acked"], live["expired"]
-    S.versions, S.done, S.cursors.table, S.senders = live["versions"], live["done"], live["cursors"], live["senders"]
-    S.counters.update(live["counters"])
-    S.staleness_hist = live["staleness_hist"]
+    S.book = Book.adopt(live, ARGS.max_staleness, ARGS.lease_s)
+    S.cursors.table, S.senders, S.rejected_full = live["cursors"], live["senders"], live["counters"].get("groups_rejected_full", 0)
     # every open lease gets a full lease_s from now: no clock of another host (or of ours, earlier) is compared
-    S.leases = {b: Lease(b, entries, time.monotonic() + lease_s, lease_s) for b, (entries, lease_s) in live["leases"].items()}
+    S.deadlines = {b: time.monotonic() + h.lease_s for b, h in S.book.leases.items()}
 
 def fatal_foreign_writer(msg: str) -> None:
     print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
     os._exit(3)
 
 def counters_trailer() -> list[dict]:  # every commit ends with them: a restart loses no count an answer reported
-    return [{"t": "counters", "counters": dict(S.counters), "staleness_hist": dict(S.staleness_hist)}]
+    return [{"t": "counters", "counters": S.counters, "staleness_hist": dict(S.book.staleness_hist)}]
 
 # ---- metrics: request latency and staleness as histograms; the state's numbers read at scrape time ----
 REGISTRY = CollectorRegistry()
@@ -245,7 +210,7 @@ JOURNAL = journal.Writer(None, 0)
 class StateCollector:
     def collect(self):
         yield from (CounterMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v) for k, v in S.counters.items())
-        for k, v in (("buffer_size", len(S.buffer)), ("open_leases", len(S.leases)), ("latest_version", S.latest),
+        for k, v in (("buffer_size", len(S.book.buffer)), ("open_leases", len(S.book.leases)), ("latest_version", S.latest),
                      ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
             yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
         yield from S.senders.collect()
@@ -259,7 +224,7 @@ async def _housekeeping() -> None:
         async with S.cond:
             expire_leases(time.monotonic())
         if METRICS is not None:
-            row = {"buffer/size": len(S.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
+            row = {"buffer/size": len(S.book.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
             await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
 
 def _observe(scope: dict, seconds: float) -> None:
@@ -271,6 +236,7 @@ async def lifespan(app: FastAPI):
     POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), _observe
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
+    S.book = Book(ARGS.max_staleness, ARGS.lease_s)
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket(patience_s=ARGS.bucket_patience_s)  # while serving; then 503 (which the callers wait out)
         startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
@@ -285,7 +251,8 @@ async def lifespan(app: FastAPI):
         KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
         take_over(live)
         print(f"proxy: incarnation {S.incarnation}, {how}: {S.counters['groups_accepted']} groups accepted, buffer "
-              f"{len(S.buffer)}, {len(S.leases)} leases, duplicate window {len(S.window)}, version {S.latest}", file=sys.stderr)
+              f"{len(S.book.buffer)}, {len(S.book.leases)} leases, duplicate window {len(S.book.window)}, version {S.latest}",
+              file=sys.stderr)
         METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
         DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
         DOWNLOADS.bucket = BUCKET
@@ -298,7 +265,7 @@ async def lifespan(app: FastAPI):
     # walked every module's objects (the p99 doubled). What is alive now is frozen out of the walk; runs are rarer
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
-    if BUCKET is not None and not S.done:  # a version published while the proxy was down is only in latest.json
+    if BUCKET is not None and not S.book.done:  # a version published while the proxy was down is only in latest.json
         latest = await asyncio.to_thread(startup.get_json, "adapters/latest.json")
         if latest and latest["version"] > S.latest:
             try:
@@ -348,14 +315,13 @@ class SubmitResponse(BaseModel):
 # 33 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
 _GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
-async def journaled(gid: str, rec: bytes | dict, version: int | None = None) -> None:
-    """Write a record about group `gid` (accepted at `version`: then in the duplicate window); a second
-    submission of it meanwhile waits for this write."""
+async def journaled(gid: str, rec: bytes | dict, then=lambda: None):
+    """Write a record about group `gid`, then return then() at once: before anything else runs, so that a
+    second submission of the group, waiting for this write, finds what it did."""
     S.pending[gid] = fut = JOURNAL.append(rec)
     try:
         await fut
-        if version is not None:
-            S.window.add(gid, version)  # before anything else runs: a duplicate waiting on `fut` must see it
+        return then()
     finally:
         del S.pending[gid]
 
@@ -377,28 +343,29 @@ async def submit_group(request: Request) -> SubmitResponse:
     participant = None if who.name == ADMIN else who.name
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
-    if gid in S.window:
-        S.counters["groups_duplicate"] += 1  # counted before its record is formed: the commit's counters line holds it
+    book = S.book
+    if gid in book.window:
+        book.counts["groups_duplicate"] += 1  # counted before its record is formed: the commit's counters line holds it
         try:
             await JOURNAL.append({"t": "duplicate", "group_id": gid})
         except journal.JournalWriteError:
-            S.counters["groups_duplicate"] -= 1
+            book.counts["groups_duplicate"] -= 1
             raise
-        return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(S.buffer))
+        return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(book.buffer))
     if group.policy_version > S.latest:
         raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest registered {S.latest}")
-    if too_stale(group.policy_version):
-        S.counters["groups_dropped_stale"] += 1
+    if book.too_stale(group.policy_version):
+        book.counts["groups_dropped_stale"] += 1
         try:
             await journaled(gid, {"t": "stale", "group_id": gid, "worker_id": group.worker_id,
                                   **({"participant": participant} if participant else {})})
         except journal.JournalWriteError:
-            S.counters["groups_dropped_stale"] -= 1
+            book.counts["groups_dropped_stale"] -= 1
             raise
         S.senders.touch(participant, group.worker_id, time.time())
-        return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
-    if len(S.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
-        S.counters["groups_rejected_full"] += 1
+        return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
+    if len(book.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
+        S.rejected_full += 1
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding
@@ -408,16 +375,13 @@ async def submit_group(request: Request) -> SubmitResponse:
     if participant:  # the sender, as its token says (a client cannot send this field: unknown fields are refused)
         raw = raw[:-1] + b',"participant":"' + participant.encode() + b'"}'
     entry = Entry(gid, group.policy_version, raw)
-    await journaled(gid, raw, group.policy_version)
+    buffered = await journaled(gid, raw, lambda: book.accept(entry))
+    S.senders.touch(participant, group.worker_id, time.time(), groups=1)
+    if not buffered:  # a version registered while this group was being written made it stale
+        return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
     async with S.cond:
-        S.counters["groups_accepted"] += 1
-        S.senders.touch(participant, group.worker_id, time.time(), groups=1)
-        if too_stale(entry.version):  # a version registered while this group was being written
-            S.counters["groups_dropped_stale"] += 1
-            return SubmitResponse(status="stale", duplicate=False, buffer_size=len(S.buffer))
-        S.buffer[gid] = entry
         S.cond.notify_all()
-    return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(S.buffer))
+    return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(book.buffer))
 
 class Strict(BaseModel):
     # an unknown field is a mistake worth a 422; so is a number sent as a string, a float for an int, or a bool
@@ -441,7 +405,7 @@ class LeaseResponse(BaseModel):
 
 def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 33 kB per group
-    head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.buffer), "dropped_stale": dropped,
+    head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.book.buffer), "dropped_stale": dropped,
                        "expires_in_s": ARGS.lease_s if bid else None})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
@@ -459,88 +423,80 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
     """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive; an empty
     answer (batch_id null) if they did not. A client that gives up waiting takes nothing."""
     gone = asyncio.create_task(_until_disconnect(request.receive))
+    book = S.book
     try:
         async with S.cond:
-            before = S.counters["groups_dropped_stale"]
-            await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or fresh_head(req.num_groups) is not None,
-                             req.wait_s)
-            entries = None if gone.done() else fresh_head(req.num_groups)
+            before = book.counts["groups_dropped_stale"]
+            await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or
+                             book.leasable(req.num_groups, S.pending_version) is not None, req.wait_s)
+            entries = None if gone.done() else book.leasable(req.num_groups, S.pending_version)
             if not entries:
-                return lease_answer(None, [], S.counters["groups_dropped_stale"] - before, S.latest)
-            for e in entries:
-                del S.buffer[e.gid]
+                return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest)
             bid, latest = uuid.uuid4().hex, S.latest
-            S.leases[bid] = Lease(bid, entries, time.monotonic() + ARGS.lease_s, ARGS.lease_s)
+            book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest)
+            S.deadlines[bid] = time.monotonic() + ARGS.lease_s
             fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries], "lease_s": ARGS.lease_s,
                                   "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest})
         try:
             await fut  # the trainer must be able to ack this batch after a restart
         except journal.JournalWriteError:  # the write failed: undo, so that nothing changed
             async with S.cond:
-                if S.leases.get(bid) is not None:
-                    S.leases.pop(bid)
-                    for e in reversed(entries):
-                        S.buffer[e.gid] = e
-                        S.buffer.move_to_end(e.gid, last=False)
-                    drop_stale()
+                if S.deadlines.pop(bid, None) is not None:  # (unless it ran out during the write: then it is back)
+                    book.unlease(bid, latest)
                     S.cond.notify_all()
             raise
-        S.counters["groups_leased"] += len(entries)
-        S.counters["batches_leased"] += 1
         for e in entries:
-            S.staleness_hist[latest - e.version] = S.staleness_hist.get(latest - e.version, 0) + 1
             STALENESS.observe(latest - e.version)
         if gone.done():  # nobody will read this answer: give the groups back now, not after lease_s
             async with S.cond:
-                if bid in S.leases:
-                    return_lease(bid)
+                if S.deadlines.pop(bid, None) is not None:
+                    book.return_lease(bid)
                     JOURNAL.append({"t": "expire", "batch_id": bid})
                     S.cond.notify_all()
-        return lease_answer(bid, entries, S.counters["groups_dropped_stale"] - before, latest)
+        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, latest)
     finally:
         gone.cancel()
 
-def open_lease(batch_id: str) -> Lease:
+def open_lease(batch_id: str) -> Held:
     """The open lease `batch_id`, or the 409/410/404 that says why there is none."""
-    if batch_id in S.acked:
+    if batch_id in S.book.acked:
         raise HTTPException(409, f"batch {batch_id} was already acked")
-    if batch_id in S.expired:
+    if batch_id in S.book.expired:
         raise HTTPException(410, f"lease of batch {batch_id} expired; its groups went back to the buffer")
-    if batch_id not in S.leases:
+    if batch_id not in S.book.leases:
         raise HTTPException(404, f"no open lease with batch_id {batch_id}")
-    return S.leases[batch_id]
+    return S.book.leases[batch_id]
 
 @app.post("/v1/batches/{batch_id}/ack", openapi_extra=scope("trainer"))
 async def ack_batch(batch_id: str = BatchId) -> dict:
     """The trainer's update from this batch is safe: its groups are consumed for good."""
     async with S.cond:
-        lease = open_lease(batch_id)
-        del S.leases[batch_id]
-        S.acked.add(batch_id, len(lease.entries))
+        held, deadline = open_lease(batch_id), S.deadlines.pop(batch_id)
+        groups = S.book.ack(batch_id)
         fut = JOURNAL.append({"t": "ack", "batch_id": batch_id})
     try:
         await fut
     except journal.JournalWriteError:
-        S.acked.pop(batch_id, None)
-        S.leases[batch_id] = lease
+        S.book.unack(batch_id, held)
+        S.deadlines[batch_id] = deadline
         raise
-    S.counters["groups_acked"] += len(lease.entries)
-    S.counters["batches_acked"] += 1
-    return {"acked": len(lease.entries)}
+    return {"acked": groups}
 
 @app.post("/v1/batches/{batch_id}/renew", openapi_extra=scope("trainer"))
 async def renew_batch(batch_id: str = BatchId) -> dict:
     """Extend an open lease to lease_s from now (the trainer holds it until the checkpoint with its update)."""
     async with S.cond:
-        lease = open_lease(batch_id)
+        held, deadline = open_lease(batch_id), S.deadlines[batch_id]
         # extended before the write, so that it cannot run out while the write is under way
-        S.leases[batch_id] = lease._replace(deadline=time.monotonic() + ARGS.lease_s, lease_s=ARGS.lease_s)
+        S.deadlines[batch_id] = time.monotonic() + ARGS.lease_s
+        S.book.renew(batch_id, ARGS.lease_s)
         fut = JOURNAL.append({"t": "renew", "batch_id": batch_id, "lease_s": ARGS.lease_s})
     try:
         await fut
     except journal.JournalWriteError:
-        if batch_id in S.leases:
-            S.leases[batch_id] = lease
+        if batch_id in S.book.leases:
+            S.deadlines[batch_id] = deadline
+            S.book.renew(batch_id, held.lease_s)
         raise
     return {"batch_id": batch_id, "expires_in_s": ARGS.lease_s}
 
@@ -558,7 +514,7 @@ async def register_adapter(req: RegisterRequest) -> dict:
 
 async def register(req: RegisterRequest, adopted: bool = False) -> dict:
     async with REGISTER_LOCK:  # check, verify, journal, then apply: no one sees a version that may not stick
-        if S.done:
+        if S.book.done:
             raise HTTPException(409, f"the run is over: version {S.latest} was registered as final")
         if req.version <= S.latest:
             raise HTTPException(409, f"version {req.version} is not newer than the latest {S.latest}")
@@ -571,10 +527,7 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
         finally:
             S.pending_version = 0
         async with S.cond:
-            S.versions.add(**v, registered=None if adopted else time.monotonic())
-            S.done = req.final
-            dropped = drop_stale()
-            S.window.advance(S.latest - ARGS.max_staleness)  # what is older would be answered `stale` anyway
+            dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
             S.cond.notify_all()
             return {"latest_version": S.latest, "dropped_stale": dropped}
 
@@ -583,16 +536,16 @@ async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float 
     """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
     proxy registered it, on its own clock (null if it did not, e.g. before a restart)."""
     async with S.cond:
-        await wait_until(lambda: S.latest > after or S.done, wait_s)
-        v = S.versions.last
-        return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.done,
+        await wait_until(lambda: S.latest > after or S.book.done, wait_s)
+        v = S.book.versions.last
+        return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
                 "max_staleness": ARGS.max_staleness,
                 "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
 
 def registered(version: int) -> None:
     if DOWNLOADS is None:
         raise HTTPException(404, "this proxy has no bucket: there are no adapter files to hand out")
-    if version not in S.versions:
+    if version not in S.book.versions:
         raise HTTPException(404, f"version {version} is not registered (latest {S.latest})")
 
 @app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))
@@ -640,6 +593,12 @@ async def whoami(request: Request) -> dict:
 @app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:
     return stats()
+
+@app.get("/v1/state", openapi_extra=scope("trainer"))
+async def get_state() -> dict:
+    """The book in full (book.Book.state): group ids in buffer order, open leases, the duplicate window,
+    acked and expired batches, versions, counts. A restart rebuilds exactly this from the journal."""
+    return S.book.state()
 
 @app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:
