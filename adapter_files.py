@@ -10,7 +10,7 @@ and a `path`:
     object from the bucket itself (worker token; at most --max-downloads at once, 503 beyond).
 
 `path` is always offered: a worker tries `url` first and falls back to `path` if it fails. The worker
-checks every file's sha256 against meta.json either way (common.fetch_adapter_via_proxy).
+checks every file's sha256 against meta.json either way (proxy_client.fetch_adapter_via_proxy).
 
 Whether a bucket honours presigned URLs is not always documented (the Hugging Face Storage Buckets S3
 gateway does not say), so with --adapter-urls auto the proxy finds out at start: it writes a probe
@@ -20,9 +20,7 @@ bytes come back.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import re
 import sys
 
 import boto3
@@ -32,31 +30,22 @@ from botocore.exceptions import ClientError
 from fastapi import HTTPException
 from fastapi.responses import Response
 
-from common import ADAPTER_FILES, Bucket, adapter_prefix
+from common import ADAPTER_FILES, AdapterError, Bucket, adapter_prefix, check_meta
 
 FILES = ("meta.json", *ADAPTER_FILES)
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROBE_KEY = "access/presign-probe.bin"
 CHUNK = 1 << 20
 SEND_TIMEOUT_S = 60.0  # a client that reads nothing for this long loses its download (and its slot)
 
 
 def check_published(bucket: Bucket, version: int) -> None:
-    """422 unless version's meta.json is JSON for this version with a sha256 per adapter file, and the files
-    are in the bucket (the trainer writes files, then meta.json, then registers: all must be there)."""
+    """422 unless version's meta.json passes common.check_meta (the check every reader makes) and the files
+    it lists are in the bucket (the trainer writes files, then meta.json, then registers: all must be there)."""
     got = bucket.get(f"{adapter_prefix(version)}/meta.json")
-    if got is None:
-        raise HTTPException(422, f"version {version} has no meta.json in the bucket: publish it first")
     try:
-        meta = json.loads(got[0])
-    except ValueError:
-        raise HTTPException(422, f"meta.json of version {version} is not JSON") from None
-    if not isinstance(meta, dict) or meta.get("version") != version:
-        raise HTTPException(422, f"meta.json of version {version} describes version "
-                                 f"{meta.get('version') if isinstance(meta, dict) else None}")
-    files = meta.get("files")
-    if not isinstance(files, dict) or set(files) != set(ADAPTER_FILES) or not all(SHA256.match(str(v)) for v in files.values()):
-        raise HTTPException(422, f"meta.json of version {version} must give a sha256 for each of {list(ADAPTER_FILES)}")
+        check_meta(got and got[0], version)
+    except AdapterError as e:
+        raise HTTPException(422, f"{e}: publish it first" if got is None else str(e)) from None
     present = {k.rsplit("/", 1)[1] for k in bucket.list(f"{adapter_prefix(version)}/")}
     if missing := sorted(set(ADAPTER_FILES) - present):
         raise HTTPException(422, f"version {version}: {missing} missing from the bucket")

@@ -4,8 +4,8 @@ Every script of the run (proxy.py, rollout.py, train.py) imports this file; on H
 travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README). Sections:
 
   1. bucket          S3 client from the environment, put/get that wait out outages, JSON helpers
-  2. adapters        versioned publish (files -> meta.json -> conditional latest.json) and verified fetch
-                     (from the bucket, or through the URLs the proxy hands out: no bucket keys)
+  2. adapters        versioned publish (files -> meta.json -> conditional latest.json), the one meta.json
+                     check, and the verified fetch from the bucket (through the proxy: proxy_client.py)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, zero-std groups, the policy objectives (ppo, cispo, decoupled)
   5. command lines   CLI args without the files HF Jobs ships beside the script
@@ -20,22 +20,18 @@ import copy
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 import boto3
-import httpx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
-
-if TYPE_CHECKING:  # for annotations only: proxy_client.py imports this module
-    from proxy_client import ProxyClient
-
 
 class _LazyTorch:
     """torch, imported on first use. The proxy needs none of it: without torch it starts in a
@@ -293,16 +289,40 @@ class AdapterError(RuntimeError):
     """A published adapter that must not be loaded (missing, partial, corrupt, or does not fit)."""
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_meta(data: bytes | None, version: int) -> dict:
+    """The one check of a version's meta.json (the trainer's publish, a worker's fetch from the bucket or
+    through the proxy, the proxy's registration): JSON describing this version, a sha256 for each adapter
+    file, and the LoRA's rank and target modules. Returns it; raises AdapterError saying what is wrong."""
+    if data is None:
+        raise AdapterError(f"version {version}: no meta.json (not published, or upload incomplete)")
+    try:
+        meta = json.loads(data)
+    except ValueError as e:
+        raise AdapterError(f"version {version}: meta.json is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("version") != version:
+        raise AdapterError(f"version {version}: meta.json describes version "
+                           f"{meta.get('version') if isinstance(meta, dict) else None}")
+    files = meta.get("files")
+    if not isinstance(files, dict) or set(files) != set(ADAPTER_FILES) or not all(_SHA256.match(str(v)) for v in files.values()):
+        raise AdapterError(f"version {version}: meta.json must give a sha256 for each of {list(ADAPTER_FILES)}, "
+                           f"not {sorted(files) if isinstance(files, dict) else files!r}")
+    lora = meta.get("lora")
+    targets = lora.get("target_modules") if isinstance(lora, dict) else None
+    if not (isinstance(lora, dict) and type(lora.get("r")) is int and lora["r"] >= 1
+            and (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise AdapterError(f"version {version}: meta.json's lora must give r (an integer >= 1) and target_modules")
+    return meta
+
+
 def fetch_adapter(bucket: Bucket, version: int, dest: str | Path) -> dict:
     """Download version `version` into `dest` and verify every file against meta.json's sha256."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    meta = bucket.get_json(f"{adapter_prefix(version)}/meta.json")
-    if meta is None:
-        raise AdapterError(f"version {version}: no meta.json (not published, or upload incomplete)")
-    if set(meta.get("files", {})) != set(ADAPTER_FILES):
-        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
-                           f"expected {list(ADAPTER_FILES)}")
+    got = bucket.get(f"{adapter_prefix(version)}/meta.json")
+    meta = check_meta(got and got[0], version)
     for name, want in meta["files"].items():
         got = bucket.get(f"{adapter_prefix(version)}/{name}")
         if got is None:
@@ -312,74 +332,6 @@ def fetch_adapter(bucket: Bucket, version: int, dest: str | Path) -> dict:
             raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
         (dest / name).write_bytes(got[0])
     return meta
-
-
-def fetch_adapter_via_proxy(client: "ProxyClient", version: int, dest: str | Path) -> dict:
-    """fetch_adapter for a worker without bucket keys: the files come through the URLs the proxy hands
-    out (`GET /v1/adapters/{version}/files`: a presigned bucket URL, or the proxy streaming the file;
-    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. Files are
-    streamed to disk (an adapter can be a GB) and renamed into place only once they verify."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    files = client.get(f"/v1/adapters/{version}/files")["files"]
-    meta = proxy_adapter_meta(client, version, files)
-    for name, want in meta["files"].items():
-        part = dest / f".{name}.part"
-        digest = _download(client, files[name], part, f"version {version}: {name}")
-        if digest != want:
-            part.unlink(missing_ok=True)
-            raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
-        os.replace(part, dest / name)
-    return meta
-
-
-def proxy_adapter_meta(client: "ProxyClient", version: int, files: dict | None = None) -> dict:
-    """Version `version`'s meta.json through the proxy's URLs, checked to describe that version's files."""
-    files = files or client.get(f"/v1/adapters/{version}/files")["files"]
-    try:
-        meta = json.loads(_download(client, files["meta.json"], None, f"version {version}: meta.json"))
-    except ValueError as e:
-        raise AdapterError(f"version {version}: meta.json is not JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("version") != version:
-        raise AdapterError(f"version {version}: meta.json describes version "
-                           f"{meta.get('version') if isinstance(meta, dict) else None}")
-    if set(meta.get("files", {})) != set(ADAPTER_FILES):
-        raise AdapterError(f"version {version}: meta.json lists {sorted(meta.get('files', {}))}, "
-                           f"expected {list(ADAPTER_FILES)}")
-    return meta
-
-
-def _download(client: "ProxyClient", entry: dict, path: Path | None, what: str) -> bytes | str:
-    """GET entry["url"] (falling back to entry["path"] on the proxy): the bytes (path None), or the sha256 of
-    what was written to `path`. The proxy token goes only to the proxy, never to a presigned bucket URL."""
-    errors = []
-    for url in dict.fromkeys([entry["url"], entry["path"]]):
-        on_proxy = url.startswith("/")
-        own = None if on_proxy else httpx.Client(timeout=httpx.Timeout(10, read=120), follow_redirects=True)
-        try:
-            for _ in range(5):  # 503 + Retry-After: the proxy streams a few downloads at a time
-                with (client.http if on_proxy else own).stream("GET", url) as r:
-                    if r.status_code == 503:
-                        time.sleep(float(r.headers.get("Retry-After", "2")))
-                        continue
-                    r.raise_for_status()
-                    if path is None:
-                        return r.read()
-                    h = hashlib.sha256()
-                    with open(path, "wb") as f:
-                        for chunk in r.iter_bytes(1 << 20):
-                            h.update(chunk)
-                            f.write(chunk)
-                    return h.hexdigest()
-            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: still busy")
-        except httpx.HTTPStatusError as e:
-            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: HTTP {e.response.status_code}")
-        except httpx.HTTPError as e:
-            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: {type(e).__name__}")
-        finally:
-            if own is not None:
-                own.close()
-    raise AdapterError(f"{what}: download failed ({'; '.join(errors)})")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The proxy client every role uses (rollout.py, train.py, evaluate.py, the launcher's token commands),
-and the record in the run's prefix that says where the proxy answers now.
+the record in the run's prefix that says where the proxy answers now, and adapter downloads for a
+worker without bucket keys (the URLs the proxy hands out, each file checked against meta.json).
 
 A call waits out an unreachable proxy or a 5xx for as long as its patience says (common.patiently),
 honours 429 + Retry-After (backpressure, counted), and raises ProxyError at once on any other 4xx.
@@ -7,14 +8,16 @@ honours 429 + Retry-After (backpressure, counted), and raises ProxyError at once
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
-from common import Bucket, log, patiently
+from common import AdapterError, Bucket, check_meta, log, patiently
 
 # On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
 # run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
@@ -173,3 +176,65 @@ class ProxyClient:
 
     def post(self, path: str, body: Any = None) -> Any:
         return self._call("POST", path, json=body)
+
+
+# ---------------------------------------------------------------------------------------------
+# adapters for a worker without bucket keys: through the URLs the proxy hands out
+
+
+def fetch_adapter_via_proxy(client: ProxyClient, version: int, dest: str | Path) -> dict:
+    """fetch_adapter for a worker without bucket keys: the files come through the URLs the proxy hands
+    out (`GET /v1/adapters/{version}/files`: a presigned bucket URL, or the proxy streaming the file;
+    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. Files are
+    streamed to disk (an adapter can be a GB) and renamed into place only once they verify."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    files = client.get(f"/v1/adapters/{version}/files")["files"]
+    meta = proxy_adapter_meta(client, version, files)
+    for name, want in meta["files"].items():
+        part = dest / f".{name}.part"
+        digest = _download(client, files[name], part, f"version {version}: {name}")
+        if digest != want:
+            part.unlink(missing_ok=True)
+            raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
+        os.replace(part, dest / name)
+    return meta
+
+
+def proxy_adapter_meta(client: ProxyClient, version: int, files: dict | None = None) -> dict:
+    """Version `version`'s meta.json through the proxy's URLs, checked to describe that version's files."""
+    files = files or client.get(f"/v1/adapters/{version}/files")["files"]
+    return check_meta(_download(client, files["meta.json"], None, f"version {version}: meta.json"), version)
+
+
+def _download(client: ProxyClient, entry: dict, path: Path | None, what: str) -> bytes | str:
+    """GET entry["url"] (falling back to entry["path"] on the proxy): the bytes (path None), or the sha256 of
+    what was written to `path`. The proxy token goes only to the proxy, never to a presigned bucket URL."""
+    errors = []
+    for url in dict.fromkeys([entry["url"], entry["path"]]):
+        on_proxy = url.startswith("/")
+        own = None if on_proxy else httpx.Client(timeout=httpx.Timeout(10, read=120), follow_redirects=True)
+        try:
+            for _ in range(5):  # 503 + Retry-After: the proxy streams a few downloads at a time
+                with (client.http if on_proxy else own).stream("GET", url) as r:
+                    if r.status_code == 503:
+                        time.sleep(float(r.headers.get("Retry-After", "2")))
+                        continue
+                    r.raise_for_status()
+                    if path is None:
+                        return r.read()
+                    h = hashlib.sha256()
+                    with open(path, "wb") as f:
+                        for chunk in r.iter_bytes(1 << 20):
+                            h.update(chunk)
+                            f.write(chunk)
+                    return h.hexdigest()
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: still busy")
+        except httpx.HTTPStatusError as e:
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: HTTP {e.response.status_code}")
+        except httpx.HTTPError as e:
+            errors.append(f"{'proxy' if on_proxy else 'presigned URL'}: {type(e).__name__}")
+        finally:
+            if own is not None:
+                own.close()
+    raise AdapterError(f"{what}: download failed ({'; '.join(errors)})")

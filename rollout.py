@@ -51,13 +51,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py besi
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from common import (WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter,  # noqa: E402
-                    fetch_adapter_via_proxy, log, new_group_id, proxy_adapter_meta)
+from common import WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter, log, new_group_id  # noqa: E402
 from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,  # noqa: E402
                      sample, swap_in, vllm_rank)
 from metrics import Metrics  # noqa: E402
 from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
-from proxy_client import ProxyClient, ProxyError  # noqa: E402
+from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta  # noqa: E402
 from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 

@@ -146,7 +146,7 @@ def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, sp
     assert listing["via"] == mode and set(listing["files"]) == {"meta.json", *common.ADAPTER_FILES}
     url = listing["files"]["adapter_model.safetensors"]["url"]
     assert ("X-Amz-Signature=" in url) if mode == "presigned" else (url == "/v1/adapters/1/files/adapter_model.safetensors")
-    meta = common.fetch_adapter_via_proxy(client, 1, tmp_path / "v1")
+    meta = proxy_client.fetch_adapter_via_proxy(client, 1, tmp_path / "v1")
     assert meta["version"] == 1
     for name, digest in meta["files"].items():
         assert hashlib.sha256((tmp_path / "v1" / name).read_bytes()).hexdigest() == digest
@@ -154,7 +154,7 @@ def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, sp
     key = "adapters/v000001/adapter_model.safetensors"
     bucket.put(key, bucket.get(key)[0] + b"!")
     with pytest.raises(common.AdapterError, match="adapter_model.safetensors sha256"):
-        common.fetch_adapter_via_proxy(client, 1, tmp_path / "v1-again")
+        proxy_client.fetch_adapter_via_proxy(client, 1, tmp_path / "v1-again")
     assert not (tmp_path / "v1-again" / "adapter_model.safetensors").exists()
     assert client.http.get("/v1/adapters/7/files").status_code == 404
     assert client.http.get("/v1/adapters/1/files/secrets.txt").status_code == 422
