@@ -53,7 +53,7 @@ from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_a
 from metrics import Metrics  # noqa: E402
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
 from proxy_client import ProxyClient, ProxyError  # noqa: E402
-from trainer_state import Ledger, Owner, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint  # noqa: E402
 from runconfig import record_config  # noqa: E402
 
 
@@ -281,7 +281,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 # a step's traffic: lease, publish, register, checkpoint + acks, and the final registration
 
 
-def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, stop: threading.Event) -> dict | None:
+def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups, bar, stop: threading.Event) -> dict | None:
     """Wait for a batch with something left to train on (the time spent here is the trainer starving
     for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`
     (the ids of those left out as already trained, from this batch and any passed over before it)."""
@@ -295,11 +295,11 @@ def lease(client: ProxyClient, args: Args, owner: Owner, ledger: Ledger, bar, st
             bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
             owner.check()  # a starving trainer is alive: keep its heartbeat fresh, and notice a takeover
             continue
-        got["fresh"], left_out = ledger.hold(got)
+        got["fresh"], left_out = trained.hold(got)
         skipped += left_out
         if got["fresh"]:
             return {**got, "skipped": skipped}
-        ledger.trained_on(got)  # nothing new in it: acked with the next checkpoint's batches
+        trained.trained_on(got)  # nothing new in it: acked with the next checkpoint's batches
     return None
 
 
@@ -332,15 +332,15 @@ def register(client: ProxyClient, owner: Owner, body: dict) -> None:
         say(f"version {body['version']} not registered: stopping, proxy unreachable ({e})")
 
 
-def checkpoint(bucket: Bucket, owner: Owner, metrics: Metrics, ledger: Ledger, model, opt, sched,
+def checkpoint(bucket: Bucket, owner: Owner, metrics: Metrics, trained: TrainedGroups, model, opt, sched,
                step: int, version: int) -> float:
-    """Save the weights with the ledger of the batches they hold, then ack those batches; returns
+    """Save the weights with the record of the batches they hold, then ack those batches; returns
     the seconds it took. The metrics of every step it holds are in the bucket before it is."""
     t0 = time.time()
     owner.check()
     metrics.flush(wait=True)
-    save_checkpoint(bucket, model, opt, sched, {"step": step, "version": version, "ledger": ledger.state()})
-    ledger.ack_all(owner)
+    save_checkpoint(bucket, model, opt, sched, {"step": step, "version": version, "trained": trained.state()})
+    trained.ack_all(owner)
     return time.time() - t0
 
 
@@ -452,26 +452,27 @@ def main(args: Args) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     state = None if args.fresh else load_checkpoint(bucket, model, opt, sched)
     state = state or {"step": 0, "version": 0}
-    ledger = Ledger(client, state.get("ledger"), say)
+    # "ledger": the key of checkpoints written before the record was called TrainedGroups
+    trained = TrainedGroups(client, state.get("trained") or state.get("ledger"), say)
     try:
         proxy_latest = client.get("/v1/adapters/latest")
     except httpx.HTTPError as e:  # the client waits out outages: this means SIGTERM
         raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
-    ledger.max_staleness = proxy_latest.get("max_staleness", ledger.max_staleness)
+    trained.max_staleness = proxy_latest.get("max_staleness", trained.max_staleness)
     # versions only go up, across restarts too: continue after the newest published one even if
     # the checkpoint is older (its weights win, its version number does not)
     published = bucket.get_json("adapters/latest.json")
     version = max(state["version"], published["version"] if published else 0, proxy_latest["version"])
     if state["step"]:
         say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
-    ledger.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
+    trained.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
     steps_since_publish = 1 if version != state["version"] else 0  # the weights we hold are not `version`'s
     t_start, done, last_ckpt, ckpt_s, pushed = time.time(), state["step"], state["step"], None, -1
     bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
                total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        got = lease(client, args, owner, ledger, bar, stop)
+        got = lease(client, args, owner, trained, bar, stop)
         if got is None:
             break
         t1 = time.time()
@@ -482,7 +483,7 @@ def main(args: Args) -> None:
         opt.step()
         sched.step()
         t2 = time.time()
-        ledger.trained_on(got)
+        trained.trained_on(got)
         steps_since_publish, done, final = steps_since_publish + 1, step, step == args.max_steps
         # batch_id and the groups left out let anyone audit from the proxy's journal what each step trained on
         row = {"step": step, "batch_id": got["batch_id"], "groups/already_trained": len(got["skipped"]),
@@ -504,7 +505,7 @@ def main(args: Args) -> None:
         metrics.log(row)
         ckpt_s = None
         if step % args.checkpoint_every == 0 or final or stop.is_set():
-            ckpt_s, last_ckpt = checkpoint(bucket, owner, metrics, ledger, model, opt, sched, step, version), step
+            ckpt_s, last_ckpt = checkpoint(bucket, owner, metrics, trained, model, opt, sched, step, version), step
         bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
                         wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
         by_lag = " ".join(f"{k.split('/')[1]}:{v}" for k, v in st.items() if k.startswith("stale/") and k.endswith("/groups"))
@@ -514,7 +515,7 @@ def main(args: Args) -> None:
         if stop.is_set():
             break
     if stop.is_set() and last_ckpt != done:  # SIGTERM while waiting for a batch
-        checkpoint(bucket, owner, metrics, ledger, model, opt, sched, done, version)
+        checkpoint(bucket, owner, metrics, trained, model, opt, sched, done, version)
     final = register_final(client, bucket, owner, model, args, version, done) if done >= args.max_steps else None
     if final is None and stop.is_set():
         say(f"SIGTERM: checkpoint at step {done}, exiting")

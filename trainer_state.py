@@ -1,9 +1,9 @@
 """What keeps one trainer's progress durable across crashes and relaunches (train.py uses it):
 
-  1. checkpoints   adapter, optimizer, scheduler, RNG, step, version and the ledger, each file with its
+  1. checkpoints   adapter, optimizer, scheduler, RNG, step, version and the trained groups, each file with its
                    sha256, then the checkpoints/latest.json pointer
   2. ownership     one trainer per run: trainer/owner.json, a conditional-write claim with a heartbeat
-  3. the ledger    batches acked only after the checkpoint that holds their update; groups our weights
+  3. trained groups batches acked only after the checkpoint that holds their update; groups our weights
                    hold are never trained twice, whatever a lease expiry hands out again
 """
 from __future__ import annotations
@@ -129,12 +129,12 @@ class Owner:
 
 
 # ---------------------------------------------------------------------------------------------
-# the ledger: a batch is acked only after the checkpoint that holds its update, so a crash costs the
+# the trained groups: a batch is acked only after the checkpoint that holds its update, so a crash costs the
 # steps since that checkpoint and their groups go back to the buffer (re-checked for staleness)
 # instead of being consumed by weights that died with the trainer.
 
 
-class Ledger:
+class TrainedGroups:
     """The batches whose update our weights hold and that the proxy has not recorded as acked
     (`unacked`, saved in each checkpoint), and every group our weights hold that the proxy might
     still hand out (`trained`: group_id -> policy_version). A thread renews our open leases. If one
@@ -176,7 +176,7 @@ class Ledger:
     def ack_all(self, owner: "Owner") -> None:
         """Ack every batch a checkpoint now holds. 409 (already acked) is our own earlier ack; 410/404
         (the lease ran out) leaves its groups in `trained`. Gives up only when we are stopping (the
-        proxy unreachable after SIGTERM): the checkpoint's ledger acks them at the next start."""
+        proxy unreachable after SIGTERM): the checkpoint's record of them acks them at the next start."""
         if self.unacked:
             owner.check()  # a takeover's old owner must not consume groups the new one has not trained
         for bid in list(self.unacked):
@@ -192,7 +192,7 @@ class Ledger:
                              f"groups are in our weights already and will be dropped if handed out again")
             except httpx.HTTPError as e:
                 self.say(f"stopping with {len(self.unacked)} batch(es) unacked ({type(e).__name__}): the checkpoint's "
-                         f"ledger acks them at the next start")
+                         f"record of trained groups acks them at the next start")
                 return
             with self.lock:
                 groups = self.unacked.pop(bid)
