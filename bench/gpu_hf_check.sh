@@ -7,7 +7,7 @@
 # sampler/trainer logprob difference in bf16. The full check with vLLM stays bench/gpu_check.sh.
 #
 #   .venv/bin/python bench/gpu_wheels.py download   # once, here, with PyPI: wheels-gpu/ (22.5 MiB) and wheels-rehearsal/
-#   bash bench/gpu_hf_check.sh --cpu-smoke          # here, no GPU: the whole command on tiny models (~3 min)
+#   bash bench/gpu_hf_check.sh --cpu-smoke [DIR [--no-emulate]]   # here, no GPU: the whole command on tiny models (~2 min)
 #   bash bench/gpu_hf_check.sh                      # on the GPU machine: results in $OUT (or bench/)
 #
 # On the GPU machine, through the device tool (one call; the machine has 15 minutes in all):
@@ -32,32 +32,43 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 WHEELS=${WHEELS:-wheels-gpu}
 [ -d "$WHEELS" ] || { echo "no $WHEELS/: run '.venv/bin/python bench/gpu_wheels.py download' on a machine with PyPI" >&2; exit 2; }
-if [ "${1:-}" = "--cpu-smoke" ]; then
-  PY=${PYTHON:-.venv/bin/python}
-  OUTDIR=${2:-bench}
-  SITE=$(mktemp -d /tmp/gpu-hf-site.XXXXXX)
-  STACK=$(mktemp -d /tmp/gpu-hf-stack.XXXXXX)
-  trap 'rm -rf "$SITE" "$STACK"' EXIT
+smoke() {  # OUTDIR, SITE, STACK, PY set
+  local t0
   t0=$(date +%s)
   "$PY" bench/gpu_wheels.py install --all --wheels "$WHEELS" wheels-rehearsal/cp311 --target "$SITE"
-  if [ "${3:-}" != "--no-emulate" ] && [ -d wheels-rehearsal/stack ]; then
+  if [ "$EMULATE" = 1 ] && [ -d wheels-rehearsal/stack ]; then
     "$PY" bench/gpu_wheels.py install --all --allow-protected --wheels wheels-rehearsal/stack --target "$STACK"
   fi
   export PYTHONPATH=$SITE:$STACK
   "$PY" bench/gpu_wheels.py verify --target "$SITE" --json "$OUTDIR/gpu_hf_check_cpu_smoke_stack.json"
-  "$PY" bench/gpu_hf_check.py --cpu-smoke --out "$OUTDIR/gpu_hf_check_cpu_smoke.json" 2>&1 | tee "$OUTDIR/gpu_hf_check_cpu_smoke.log"
+  "$PY" bench/gpu_hf_check.py --cpu-smoke --out "$OUTDIR/gpu_hf_check_cpu_smoke.json"
   echo "cpu-smoke: $(( $(date +%s) - t0 )) s in all"
+}
+gpu() {  # OUTDIR, SITE, PY set; arguments go to gpu_hf_check.py
+  local t0
+  t0=$(date +%s)
+  "$PY" bench/gpu_wheels.py install --wheels "$WHEELS" --target "$SITE"
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  "$PY" bench/gpu_wheels.py verify --target "$SITE" --json "$OUTDIR/stack.json"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
+  echo "setup: $(( $(date +%s) - t0 )) s"
+  # the check keeps to its --budget-s (500 s from its own start); timeout is the backstop, so that the
+  # whole command ends inside the tool's timeout_s (570) and what is in $OUT comes back
+  timeout $(( 555 - ($(date +%s) - t0) )) "$PY" bench/gpu_hf_check.py --out "$OUTDIR/gpu_hf_check.json" "$@"
+}
+if [ "${1:-}" = "--cpu-smoke" ]; then
+  PY=${PYTHON:-.venv/bin/python}
+  OUTDIR=${2:-bench}
+  EMULATE=1
+  [ "${3:-}" = "--no-emulate" ] && EMULATE=0
+  SITE=$(mktemp -d /tmp/gpu-hf-site.XXXXXX)
+  STACK=$(mktemp -d /tmp/gpu-hf-stack.XXXXXX)
+  trap 'rm -rf "$SITE" "$STACK"' EXIT
+  smoke 2>&1 | tee "$OUTDIR/gpu_hf_check_cpu_smoke.log"
   exit 0
 fi
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-bench}
 SITE=$(mktemp -d /tmp/gpu-hf-site.XXXXXX)
-t0=$(date +%s)
-"$PY" bench/gpu_wheels.py install --wheels "$WHEELS" --target "$SITE"
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-"$PY" bench/gpu_wheels.py verify --target "$SITE" --json "$OUTDIR/stack.json"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
-echo "setup: $(( $(date +%s) - t0 )) s"
-# the check keeps to its --budget-s (500 s from its own start); timeout is the backstop, so that the
-# whole command ends inside the tool's timeout_s (570) and what is in $OUT comes back
-timeout $(( 555 - ($(date +%s) - t0) )) "$PY" bench/gpu_hf_check.py --out "$OUTDIR/gpu_hf_check.json" "$@" 2>&1 | tee "$OUTDIR/gpu_hf_check.log"
+trap 'rm -rf "$SITE"' EXIT
+gpu "$@" 2>&1 | tee "$OUTDIR/gpu_hf_check.log"
