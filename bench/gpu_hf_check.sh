@@ -10,7 +10,8 @@
 #   bash bench/gpu_hf_check.sh --cpu-smoke [DIR [--no-emulate]]   # here, no GPU: the whole command on tiny models (~2 min)
 #   bash bench/gpu_hf_check.sh                      # on the GPU machine: results in $OUT (or bench/)
 #
-# On the GPU machine, through the device tool (one call; the machine has 15 minutes in all):
+# On the GPU machine, through the device tool (one call; the machine has 15 minutes in all). The tool
+# sends the session's own checkout: wheels-gpu/ is ignored, so download it there first.
 #   run(command="PYTHONUNBUFFERED=1 bash bench/gpu_hf_check.sh", carry=["wheels-gpu"], timeout_s=570)
 # It writes $OUT/gpu_hf_check.json (rewritten after every item), $OUT/gpu_hf_check.log and
 # $OUT/stack.json, and prints the table last.
