@@ -3,6 +3,8 @@
 # what it measures: trainer step time and peak memory in bf16 for Qwen2.5-0.5B/1.5B and 7B in 4-bit,
 # vLLM tokens/s with and without a LoRA, hot-swap latency, vLLM's bf16 logprobs against the
 # trainer's recompute). Models are built from configs/ with random weights; nothing is downloaded.
+# For a GPU machine that cannot install vLLM (its own Python and torch, no network, 64 MiB carried:
+# this workplace's nvidia-h200), use bench/gpu_hf_check.sh instead (docs/gpu.md).
 #
 #   bash bench/gpu_check.sh --download-wheels wheels/     # once, on a machine with PyPI (Linux x86_64 wheels, CPython 3.11)
 #   bash bench/gpu_check.sh --install-wheels wheels/      # on the GPU machine, offline: .venv-gpu from those wheels only
