@@ -1,4 +1,4 @@
-"""The memory model (memory.py): exact parameter counts against the real architectures, the README
+"""The memory model (memory.py): exact parameter counts against the real architectures, the docs
 table generated from it, configs found offline, and launch_hf.py refusing a layout that cannot fit
 (with advice that itself passes the check). Measured peaks on this CPU: bench/memory_check.py, run
 here on SmolLM2-135M with small shapes."""
@@ -32,9 +32,9 @@ def test_counts_match_the_real_architecture(path, tmp_path):
     assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == arch.lora_params(16)
 
 
-def test_readme_table_is_the_models_output():
-    readme = (ROOT / "README.md").read_text()
-    assert memory.table() in readme, "README's memory table differs from `python memory.py --table`: paste it again"
+def test_the_docs_table_is_the_models_output():
+    readme = (ROOT / "docs" / "memory.md").read_text()
+    assert memory.table() in readme, "docs/memory.md's table differs from `python memory.py --table`: paste it again"
 
 
 def test_constants_agree_with_the_code_they_model():
