@@ -1,7 +1,9 @@
-"""Small shared pieces of the async GRPO run: bucket, adapter versions, group schema, GRPO math, HTTP.
+"""The contract every role of the async GRPO run shares: bucket, adapter versions, group schema, GRPO math.
 
-Every script of the run (proxy.py, rollout.py, train.py) imports this file; on Hugging Face Jobs it
-travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README). Sections:
+Every script (proxy.py, rollout.py, train.py, evaluate.py, report.py, launch_hf.py) imports this module
+before any other of ours, and importing it puts the lib/ folders on sys.path: the modules each script
+imports live in lib/<who uses them>/ (docs/DESIGN.md, section 2). On Hugging Face Jobs every file a job
+ships lands flat beside its script (/data), so there is nothing to add there. Sections:
 
   1. bucket          S3 client from the environment, put/get that wait out outages, JSON helpers
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json), the one meta.json
@@ -9,10 +11,6 @@ travels beside the script (`hf jobs uv run rollout.py common.py ...`, see README
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
   4. math            GRPO group advantages, zero-std groups, the policy objectives (ppo, cispo, decoupled)
   5. command lines   CLI args without the files HF Jobs ships beside the script
-
-Beside it: proxy_client.py (the proxy client and the proxy's address record), metrics.py (JSONL
-metrics in the bucket, trackio), models.py (loading, chat-template prompts, shared-prefix
-logprobs), tasks.py, runconfig.py (the configuration each role records at start), hub.py.
 """
 from __future__ import annotations
 
@@ -32,6 +30,10 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+
+# the lib/ folders beside this file, after the script's own folder (sys.path[0]) and before site-packages
+sys.path[1:1] = [str(d) for d in sorted((Path(__file__).resolve().parent / "lib").glob("*/")) if str(d) not in sys.path]
+
 
 class _LazyTorch:
     """torch, imported on first use. The proxy needs none of it: without torch it starts in a

@@ -15,7 +15,7 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        evaluate.py common.py models.py proxy_client.py runconfig.py tasks.py \
+        evaluate.py common.py lib/shared/models.py lib/shared/proxy_client.py lib/shared/runconfig.py lib/shared/tasks.py -- \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
@@ -42,15 +42,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
-import httpx  # noqa: E402
-import torch  # noqa: E402
+import httpx
+import torch
 
-from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
-from proxy_client import ProxyClient  # noqa: E402
-from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
-from runconfig import record_config  # noqa: E402
-from tasks import load_task  # noqa: E402
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args
+from proxy_client import ProxyClient
+from models import LOCAL_MODEL, encode_prompt, load_base, pad_left
+from runconfig import record_config
+from tasks import load_task
 
 
 @dataclass

@@ -43,13 +43,15 @@ from typing import Literal
 
 import tyro
 
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import script_args
 import memory
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
                      load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
-                     secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+                     modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
 from supervisor import Policy, Supervisor
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = Path(__file__).resolve().parent
 POLL_S = 5.0                    # seconds between looks at the proxy job while it starts
 HUB_MIN = "1.24"                # the first huggingface_hub with everything below (see check_hub)
 # $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h
@@ -98,6 +100,9 @@ class Args:
     """also start the supervisor as a small CPU job (it relaunches any job that ends before the run is done)"""
     dry_run: bool = False
     """print the exact commands; submit nothing (asks the Hub only who you are, for the namespace)"""
+    print_command: str | None = None
+    """ROLE: print only the exact `hf jobs uv run` command of one job of the run (proxy, trainer, supervisor,
+    rollout = rollout-1, or rollout-N), every file it ships included; submit nothing"""
     ignore_memory_check: bool = False
     """launch even if the memory model (memory.py) says the trainer or a worker will not fit its GPU"""
     status: str | None = None
@@ -150,8 +155,9 @@ def prompts_key(args: Args) -> str | None:
 
 def sources(args: Args) -> dict[str, Path]:
     """Every file a job of the run ships, by the name it has in the job's /data -> where it is here."""
+    ours = modules()
     names = {n for script in ROLE_SCRIPTS for n in (script, *shipped(script))}
-    return {n: Path(ROOT) / n for n in sorted(names)}
+    return {n: ours[n[:-3]] for n in sorted(names)}
 
 
 def plan(args: Args, namespace: str) -> list[JobSpec]:
@@ -209,7 +215,9 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
         cmd += ["--secrets", s]
     for k, v in job.env.items():
         cmd += ["-e", f"{k}={v}"]
-    files = [str(local[f]) if f in local and local[f].name != f else f for f in job.files]
+    # a file of the repository by its path in it (the CLI uploads each by its basename: all land in /data)
+    files = [str(local[f].relative_to(ROOT)) if f in local and local[f].is_relative_to(ROOT) and local[f].name == f
+             else str(local[f]) if f in local else f for f in job.files]
     return " ".join(sh(w) for w in cmd + [job.script, *files, *job.args])
 
 
@@ -551,6 +559,19 @@ def tokens(args: Args) -> None:
             print(f"{p['name']:20s} {p['role']:8s} {limit(p):22s} {'revoked' if p['revoked_at'] else 'active'}")
 
 
+def print_command(args: Args) -> None:
+    """One job's command, alone on stdout (to copy, or to change a flag of: e.g. a worker with another
+    --worker-id); with the namespace unknown, it says "$HF_NAMESPACE" and stderr says how to set it."""
+    namespace = dry_run_namespace(args)
+    jobs = {j.role: j for j in plan(args, namespace or NS_VAR)}
+    want = "rollout-1" if args.print_command == "rollout" else args.print_command
+    if want not in jobs:
+        raise SystemExit(f"--print-command {args.print_command!r}: one of {', '.join(jobs)} (or rollout)")
+    if namespace is None:
+        print('# the command names "$HF_NAMESPACE": export HF_NAMESPACE=the user or org that runs the jobs', file=sys.stderr)
+    print(hf_command(jobs[want], args, namespace or NS_VAR, sources(args)))
+
+
 def dry_run(args: Args) -> None:
     namespace = dry_run_namespace(args)
     ns = namespace or NS_VAR
@@ -587,7 +608,6 @@ def dry_run(args: Args) -> None:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_EXPERIMENTAL_WARNING", "1")  # run_uv_job is "experimental": we know
     check_hub()
-    from common import script_args  # drops the files a supervisor job ships beside this script
     args = tyro.cli(Args, args=script_args(argv), prog="launch_jobs.sh")
     os.chdir(ROOT)  # the scripts are shipped by their relative names
     if args.status:
@@ -599,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.token_create or args.token_revoke or args.token_limit or args.token_list:
         return tokens(args)
     check_args(args)
+    if args.print_command:
+        return print_command(args)
     for note in check_fit(args):  # offline (HF_HUB_OFFLINE=1, no network): carried configs and local folders
         print(("# " if args.dry_run else "") + note, flush=True)
     if args.dry_run:

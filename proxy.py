@@ -10,13 +10,9 @@ prompt dispatch and the registry of published adapter versions. Workers and the 
 make outbound HTTP calls to it; it never calls them.
 
     python proxy.py --port 8000                      # loopback, token from PROXY_TOKEN
-    # a run's proxy on Hugging Face Jobs, by hand (README, "Run on Hugging Face Jobs"); then
-    # `bash launch_jobs.sh --watch my-run` adopts it and records its URL for the workers and the trainer
-    hf jobs uv run --flavor cpu-upgrade --expose 8000 --timeout 6h --label async-grpo-run=my-run \
-        --label role=proxy --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
-        -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        proxy.py access.py adapter_files.py common.py journal.py ledger.py metrics.py participants.py \
-        prompts.py proxy_client.py routing.py runconfig.py serving.py snapshots.py --host 0.0.0.0 --port 8000
+    # a run's proxy on Hugging Face Jobs by hand (docs/jobs.md): the launcher prints its exact command, every file
+    # it ships included; then `bash launch_jobs.sh --watch my-run` adopts it and records its URL for the others
+    bash launch_jobs.sh --print-command proxy --run my-run
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal
 (journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
@@ -42,28 +38,28 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared modules beside this file
-from fastapi import FastAPI, HTTPException, Path, Query, Request  # noqa: E402
-from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, Response  # noqa: E402
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest  # noqa: E402
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field, ValidationError  # noqa: E402
+from fastapi import FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-import access  # noqa: E402
-import journal  # noqa: E402
-from access import ADMIN, scope  # noqa: E402
-from common import Bucket, BucketError, ConflictError, TrajectoryGroup  # noqa: E402
-from metrics import Metrics, peak_rss_mb  # noqa: E402
-from adapter_files import FILES, Downloads, check_published  # noqa: E402
-from book import Book, Entry, Held  # noqa: E402
-from ledger import HEAD  # noqa: E402
-from participants import Senders  # noqa: E402
-from prompts import Cursors, PromptError  # noqa: E402
-from serving import Limits, serve  # noqa: E402
-from snapshots import Keeper  # noqa: E402
-from routing import install as install_routing  # noqa: E402
-from runconfig import record_config  # noqa: E402
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import Bucket, BucketError, ConflictError, TrajectoryGroup
+import access
+import journal
+from access import ADMIN, scope
+from metrics import Metrics, peak_rss_mb
+from adapter_files import FILES, Downloads, check_published
+from book import Book, Entry, Held
+from ledger import HEAD
+from participants import Senders
+from prompts import Cursors, PromptError
+from serving import Limits, serve
+from snapshots import Keeper
+from routing import install as install_routing
+from runconfig import record_config
 
 @dataclass
 class Args:

@@ -20,8 +20,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Bucket  # noqa: E402
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import Bucket
 
 
 @dataclass

@@ -12,13 +12,10 @@ restarting, samples G completions per prompt, scores them and posts each group t
 
     python rollout.py --proxy-url http://127.0.0.1:8000           # env: BUCKET, S3_ENDPOINT_URL, PROXY_TOKEN
     PROXY_TOKEN=agrpo_... python rollout.py --proxy-url URL       # no bucket keys: adapters through the proxy
-    # one more worker for a run on Hugging Face Jobs (README, "Run on Hugging Face Jobs"); it finds the
-    # proxy in the run's proxy/endpoint.json, which the launcher and the supervisor keep current
-    hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
-        --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
-        -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        rollout.py common.py engines.py metrics.py models.py proxy_client.py runconfig.py tasks.py \
-        --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
+    # one more worker for a run on Hugging Face Jobs (docs/jobs.md): the launcher prints the first worker's exact
+    # command; run it with another --worker-id and --label role=extra-1 (the supervisor relaunches the plan's roles
+    # only). It finds the proxy in the run's proxy/endpoint.json, which the launcher and the supervisor keep current
+    bash launch_jobs.sh --print-command rollout --run my-run
 
     python rollout.py --backend server --server-url http://127.0.0.1:8001   # drive an inference server you run
 
@@ -47,18 +44,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
-import httpx  # noqa: E402
-import torch  # noqa: E402
+import httpx
+import torch
 
-from common import WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter, log, new_group_id  # noqa: E402
-from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,  # noqa: E402
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter, log, new_group_id
+from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,
                      sample, swap_in, vllm_rank)
-from metrics import Metrics  # noqa: E402
-from models import LOCAL_MODEL, encode_prompt, load_base  # noqa: E402
-from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta  # noqa: E402
-from runconfig import record_config  # noqa: E402
-from tasks import load_task  # noqa: E402
+from metrics import Metrics
+from models import LOCAL_MODEL, encode_prompt, load_base
+from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta
+from runconfig import record_config
+from tasks import load_task
 
 
 @dataclass

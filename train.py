@@ -12,14 +12,10 @@ weights against the behaviour logprobs the workers recorded, and publishes a new
 to the bucket every `publish_every` steps.
 
     python train.py --max-steps 40                    # env: BUCKET, S3_ENDPOINT_URL, PROXY_URL, PROXY_TOKEN
-    # the trainer of a run on Hugging Face Jobs by hand, when no supervisor watches the run (README, "Run
-    # on Hugging Face Jobs"); it finds the proxy in the run's proxy/endpoint.json, takes the run's claim over
-    hf jobs uv run --flavor a10g-small --timeout 6h --label async-grpo-run=my-run --label role=trainer \
-        --secrets HF_TOKEN --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID \
-        --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run -e TRAINER_ID=my-run-trainer \
-        -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        train.py common.py hub.py metrics.py models.py proxy_client.py runconfig.py trainer_state.py \
-        --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
+    # the trainer of a run on Hugging Face Jobs by hand, when no supervisor watches the run (docs/jobs.md): the
+    # launcher prints its exact command; it finds the proxy in the run's proxy/endpoint.json and takes the run's
+    # claim over (same TRAINER_ID)
+    bash launch_jobs.sh --print-command trainer --run my-run
     python train.py --report-to trackio --push-to-hub me/qwen-gsm8k-grpo --push-every 50   # dashboard, Hub
 
 Departures from the GRPO paper, on purpose:
@@ -44,17 +40,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py beside this file
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import httpx
+import torch
+from tqdm import tqdm
 
-from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups  # noqa: E402
-from metrics import Metrics  # noqa: E402
-from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
-from proxy_client import ProxyClient, ProxyError  # noqa: E402
-from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint  # noqa: E402
-from runconfig import record_config  # noqa: E402
+# common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
+from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups
+from metrics import Metrics
+from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right
+from proxy_client import ProxyClient, ProxyError
+from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
+from runconfig import record_config
 
 
 def say(msg: str) -> None:

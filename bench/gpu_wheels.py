@@ -312,6 +312,7 @@ def cmd_verify(a) -> None:
                 if m != "bitsandbytes":
                     fails.append(f"{m} does not import")
     sys.path.insert(0, ROOT)
+    import common  # noqa: F401 - first of ours: puts the lib/ folders on sys.path
     for m in ("memory", "models", "engines", "train"):
         try:
             importlib.import_module(m)

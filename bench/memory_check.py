@@ -27,6 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import common  # noqa: E402,F401 - first of ours: puts the lib/ folders on sys.path
 
 
 def status_kb(field: str) -> int:

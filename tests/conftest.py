@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+SUPPORT = ROOT / "tests" / "support"   # the tests' own helpers (processes, forwarders, the Jobs emulator)
+sys.path[:0] = [str(ROOT), str(SUPPORT)]
+import common  # noqa: E402,F401 - as in every script: puts the lib/ folders on sys.path
 PY = sys.executable
 
 

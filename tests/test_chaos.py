@@ -16,7 +16,7 @@ import time
 import pytest
 
 import common
-from conftest import PY, ROOT, free_port, stop, wait_http
+from conftest import PY, ROOT, SUPPORT, free_port, stop, wait_http
 from runlib import Role, audit, check_adapters, journal, spool_is_empty, steps, wait_for
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_chaos(tiny_model, s3_env, tmp_path, run_name):
            "PROXY_URL": f"http://127.0.0.1:{proxy_port}", "PROXY_TOKEN": "chaos-token", "OMP_NUM_THREADS": "1",
            "TRAINER_ID": "chaos-trainer", "SPOOL_DIR": str(tmp_path / "spool")}
     roles = {
-        "s3": Role("s3", [PY, str(ROOT / "tests" / "tcp_forward.py"), str(s3_port), str(moto_port)], env, tmp_path),
+        "s3": Role("s3", [PY, str(SUPPORT / "tcp_forward.py"), str(s3_port), str(moto_port)], env, tmp_path),
         "proxy": Role("proxy", [PY, str(ROOT / "proxy.py"), "--port", str(proxy_port), "--group-size", "4",
                                 "--lease-s", "60", "--max-buffer", "32"], env, tmp_path),
         "worker": Role("worker", [PY, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",

@@ -15,6 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+import hf_jobs
 from conftest import ROOT
 
 SCRIPTS = ["proxy.py", "rollout.py", "train.py", "evaluate.py", "launch_hf.py"]
@@ -81,20 +82,20 @@ def imports(path, module_level_only: bool) -> set[str]:
 
 
 def third_party_imports(path, module_level_only: bool) -> set[str]:
-    local = {p.stem for p in ROOT.glob("*.py")}
+    local = set(hf_jobs.modules())
     return {m for m in imports(path, module_level_only)
             if m not in sys.stdlib_module_names and m not in local and m != "__future__"}
 
 
 def local_modules(script: str) -> set[str]:
     """The repository's modules a script imports, directly or through another of them."""
-    local = {p.stem for p in ROOT.glob("*.py")}
+    local = hf_jobs.modules()
     found, todo = set(), [ROOT / script]
     while todo:
-        for m in imports(todo.pop(), module_level_only=False) & local:
+        for m in imports(todo.pop(), module_level_only=False) & set(local):
             if m not in found and m != script[:-3]:
                 found.add(m)
-                todo.append(ROOT / f"{m}.py")
+                todo.append(local[m])
     return found
 
 
@@ -103,7 +104,7 @@ def test_header_declares_what_the_script_imports(script):
     declared = {canonicalize_name(Requirement(d).name) for d in header(script)["dependencies"]}
     mods = third_party_imports(ROOT / script, module_level_only=False)
     for m in local_modules(script):  # shipped beside it: their module-level imports run at import time
-        mods |= third_party_imports(ROOT / f"{m}.py", module_level_only=True)
+        mods |= third_party_imports(hf_jobs.modules()[m], module_level_only=True)
     dists = packages_distributions()
     for m in sorted(mods):
         if m in IMPORT_ALIASES:

@@ -11,7 +11,7 @@ import pytest
 import common
 
 import proxy_client
-from conftest import PY, ROOT, free_port, stop, wait_http
+from conftest import PY, ROOT, SUPPORT, free_port, stop, wait_http
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_bucket_call_waits_out_an_outage(s3_env, run_name, fast_cadence):
     once its retry quota is spent): the call waits, says so every 4 s, and returns the object."""
     moto_port = int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1])
     port = free_port()
-    fwd_cmd = [PY, str(ROOT / "tests" / "tcp_forward.py"), str(port), str(moto_port)]
+    fwd_cmd = [PY, str(SUPPORT / "tcp_forward.py"), str(port), str(moto_port)]
     fwd = subprocess.Popen(fwd_cmd)
     try:
         wait_http(f"http://127.0.0.1:{port}", fwd)

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ROOT, free_port, stop
+from conftest import ROOT, SUPPORT, free_port, stop
 from proxyproc import rss_hwm_mb, spawn  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
 
@@ -83,7 +83,7 @@ def test_2_a_journal_write_whose_answer_is_lost_is_recognised_as_ours(s3_env, sp
     answers the submission: nothing lost, nothing duplicated, and it keeps going."""
     lossy_port, s3_port = free_port(), s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]
     log = open(tmp_path / "lossy.log", "w")
-    fwd = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lossy_forward.py"), str(lossy_port), s3_port,
+    fwd = subprocess.Popen([sys.executable, str(SUPPORT / "lossy_forward.py"), str(lossy_port), s3_port,
                             "/rollouts/", "1"], stdout=log, stderr=log)
     try:
         time.sleep(0.5)
@@ -330,7 +330,7 @@ def test_9_answers_name_no_bucket_run_or_endpoint(s3_env, spawn, tmp_path):
     fwd_port, s3_port = free_port(), s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]
     secret_bucket, secret_run = f"secret-bucket-{secrets.token_hex(3)}", f"secret-run-{secrets.token_hex(3)}"
     common.Bucket(bucket=secret_bucket, run="x").ensure_bucket()
-    fwd = subprocess.Popen([sys.executable, str(ROOT / "tests" / "tcp_forward.py"), str(fwd_port), s3_port])
+    fwd = subprocess.Popen([sys.executable, str(SUPPORT / "tcp_forward.py"), str(fwd_port), s3_port])
     try:
         time.sleep(0.5)
         p = spawn("--bucket-patience-s", "3", env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}",

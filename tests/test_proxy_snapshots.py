@@ -8,7 +8,7 @@ import sys
 import time
 
 import journal
-from conftest import ROOT, free_port, stop
+from conftest import ROOT, SUPPORT, free_port, stop
 from ledger import Ledger
 from proxyproc import spawn  # noqa: F401 - a fixture
 from test_proxy import group, publish
@@ -53,7 +53,7 @@ def test_kill_9_during_a_snapshot_write_loses_nothing(s3_env, bucket, spawn, tmp
     after it: every group answered `accepted` is acked or buffered, once."""
     fwd_port, s3_port = free_port(), s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]
     log = open(tmp_path / "stall.log", "w")
-    fwd = subprocess.Popen([sys.executable, str(ROOT / "tests" / "lossy_forward.py"), str(fwd_port), s3_port,
+    fwd = subprocess.Popen([sys.executable, str(SUPPORT / "lossy_forward.py"), str(fwd_port), s3_port,
                             f"/{journal.SNAPSHOTS}", "1", "stall", "1"], stdout=log, stderr=log)
     accepted, acked = [], []
 

@@ -81,8 +81,10 @@ def role_config(role: str, args: Any, script: str) -> dict:
     sets them, the argv it got, package versions, the sha256 of the script and of each of our modules
     it loaded, host, start time."""
     here = os.path.dirname(os.path.abspath(script))
+    ours = {here, *(os.path.join(here, "lib", d) for d in os.listdir(os.path.join(here, "lib")))} \
+        if os.path.isdir(os.path.join(here, "lib")) else {here}  # in a job every file is beside the script
     loaded = {os.path.abspath(f) for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
-    files = [os.path.abspath(script)] + sorted(f for f in loaded if os.path.dirname(f) == here and os.path.isfile(f))
+    files = [os.path.abspath(script)] + sorted(f for f in loaded if os.path.dirname(f) in ours and os.path.isfile(f))
     fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(args)
     fields = {k: REDACTED if SECRET_NAME.search(k) and v else v for k, v in fields.items()}
     argv = [os.path.basename(script), *_redact_argv(script_args(sys.argv[1:]))]

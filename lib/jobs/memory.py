@@ -279,7 +279,7 @@ def config_for(model: str, hub: bool = True) -> tuple[dict | None, str]:
         return json.load(open(path)), path
     carried = os.path.join(CONFIGS, model.replace("/", "--") + ".json")
     if os.path.isfile(carried):
-        return json.load(open(carried)), f"configs/{os.path.basename(carried)}"
+        return json.load(open(carried)), f"lib/jobs/configs/{os.path.basename(carried)}"
     if not hub or os.environ.get("HF_HUB_OFFLINE") == "1":
         return None, f"no carried config for {model} and the Hub is not asked (offline)"
     try:

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import common
 from common import Bucket
 from proxy_client import write_proxy_endpoint
 
@@ -36,25 +37,32 @@ HF_S3_GATEWAY = "https://s3.hf.co"
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")   # huggingface_hub's TERMINAL_JOB_STAGES
 PLAN, STOP, LEASE, FILES = "launch/plan.json", "launch/stop.json", "launch/supervisor.json", "launch/files"
 CALLER_SECRETS = ("HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(common.__file__).resolve().parent  # the repository (in a job: /data, where every file lands)
+
+
+def modules() -> dict[str, Path]:
+    """Our importable modules by stem: the top-level scripts and common.py, and lib/*/*.py. Stems are unique
+    (a test checks it): in a job every file lands flat beside the script, under its own name."""
+    return {p.stem: p for p in [*ROOT.glob("*.py"), *ROOT.glob("lib/*/*.py")]}
 
 
 @functools.cache
 def shipped(script: str) -> tuple[str, ...]:
     """The repository's modules `script` imports, directly or through one another, lazily imported ones
-    included: exactly the files that must travel beside it to a job (`hf jobs uv run SCRIPT FILE...`).
-    Read from the code, so a new module can never be forgotten in a job's file list."""
-    ours = {p.stem for p in ROOT.glob("*.py")}
-    found, todo = set(), [script]
+    included: exactly the files that must travel beside it to a job (`hf jobs uv run SCRIPT FILE...`), by the
+    names they have there (journal.py; modules() says where each is here). Read from the code, so a new
+    module can never be forgotten in a job's file list."""
+    ours = modules()
+    found, todo = set(), [ours[Path(script).stem]]
     while todo:
-        for node in ast.walk(ast.parse((ROOT / todo.pop()).read_text())):
+        for node in ast.walk(ast.parse(todo.pop().read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            for m in {n.split(".")[0] for n in names} & ours - {script[:-3]}:
-                if f"{m}.py" not in found:
-                    found.add(f"{m}.py")
-                    todo.append(f"{m}.py")
-    return tuple(sorted(found))
+            for m in {n.split(".")[0] for n in names} & set(ours) - {Path(script).stem}:
+                if m not in found:
+                    found.add(m)
+                    todo.append(ours[m])
+    return tuple(sorted(f"{m}.py" for m in found))
 
 
 @dataclass
