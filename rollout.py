@@ -31,9 +31,7 @@ priority: at most --serve-per-round requests between two rounds.
 """
 from __future__ import annotations
 
-import contextlib
-import glob
-import json
+import logging
 import os
 import signal
 import socket
@@ -48,13 +46,16 @@ import httpx
 import torch
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import WAIT_LOG_S, AdapterError, Bucket, BucketError, fetch_adapter, log, new_group_id
+from common import AdapterError, Bucket, BucketError, fetch_adapter, new_group_id
 from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,
                      sample, swap_in, vllm_rank)
 from metrics import Metrics
 from models import LOCAL_MODEL, encode_prompt, load_base
 from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta
 from runconfig import record_config
+from spool import LocalMetrics, Spool, run_name
+
+log = logging.getLogger("rollout")
 from tasks import load_task
 
 
@@ -151,7 +152,7 @@ class AdapterSync(threading.Thread):
             try:
                 r = self.client.get("/v1/adapters/latest", after=self.seen, wait_s=self.args.poll_s)
             except Exception as e:  # proxy down: keep serving what we have, try again
-                print(f"[{self.args.worker_id}] adapter poll failed: {e}", file=sys.stderr)
+                log.info(f"adapter poll failed: {e}")
                 time.sleep(2.0)
                 continue
             self.max_staleness = r.get("max_staleness", self.max_staleness)
@@ -170,7 +171,7 @@ class AdapterSync(threading.Thread):
                     self.seen = v
                 except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                     # never load what does not verify: keep the previous version, retry shortly
-                    print(f"[{self.args.worker_id}] not loading version {v}: {e}", file=sys.stderr)
+                    log.info(f"not loading version {v}: {e}")
                     time.sleep(2.0)
             self.done = self.done or r.get("done", False)
 
@@ -211,181 +212,6 @@ def run_lora_rank(bucket: Bucket | None, client: ProxyClient) -> int:
         return published_lora_rank(bucket)
     latest = client.get("/v1/adapters/latest")["version"]
     return proxy_adapter_meta(client, latest).get("lora", {}).get("r", 0) if latest else 0
-
-# ---------------------------------------------------------------------------------------------
-# spool: a finished group is on local disk (fsynced) before we try to send it, and leaves only once
-# the proxy answered for it, so a proxy outage, our own restart or a power cut loses nothing
-
-
-class Spool:
-    """One file per group in `{root}/{run}/{worker_id}/`; `refused/` keeps what the proxy refused
-    (4xx), `unreadable/` what could not be read back (a file cut short by a power cut, say)."""
-
-    def __init__(self, root: str, run: str, worker_id: str, log=log):
-        self.dir = os.path.join(root, run, worker_id)  # per run: never resubmit into another run
-        self.log = log
-        for sub in ("refused", "unreadable"):
-            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
-        self.held: list[dict] = []  # groups the disk would not take: sent from memory, never dropped
-        self._said_full = -WAIT_LOG_S
-        self._sweep_tmp()
-
-    def _sweep_tmp(self, older_s: float = 60.0) -> None:
-        """Temp files older than a minute are writes a crash cut short: their group was never
-        acknowledged to anyone (add() had not returned), so they go."""
-        stale = [p for p in glob.glob(os.path.join(glob.escape(self.dir), ".*.tmp"))
-                 if time.time() - _mtime(p, time.time()) > older_s]
-        for p in stale:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
-        if stale:
-            self.log(f"spool {self.dir}: removed {len(stale)} stale temp file(s) left by a write cut short")
-
-    def add(self, group: dict) -> None:
-        """Write the group (file, then directory, fsynced) before anyone hears of it. If the disk
-        will not take it (full, quota, I/O error) it stays in memory and goes to the proxy from
-        there at the next flush; we say so (every 30 s at most) and carry on."""
-        gid = group["group_id"]
-        tmp = os.path.join(self.dir, f".{gid}.tmp")
-        try:
-            with open(tmp, "w") as f:
-                json.dump(group, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.dir, f"{gid}.json"))  # atomic: never half a file
-            _fsync_dir(self.dir)  # the rename itself is durable
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            self.held.append(group)
-            if time.monotonic() - self._said_full >= WAIT_LOG_S:
-                self._said_full = time.monotonic()
-                self.log(f"spool {self.dir}: cannot write group {gid} ({e.strerror or e}); {len(self.held)} "
-                         f"group(s) held in memory until the proxy takes them: free space on that disk")
-
-    def pending(self) -> list[str]:
-        names = [n for n in os.listdir(self.dir) if n.endswith(".json")]
-        return sorted(names, key=lambda n: _mtime(os.path.join(self.dir, n), 0.0))
-
-    def _read(self, name: str) -> dict | None:
-        """The spooled group, or None: gone, or unreadable (then moved to unreadable/ and named)."""
-        path = os.path.join(self.dir, name)
-        try:
-            with open(path) as f:
-                group = json.load(f)
-            if not isinstance(group, dict) or not isinstance(group.get("group_id"), str):
-                raise ValueError("not a trajectory group")
-            return group
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            dest = os.path.join(self.dir, "unreadable", name)
-            with contextlib.suppress(OSError):
-                os.replace(path, dest)
-            self.log(f"spool file {path} is unreadable ({type(e).__name__}: {str(e)[:200]}): set aside as {dest}")
-            return None
-
-    def _send(self, client: ProxyClient, group: dict, name: str | None) -> str | None:
-        """Post one group; its status, "refused" (4xx: kept in refused/), or None (proxy unreachable
-        and we are stopping)."""
-        try:
-            status = client.post("/v1/groups", group)["status"]
-        except ProxyError as e:  # 4xx: resending cannot help; keep it aside for inspection
-            dest = os.path.join(self.dir, "refused", f"{group['group_id']}.json")
-            try:
-                if name:
-                    os.replace(os.path.join(self.dir, name), dest)
-                else:
-                    with open(dest, "w") as f:
-                        json.dump(group, f)
-            except OSError as err:
-                self.log(f"could not keep refused group {group['group_id']} in {dest}: {err}")
-            self.log(f"group {group['group_id']} refused, kept in {self.dir}/refused: {e}")
-            return "refused"
-        except httpx.HTTPError as e:
-            self.log(f"proxy unreachable ({type(e).__name__}); {len(self.pending())} group(s) stay spooled in "
-                     f"{self.dir}" + (f", {len(self.held)} held in memory are lost" if self.held else ""))
-            return None
-        if name:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.dir, name))
-        return status
-
-    def flush(self, client: ProxyClient) -> list[tuple[str, str]]:
-        """Send what memory holds, then every spooled group, oldest first. The client waits out a
-        proxy outage; it gives up only when we are stopping, and then the rest stays on disk.
-        Returns (group_id, the proxy's status) per group sent."""
-        statuses = []
-        while self.held:
-            if (status := self._send(client, self.held[0], None)) is None:
-                return statuses
-            statuses.append((self.held.pop(0)["group_id"], status))
-        for name in self.pending():
-            if (group := self._read(name)) is None:
-                continue
-            if (status := self._send(client, group, name)) is None:
-                break
-            statuses.append((group["group_id"], status))
-        return statuses
-
-    def drop_all(self, why: str) -> None:
-        """Forget what is left (the run is over: it would never be trained), saying how much."""
-        n = len(self.held) + len(names := self.pending())
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.dir, name))
-        self.held.clear()
-        if n:
-            self.log(f"{why}: {n} group(s) left in the spool will never be trained; dropped")
-
-
-def _mtime(path: str, default: float) -> float:
-    try:
-        return os.path.getmtime(path)
-    except FileNotFoundError:
-        return default
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class LocalMetrics(Metrics):
-    """A worker without bucket keys keeps its rows on its own disk, in metrics.jsonl beside its spool (the
-    run still sees its groups' timings in the trainer's rows, and its groups per second in the proxy's
-    /v1/stats and /metrics)."""
-
-    def __init__(self, path: str):
-        super().__init__(None, "local")
-        self.path = path
-        if os.path.exists(path):  # a restarted worker continues its file
-            with open(path) as f:
-                self.lines = f.read().splitlines()
-
-    def flush(self) -> None:
-        self._last = time.time()
-        with open(self.path + ".tmp", "w") as f:
-            f.write("".join(line + "\n" for line in self.lines))
-        os.replace(self.path + ".tmp", self.path)
-
-
-def run_name(client: ProxyClient, log) -> str:
-    """The spool's run directory when there is no bucket: the proxy's run_id (a hash that names no bucket
-    or prefix), asked until the proxy answers."""
-    while True:
-        try:
-            return "run-" + client.get("/v1/whoami")["run_id"]
-        except httpx.HTTPError as e:
-            log(f"proxy unreachable ({type(e).__name__}); retrying")
-            time.sleep(2.0)
-
-
-# ---------------------------------------------------------------------------------------------
-
 
 # ---------------------------------------------------------------------------------------------
 # routed inference: requests a client posted to the proxy (routing.py), taken the way prompts are
@@ -437,21 +263,24 @@ def main(args: Args) -> None:
 
     # outages of the bucket or the proxy are waited out, however long, saying so every 30 s; a
     # contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
-    log = lambda msg: print(f"[{args.worker_id}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    # every line on stderr, prefixed with the worker id (several workers may share a terminal); other
+    # libraries' loggers only from warnings up (httpx would log every request)
+    logging.basicConfig(format=f"[{args.worker_id}] %(message)s", level=logging.WARNING, stream=sys.stderr)
+    log.setLevel(logging.INFO)
     bucket = Bucket(patience_s=None) if os.environ.get("BUCKET") else None
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=None)
-    client.say = log
+    client.say = log.info
     if bucket is not None:
-        bucket.say = log
+        bucket.say = log.info
         record_config(bucket, f"rollout-{args.worker_id}", args, __file__)  # a contributor's stays with them
-    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log), args.worker_id, log)
+    spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log.info), args.worker_id, log.info)
     metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
                else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     task = load_task(args.task)
     engine = None
     if args.backend == "server":
         kw = {"model": args.model, "should_stop": stop.is_set,
-              "on_down": lambda msg: log(f"{msg}; {len(spool.pending())} spooled group(s) kept")}
+              "on_down": lambda msg: log.info(f"{msg}; {len(spool.pending())} spooled group(s) kept")}
         if args.server_url:
             engine = ServerSampler(args.server_url, args.server_kind, api_key=args.server_api_key, **kw)
         else:
@@ -478,16 +307,16 @@ def main(args: Args) -> None:
     client.should_stop = lambda: stop.is_set() or sync.done  # SIGTERM or the run is over: stop waiting
     # its own client, patient for seconds only: serving is opportunistic, and a proxy outage must not hold the round up
     routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=5.0),
-                           args.worker_id, args.serve_per_round if args.serve else 0, log)
+                           args.worker_id, args.serve_per_round if args.serve else 0, log.info)
 
     def chat(req: dict) -> dict:  # the adapter served right now (`model` is rebound by each hf swap)
         return engine.chat([req])[0] if engine else hf_chat(model, tok, req)
     if spool.pending():
-        log(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
+        log.info(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
         spool.flush(client)
     version, published, first_round_of_version = 0, None, False
-    print(f"[{args.worker_id}] ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), "
-          f"G={args.group_size}, backend {args.backend}", file=sys.stderr)
+    log.info(f"ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), G={args.group_size}, "
+             f"backend {args.backend}")
 
     rounds, bp_prev = 0, 0.0  # bp_prev: time the previous round's submissions waited on 429
     last_round_version = -1   # --sync: the version the last round was generated with
@@ -506,7 +335,7 @@ def main(args: Args) -> None:
                 if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
                     row["perf/weight_sync_s"] = new["ready"] - published
             except (AdapterError, ServerDown) as e:
-                print(f"[{args.worker_id}] keeping version {version}: {e}", file=sys.stderr)
+                log.info(f"keeping version {version}: {e}")
         if sync.done and new is None and version >= sync.seen:
             break
         if args.sync and sync.done and version >= sync.seen:
@@ -534,7 +363,7 @@ def main(args: Args) -> None:
             try:
                 samples = engine.sample(prompts, args.group_size, args.max_new_tokens, args.temperature)
             except ServerDown as e:  # the server is down and we were asked to stop meanwhile
-                log(f"{e}; {len(spool.pending())} spooled group(s) kept")
+                log.info(f"{e}; {len(spool.pending())} spooled group(s) kept")
                 break
         else:
             samples = sample(model, prompts, args.group_size, args.max_new_tokens, args.temperature, eos,
@@ -570,9 +399,8 @@ def main(args: Args) -> None:
                     "rollout/groups_stale": statuses.count("stale"), "group_status": sent})
         metrics.log(row)
         rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], version
-        print(f"[{args.worker_id}] round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, "
-              f"{ntok / gen_s:.0f} tok/s" + (f", {row['serve/requests']} routed request(s) answered"
-                                             if row["serve/requests"] else ""), file=sys.stderr, flush=True)
+        log.info(f"round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
+                 + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         if args.max_rounds and rounds >= args.max_rounds:
             break
     if isinstance(engine, ServerSampler):
@@ -583,7 +411,7 @@ def main(args: Args) -> None:
         sync.done = True
         spool.flush(client)
     metrics.flush()
-    print(f"[{args.worker_id}] stopped after {rounds} rounds", file=sys.stderr)
+    log.info(f"stopped after {rounds} rounds")
 
 
 if __name__ == "__main__":
