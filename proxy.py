@@ -58,7 +58,7 @@ from participants import Senders
 from prompts import Cursors, PromptError
 from serving import Limits, serve
 from snapshots import Keeper
-from routing import install as install_routing
+import routing
 from runconfig import record_config
 
 @dataclass
@@ -108,6 +108,8 @@ class Args:
     """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
     snapshot_commits: int = 200
     """... or every this many commits, if sooner: a start reads about this many commits at most"""
+    route: routing.Limits = field(default_factory=routing.Limits)
+    """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
@@ -601,7 +603,7 @@ async def metrics() -> Response:
     """Prometheus text exposition (scrape with a trainer or admin token as a bearer token)."""
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-install_routing(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
+routing.install(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
 
 if __name__ == "__main__":
@@ -609,6 +611,7 @@ if __name__ == "__main__":
 
     from common import script_args  # drops the shared modules that HF Jobs ships in argv
     ARGS = tyro.cli(Args, args=script_args())
+    routing.LIMITS = ARGS.route
     if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
     sys.setswitchinterval(0.001)  # the journal writes from a thread: hand it the GIL back sooner (p99 -15% in A/B runs)

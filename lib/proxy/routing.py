@@ -18,15 +18,14 @@ request and goes silent loses it after `lease_s`: it goes back to the front of t
 
 State is in memory only: a routed request lives for seconds, so nothing is journaled; a proxy
 restart drops the waiting clients (they see the connection close and may retry) and the workers'
-late answers are ignored. Bounds (environment of the proxy, read at import): ROUTE_MAX_QUEUE
-requests waiting or being answered, ROUTE_TIMEOUT_S per request, ROUTE_MAX_TOKENS per answer,
-ROUTE_MAX_PROMPT_CHARS per request (the proxy's --max-body-mb caps the body before any of this).
+late answers are ignored. Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
+waiting or being answered, seconds per request, tokens per answer, characters per request (the proxy's
+--max-body-mb caps the body before any of this), how long a worker may hold a request.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -43,21 +42,21 @@ from access import ADMIN, scope
 
 @dataclass
 class Limits:
-    max_queue: int = int(os.environ.get("ROUTE_MAX_QUEUE", "64"))
+    max_queue: int = 64
     """requests waiting or being answered; beyond it 429"""
-    timeout_s: float = float(os.environ.get("ROUTE_TIMEOUT_S", "300"))
+    timeout_s: float = 300.0
     """a client waits this long for an answer, then 504 (a CPU worker may be mid-round for a while)"""
-    max_tokens: int = int(os.environ.get("ROUTE_MAX_TOKENS", "1024"))
+    max_tokens: int = 1024
     """max_tokens a client may ask for"""
-    max_prompt_chars: int = int(os.environ.get("ROUTE_MAX_PROMPT_CHARS", "32768"))
+    max_prompt_chars: int = 32768
     """characters over all messages of one request"""
-    lease_s: float = float(os.environ.get("ROUTE_LEASE_S", "120"))
+    lease_s: float = 120.0
     """a worker that took a request must answer within this, else it is queued again (once)"""
-    worker_ttl_s: float = float(os.environ.get("ROUTE_WORKER_TTL_S", "300"))
+    worker_ttl_s: float = 300.0
     """a worker counts as serving this long after it last asked for requests"""
 
 
-LIMITS = Limits()
+LIMITS = Limits()  # the proxy's --route.* options (proxy.py sets them at start)
 MAX_WORKERS = 4096  # serving workers we remember (client-chosen names: bounded)
 
 
