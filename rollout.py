@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import signal
@@ -206,6 +207,14 @@ def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
     if meta.get("base_model") not in (None, args.model):
         raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
 
+
+
+def worker_seed(seed: int, worker_id: str) -> int:
+    """The seed of this worker's sampling (torch, and a vLLM engine or a server it starts): --seed plus a
+    number from the worker id, so that workers of one run draw differently and a restarted worker (same
+    --seed, same --worker-id) draws exactly as before. A stable digest, not hash(): Python salts str
+    hashes per process (PYTHONHASHSEED), which would give the same worker another seed at each start."""
+    return seed + int.from_bytes(hashlib.sha256(worker_id.encode()).digest()[:4], "big") % 2 ** 30
 
 
 def run_lora_rank(bucket: Bucket | None, client: ProxyClient) -> int:
@@ -435,7 +444,7 @@ class RoutedServing:
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed + hash(args.worker_id) % 10_000)
+    torch.manual_seed(worker_seed(args.seed, args.worker_id))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
@@ -464,14 +473,14 @@ def main(args: Args) -> None:
                 args.server_kind, lora_rank=rank, python=args.server_python, start_timeout_s=args.server_start_timeout_s,
                 log_path=args.server_log or os.path.join(tempfile.gettempdir(), f"inference-server-{args.worker_id}.log"),
                 dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed + hash(args.worker_id) % 10_000, **kw)
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=worker_seed(args.seed, args.worker_id), **kw)
             args.max_lora_rank = min(args.max_lora_rank, vllm_rank(rank) if args.server_kind == "vllm" else rank or 16)
         engine.check_processed_logprobs(engine.tok.encode("Once upon a time, there was"), args.temperature)
     elif args.backend == "vllm":
         engine = VLLMSampler(args.model, lora_rank=args.vllm_lora_rank or run_lora_rank(bucket, client),
                              dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                             seed=args.seed + hash(args.worker_id) % 10_000)
+                             seed=worker_seed(args.seed, args.worker_id))
         args.max_lora_rank = min(args.max_lora_rank, engine.rank)  # AdapterSync refuses bigger ones
     model, tok = (None, engine.tok) if engine else load_base(args.model, args.dtype)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
