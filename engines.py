@@ -514,18 +514,25 @@ class ServerSampler:
 
     def check_processed_logprobs(self, prompt: list[int], temperature: float) -> None:
         """Refuse a server that records logprobs before temperature (vLLM without --logprobs-mode
-        processed_logprobs): the top-5 next-token logprobs at T=1 and at the run's T must differ."""
+        processed_logprobs): the top-5 next-token logprobs at T=1 and at the run's T must differ, token by
+        token. Paired by token id, not by rank: for `logprobs: 5` vLLM also lists the sampled token when it
+        is not among the top 5 (up to six entries), and that entry differs between the two answers."""
         if abs(temperature - 1.0) < 1e-6:
             return  # at T=1 raw and processed logprobs are the same thing (no filters)
 
-        def top5(t: float) -> list[float]:
+        def top5(t: float) -> dict:
             body = {"model": self.lora or self.base, "prompt": [prompt], "max_tokens": 1, "temperature": t,
-                    **NO_FILTERS, "logprobs": 5}
+                    **NO_FILTERS, "logprobs": 5, "return_tokens_as_token_ids": True}
             r = self._post("/v1/completions", body)
             r.raise_for_status()
-            return sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
+            # keys "token_id:N" (vLLM with return_tokens_as_token_ids); a server that ignores it keys by token text
+            return {k.removeprefix("token_id:"): v for k, v in r.json()["choices"][0]["logprobs"]["top_logprobs"][0].items()}
         a, b = top5(1.0), top5(temperature)
-        if max(abs(x - y) for x, y in zip(a, b)) < 1e-4:
+        both = a.keys() & b.keys()
+        if not both:
+            raise RuntimeError(f"the inference server at {self.url} answered no common token in the top 5 at "
+                               f"temperature 1 and {temperature}: cannot tell whether it records processed logprobs")
+        if max(abs(a[k] - b[k]) for k in both) < 1e-4:
             raise RuntimeError(f"the inference server at {self.url} reports the same logprobs at temperature 1 and "
                                f"{temperature}: it records them before temperature. Start vLLM with "
                                "--logprobs-mode processed_logprobs (SGLang: leave SGLANG_RETURN_ORIGINAL_LOGPROB unset)")

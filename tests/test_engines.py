@@ -42,3 +42,99 @@ def test_a_server_answer_is_checked_before_it_becomes_a_group():
     for samples, says in bad:
         with pytest.raises(RuntimeError, match=r"the inference server returned .*" + says):
             engines.checked(samples, 2)
+
+
+# ---- the server backend against a recording stand-in of an OpenAI-compatible server (the platform boundary) ----
+
+import json  # noqa: E402
+import threading  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+
+LOGITS = [3.0 - 0.37 * i for i in range(24)]  # the next-token logits of the stand-in's model: token i has logit LOGITS[i]
+
+
+def log_softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    z = m + math.log(sum(math.exp(x - m) for x in xs))
+    return [x - z for x in xs]
+
+
+class FakeServer:
+    """Answers like vLLM's OpenAI server: GET /v1/models, POST /v1/completions (one next token; `logprobs: k`
+    gives the top k plus the sampled token when it is not among them, as vLLM does: up to k+1 entries) and
+    POST /v1/chat/completions. `processed`: logprobs of logits / T (what --logprobs-mode processed_logprobs
+    reports), else of the raw logits (pre-temperature). At T=1 it samples token 9 (outside any top 5), at any
+    other temperature token 0. Every request body is kept in `bodies`."""
+
+    def __init__(self, model: str, processed: bool = True):
+        self.model, self.processed, self.bodies = model, processed, []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send({"data": [{"id": fake.model, "root": fake.model, "parent": None}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append((self.path, body))
+                self._send(fake.completion(body) if self.path == "/v1/completions" else fake.chat(body))
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def completion(self, body: dict) -> dict:
+        t = body["temperature"]
+        lps = log_softmax([x / t for x in LOGITS] if self.processed else LOGITS)
+        sampled = 9 if abs(t - 1.0) < 1e-9 else 0
+        name = (lambda i: f"token_id:{i}") if body.get("return_tokens_as_token_ids") else (lambda i: f"w{i}")
+        top = {i: lps[i] for i in sorted(range(len(LOGITS)), key=lambda i: -lps[i])[:body.get("logprobs") or 0]}
+        top[sampled] = lps[sampled]
+        return {"choices": [{"index": 0, "text": "x", "finish_reason": "length", "token_ids": [sampled],
+                             "logprobs": {"tokens": [name(sampled)], "token_logprobs": [lps[sampled]],
+                                          "top_logprobs": [{name(i): lp for i, lp in top.items()}]}}]}
+
+    def chat(self, body: dict) -> dict:
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def fake_server(tiny_model):
+    servers = []
+
+    def start(**kw) -> FakeServer:
+        servers.append(FakeServer(tiny_model, **kw))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_the_processed_logprobs_check_compares_token_by_token(tiny_model, fake_server):
+    """vLLM answers `logprobs: 5` with six entries when the sampled token is not in the top 5. The check must
+    pair the two temperatures' logprobs by token id: a server that reports pre-temperature logprobs is refused
+    even when one answer carries that extra entry (pairing sorted values shifted every pair by one, so
+    such a server passed), and one that reports processed logprobs passes."""
+    raw = fake_server(processed=False)
+    engine = engines.ServerSampler(raw.url, "vllm", model=tiny_model)
+    with pytest.raises(RuntimeError, match="same logprobs at temperature 1 and 0.7"):
+        engine.check_processed_logprobs([1, 2, 3], 0.7)
+    assert [b["logprobs"] for p, b in raw.bodies] == [5, 5]
+    processed = fake_server(processed=True)
+    engines.ServerSampler(processed.url, "vllm", model=tiny_model).check_processed_logprobs([1, 2, 3], 0.7)
