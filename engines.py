@@ -103,9 +103,12 @@ def hf_chat(model, tok, req: dict) -> dict:
     """One routed chat request on transformers' generate (greedy at temperature 0)."""
     ids = chat_ids(tok, req["messages"])
     x = torch.tensor([ids], device=_causal_lm(model).device)
-    kw: dict = {"max_new_tokens": req["max_tokens"], "pad_token_id": tok.pad_token_id, "do_sample": req["temperature"] > 0}
-    if req["temperature"] > 0:  # top_k=0: the model's generation_config may carry a top-k the client did not ask for
-        kw.update(temperature=req["temperature"], top_p=req["top_p"], top_k=0)
+    # neutral values for what the client cannot ask for: generate() would take them from the model's
+    # generation_config (a top-k, a min-p, a repetition penalty), as a server would (NEUTRAL)
+    kw: dict = {"max_new_tokens": req["max_tokens"], "pad_token_id": tok.pad_token_id, "do_sample": req["temperature"] > 0,
+                "repetition_penalty": 1.0}
+    if req["temperature"] > 0:
+        kw.update(temperature=req["temperature"], top_p=req["top_p"], top_k=0, min_p=0.0)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
     if req.get("stop"):
@@ -212,6 +215,8 @@ class VLLMSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         prompts = [TokensPrompt(prompt_token_ids=chat_ids(self.tok, r["messages"])) for r in reqs]
+        # explicit SamplingParams: vLLM's neutral defaults (top_k 0, min_p 0, repetition_penalty 1), not the
+        # model's generation_config (which only a request without SamplingParams would get)
         params = [SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=r["max_tokens"],
                                  seed=r.get("seed"), stop=r.get("stop") or None) for r in reqs]
         outs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
@@ -232,10 +237,13 @@ class VLLMSampler:
 # The server must be able to read the adapter directory: same machine or a shared filesystem.
 
 SERVER_KINDS = ("vllm", "sglang")
-# what a rollout asks for explicitly: a server started with `--generation-config auto` (vLLM's
-# default) fills any parameter we leave out from the model's generation_config.json (often a top-p
-# or top-k), and the recorded logprobs would then no longer be those of logits / T
-NO_FILTERS = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+# what every request asks for explicitly: vLLM (its default `--generation-config auto`) and SGLang fill
+# any sampling parameter a request leaves out from the model's generation_config.json (often a top-k, a
+# min-p or a repetition penalty): a rollout's recorded logprobs would no longer be those of logits / T, and
+# a routed chat request would decode differently than on the hf backend. top_k -1 is SGLang's "no top-k"
+# (it refuses 0) and vLLM takes it as its 0 ("disabled").
+NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+NO_FILTERS = {"top_p": 1.0, **NEUTRAL}  # rollouts: no top-p either
 
 
 class ServerDown(RuntimeError):
@@ -544,7 +552,7 @@ class ServerSampler:
 
     def _chat(self, req: dict) -> dict:
         body = {"model": self.lora or self.base, "messages": req["messages"], "max_tokens": req["max_tokens"],
-                "temperature": req["temperature"], "top_p": req["top_p"], "seed": req.get("seed"),
+                "temperature": req["temperature"], "top_p": req["top_p"], **NEUTRAL, "seed": req.get("seed"),
                 "stop": req.get("stop") or None}
         if self.kind == "sglang":  # SGLang picks the adapter by lora_path, the model name stays the base's
             body.update(model=self.base, lora_path=self.lora)

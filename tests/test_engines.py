@@ -88,7 +88,7 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append((self.path, body))
-                self._send(fake.completion(body) if self.path == "/v1/completions" else fake.chat(body))
+                self._send({"/v1/completions": fake.completion, "/generate": fake.generate}.get(self.path, fake.chat)(body))
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
@@ -101,9 +101,14 @@ class FakeServer:
         name = (lambda i: f"token_id:{i}") if body.get("return_tokens_as_token_ids") else (lambda i: f"w{i}")
         top = {i: lps[i] for i in sorted(range(len(LOGITS)), key=lambda i: -lps[i])[:body.get("logprobs") or 0]}
         top[sampled] = lps[sampled]
-        return {"choices": [{"index": 0, "text": "x", "finish_reason": "length", "token_ids": [sampled],
+        return {"choices": [{"index": i, "text": "x", "finish_reason": "length", "token_ids": [sampled],
                              "logprobs": {"tokens": [name(sampled)], "token_logprobs": [lps[sampled]],
-                                          "top_logprobs": [{name(i): lp for i, lp in top.items()}]}}]}
+                                          "top_logprobs": [{name(i): lp for i, lp in top.items()}]}}
+                            for i in range(len(body["prompt"]) * body.get("n", 1))]}
+
+    def generate(self, body: dict) -> list:  # SGLang's native route
+        return [{"meta_info": {"output_token_logprobs": [[-0.5, 0, None]], "finish_reason": {"type": "length"}}}
+                for _ in body["input_ids"]]
 
     def chat(self, body: dict) -> dict:
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}],
@@ -138,3 +143,37 @@ def test_the_processed_logprobs_check_compares_token_by_token(tiny_model, fake_s
     assert [b["logprobs"] for p, b in raw.bodies] == [5, 5]
     processed = fake_server(processed=True)
     engines.ServerSampler(processed.url, "vllm", model=tiny_model).check_processed_logprobs([1, 2, 3], 0.7)
+
+
+NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_server_backend_asks_for_neutral_sampling_in_chat_and_rollouts(kind, tiny_model, fake_server):
+    """A parameter left out of a request is taken from the model's generation_config.json by vLLM (its default
+    --generation-config auto) and by SGLang: a routed chat request would decode with the model's top-k, min-p or
+    repetition penalty on the server backend but not on the hf one. Every request says the neutral value
+    (top_k -1: SGLang's "off", which vLLM takes as its 0), and the client's own top_p."""
+    srv = fake_server()
+    engine = engines.ServerSampler(srv.url, kind, model=tiny_model)
+    engine.chat([{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 4, "temperature": 0.8,
+                  "top_p": 0.9, "seed": 1, "stop": []}])
+    engine.sample([[1, 2, 3], [4, 5]], 2, 3, 0.7)
+    (_, chat), = [(p, b) for p, b in srv.bodies if p == "/v1/chat/completions"]
+    assert {k: chat.get(k) for k in NEUTRAL} == NEUTRAL, chat
+    assert chat["top_p"] == 0.9 and chat["temperature"] == 0.8
+    (_, rollout), = [(p, b) for p, b in srv.bodies if p in ("/v1/completions", "/generate")]
+    params = rollout["sampling_params"] if kind == "sglang" else rollout
+    assert {k: params.get(k) for k in NEUTRAL} == NEUTRAL and params["top_p"] == 1.0, params
+
+
+def test_the_hf_backend_ignores_the_models_sampling_defaults_too(tiny_model):
+    """The same routed request decodes the same whatever the model's generation_config says about top-k,
+    min-p or repetition penalty (generate() applies them unless told otherwise), greedy and sampled."""
+    import models
+    model, tok = models.load_base(tiny_model)
+    req = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 12, "temperature": 0.0,
+           "top_p": 1.0, "seed": 5, "stop": []}
+    plain = [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)]
+    model.generation_config.update(repetition_penalty=3.0, top_k=2, min_p=0.5)
+    assert [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)] == plain
