@@ -197,7 +197,12 @@ def sh(word: str) -> str:
 
 def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str, Path]) -> str:
     """The `hf jobs uv run` command equivalent to submitting `job` (secrets by name only). `local`:
-    shipped name -> the file here, for the one file whose name differs (a jsonl task's)."""
+    shipped name -> the file here, for the one file whose name differs (a jsonl task's).
+
+    `--` before the script: the hf CLI (Click) reads its own options anywhere on the line, after the
+    script too, so a script argument named like a Jobs option (the supervisor's `--namespace`, or a
+    `--timeout`, `-e`, `--with` passed through --rollout-arg) would be taken by the CLI and never reach
+    the script; after `--` everything is the script and its arguments."""
     cmd = ["hf", "jobs", "uv", "run", "--detach", "--flavor", job.flavor, "--timeout", job.timeout,
            "--name", f"{args.run}-{job.role}", "--label", f"{LABEL}={args.run}", "--label", f"role={job.role}"]
     cmd += ["--namespace", namespace] if namespace else []
@@ -210,7 +215,7 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
     for k, v in job.env.items():
         cmd += ["-e", f"{k}={v}"]
     files = [str(local[f]) if f in local and local[f].name != f else f for f in job.files]
-    return " ".join(sh(w) for w in cmd + [job.script, *files, *job.args])
+    return " ".join(sh(w) for w in cmd + ["--", job.script, *files, *job.args])
 
 
 def cost_per_hour(args: Args) -> float:
