@@ -73,17 +73,50 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
 
 
 def swap_in(model, new: dict):
-    """Hot-load a verified adapter. Same LoRA config as the loaded one: copy the tensors in place
-    (milliseconds). First adapter, or a changed config: wrap/replace the peft adapter."""
+    """Hot-load a verified adapter. The first one wraps the base model (peft); each later one must have
+    the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (milliseconds).
+    One that does not fit (another rank, alpha or set of target modules: the trainer restarted with
+    other --lora-* flags, say) is refused with AdapterError before a single tensor is copied, so the
+    model goes on serving the loaded version unchanged."""
     from peft import PeftModel, set_peft_model_state_dict
     if not isinstance(model, PeftModel):
         model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
     else:
-        res = set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
-        if getattr(res, "unexpected_keys", None):
-            raise AdapterError(f"adapter tensors do not fit the loaded LoRA layout: {res.unexpected_keys[:3]}")
+        if why := lora_mismatch(model, new):
+            raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
+        set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
     model.eval()
     return model
+
+
+# what a LoRA's output depends on besides its tensors: copying tensors in place under another of these would
+# compute with the loaded adapter's scaling (lora_alpha / r) or variant
+LORA_FIELDS = ("r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "bias")
+
+
+def lora_mismatch(model, new: dict) -> str | None:
+    """Why the adapter `new` cannot be copied into the peft `model`'s loaded one (None: it can): its
+    adapter_config.json differs in a field of LORA_FIELDS, or its tensors differ in names or shapes.
+    Says what is loaded, what the new version has, and one tensor of each kind of difference."""
+    import json
+
+    from peft import get_peft_model_state_dict
+    loaded = model.peft_config["default"]
+    path = os.path.join(new["dir"], "adapter_config.json")
+    cfg = json.load(open(path)) if os.path.exists(path) else {}
+    name = {"r": "rank"}
+    diffs = [f"{name.get(k, k)} {cfg[k]!r}" for k in LORA_FIELDS
+             if k in cfg and cfg[k] != getattr(loaded, k, cfg[k]) and (cfg[k] or getattr(loaded, k, None))]
+    current, tensors = get_peft_model_state_dict(model, adapter_name="default"), new["tensors"]
+    shapes = [f"{k} is {list(tensors[k].shape)}, loaded {list(current[k].shape)}"
+              for k in sorted(current.keys() & tensors.keys()) if tensors[k].shape != current[k].shape]
+    missing, unexpected = sorted(current.keys() - tensors.keys()), sorted(tensors.keys() - current.keys())
+    found = ([", ".join(diffs)] if diffs else []) + (
+        [f"{len(shapes)} tensor(s) of another shape ({shapes[0]})"] if shapes else []) + (
+        [f"{len(missing)} loaded tensor(s) missing ({missing[0]})"] if missing else []) + (
+        [f"{len(unexpected)} tensor(s) the loaded LoRA has no place for ({unexpected[0]})"] if unexpected else [])
+    return (f"it has {'; '.join(found)}; loaded now: rank {loaded.r}, lora_alpha {loaded.lora_alpha}"
+            if found else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -518,8 +518,9 @@ def main(args: Args) -> None:
                 row["perf/swap_s"] = time.time() - t0
                 if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
                     row["perf/weight_sync_s"] = new["ready"] - published
-            except (AdapterError, ServerDown) as e:
-                print(f"[{args.worker_id}] keeping version {version}: {e}", file=sys.stderr)
+            except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
+                what = "refused" if isinstance(e, AdapterError) else "could not load"
+                log(f"{what} version {new['version']}, keeping version {version}: {e}")
         if sync.done and new is None and version >= sync.seen:
             break
         if args.sync and sync.done and version >= sync.seen:

@@ -177,3 +177,48 @@ def test_the_hf_backend_ignores_the_models_sampling_defaults_too(tiny_model):
     plain = [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)]
     model.generation_config.update(repetition_penalty=3.0, top_k=2, min_p=0.5)
     assert [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)] == plain
+
+
+# ---- the hf backend's hot-swap: an adapter of another shape is refused, the loaded one stays ----------------
+
+
+def hf_adapter(tiny_model: str, path, version: int, r: int, alpha: int | None = None) -> dict:
+    """A saved LoRA of rank r (random B, so that it changes the output) as AdapterSync hands it over."""
+    import torch
+    from safetensors.torch import load_file
+
+    import train
+    model, _ = train.build_model(train.Args(model=tiny_model, lora_r=r, lora_alpha=alpha or 2 * r))
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.save_pretrained(path)
+    return {"version": version, "dir": str(path), "tensors": load_file(f"{path}/adapter_model.safetensors"),
+            "meta": {"lora": {"r": r}}}
+
+
+def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_old_one(tiny_model, tmp_path):
+    import torch
+
+    import models
+    from common import AdapterError
+    base, _ = models.load_base(tiny_model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+
+    def logits(m):
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+    plain = logits(base)
+    served = engines.swap_in(base, hf_adapter(tiny_model, tmp_path / "v1", 1, r=4))
+    v1 = logits(served)
+    assert not torch.allclose(v1, plain)
+    for v, r, alpha, says in ((2, 8, None, r"rank 8"), (3, 4, 32, r"lora_alpha 32")):
+        with pytest.raises(AdapterError, match=rf"version {v}\b.*{says}") as e:
+            engines.swap_in(served, hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=r, alpha=alpha))
+        assert "rank 4" in str(e.value)             # what is loaded now, named too
+        assert torch.equal(logits(served), v1)     # not one tensor of it copied in
+    # the same shape still swaps in place
+    served = engines.swap_in(served, hf_adapter(tiny_model, tmp_path / "v4", 4, r=4))
+    assert not torch.allclose(logits(served), v1)
