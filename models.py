@@ -303,13 +303,21 @@ def clean_config(config_json: Path) -> None:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def gpu_computes_bf16() -> bool:
+    """A CUDA GPU is here and computes in bf16: compute capability >= 8.0 (memory.computes_bf16, the one
+    rule of --dtype auto). Not torch.cuda.is_bf16_supported(), which also says True where bf16 is only
+    emulated (a T4)."""
+    from memory import computes_bf16
+    return torch.cuda.is_available() and computes_bf16(torch.cuda.get_device_capability())
+
+
 def resolve_dtype(name: str) -> torch.dtype:
-    """--dtype: auto is bfloat16 on a GPU that has it (Ampere and later), float32 otherwise (CPU, T4)."""
+    """--dtype: auto is bfloat16 on a GPU that computes it (gpu_computes_bf16: Ampere and later),
+    float32 otherwise (CPU, T4)."""
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: one of {', '.join(DTYPES)}")
     if name == "auto":
-        cuda = torch.cuda.is_available()
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if gpu_computes_bf16() else torch.float32
     return getattr(torch, name)
 
 

@@ -17,7 +17,7 @@ restarting, samples G completions per prompt, scores them and posts each group t
     hf jobs uv run --flavor l4x1 --timeout 6h --label async-grpo-run=my-run --label role=extra --secrets HF_TOKEN \
         --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID --secrets AWS_SECRET_ACCESS_KEY \
         -e BUCKET=async-grpo -e RUN_NAME=my-run -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        rollout.py common.py engines.py metrics.py models.py proxy_client.py runconfig.py tasks.py \
+        rollout.py common.py engines.py memory.py metrics.py models.py proxy_client.py runconfig.py tasks.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --worker-id my-run-w9
 
     python rollout.py --backend server --server-url http://127.0.0.1:8001   # drive an inference server you run
@@ -98,7 +98,7 @@ class Args:
     the same worker id resubmits what it left (idempotent on group_id)"""
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """hf backend: model dtype (auto: bfloat16 on a GPU that has it, else float32; vllm: --vllm-dtype)"""
+    """hf backend: model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32; vllm: --vllm-dtype)"""
     sync: bool = False
     """strictly synchronous (the baseline of bench/async_vs_sync.sh): one round with the newest
     adapter, then wait for the next version before the next round; with prompts_per_round equal to
@@ -106,8 +106,8 @@ class Args:
     vllm_lora_rank: int = 0
     """vllm, and a server started here: max LoRA rank (0: from the latest published adapter, else 16 = train.py's r)"""
     vllm_dtype: str = "auto"
-    """vllm, and a server started here: model dtype (auto: the checkpoint's on GPU, float32 on CPU so
-    logprobs match the trainer)"""
+    """vllm, and a server started here: model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0,
+    float16 on an older one, float32 on CPU so logprobs match the trainer)"""
     vllm_max_model_len: int = 2048
     vllm_gpu_memory_utilization: float = 0.5
     """vllm, and a server started here: share of GPU memory for weights + KV cache (the rest is left to other jobs)"""

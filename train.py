@@ -18,7 +18,7 @@ to the bucket every `publish_every` steps.
         --secrets HF_TOKEN --secrets PROXY_HF_TOKEN --secrets PROXY_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run -e TRAINER_ID=my-run-trainer \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        train.py common.py hub.py metrics.py models.py proxy_client.py runconfig.py trainer_state.py \
+        train.py common.py hub.py memory.py metrics.py models.py proxy_client.py runconfig.py trainer_state.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --max-steps 200
     python train.py --report-to trackio --push-to-hub me/qwen-gsm8k-grpo --push-every 50   # dashboard, Hub
 
@@ -86,7 +86,7 @@ class Args:
     target_modules: str = "all-linear"
     """peft target modules: "all-linear" or a comma-separated list"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """base weights' dtype (auto: bfloat16 on a GPU that has it, else float32); the LoRA weights and
+    """base weights' dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32: CPU, T4); the LoRA weights and
     AdamW's state are float32 whatever this is"""
     load_in_4bit: bool = False
     """base projections in 4-bit NF4 (QLoRA, bitsandbytes), computing in --dtype"""
