@@ -157,6 +157,8 @@ def enable_checkpointing(model, on: bool = True) -> None:
 
 
 def _fixed_prefix_layer_class():
+    # the cache-layer API of transformers 5.0 (lazy_initialization(keys, values); 4.57's took the keys only):
+    # the floor every header and requirements.txt state (tests/test_headers.py)
     from transformers.cache_utils import DynamicLayer
 
     class FixedPrefixLayer(DynamicLayer):
