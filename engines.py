@@ -34,7 +34,7 @@ import httpx
 import torch
 
 from common import AdapterError, Bucket
-from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, prefill
+from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, peft_calls, prefill
 
 # ---------------------------------------------------------------------------------------------
 # backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
@@ -78,13 +78,14 @@ def swap_in(model, new: dict):
     One that does not fit (another rank, alpha or set of target modules: the trainer restarted with
     other --lora-* flags, say) is refused with AdapterError before a single tensor is copied, so the
     model goes on serving the loaded version unchanged."""
-    from peft import PeftModel, set_peft_model_state_dict
-    if not isinstance(model, PeftModel):
-        model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
-    else:
-        if why := lora_mismatch(model, new):
-            raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
-        set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
+    with peft_calls():  # without bitsandbytes (a worker's base is never 4-bit)
+        from peft import PeftModel, set_peft_model_state_dict
+        if not isinstance(model, PeftModel):
+            model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
+        else:
+            if why := lora_mismatch(model, new):
+                raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
+            set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
     model.eval()
     return model
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args  # noqa: E402
 from proxy_client import ProxyClient  # noqa: E402
-from models import LOCAL_MODEL, encode_prompt, load_base, pad_left  # noqa: E402
+from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls  # noqa: E402
 from runconfig import record_config  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -110,8 +110,8 @@ def greedy(model, tok, prompts: list[str], max_new: int, batch_size: int, device
 def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) -> dict:
     model = base
     if version > 0:
-        from peft import PeftModel
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory() as d, peft_calls():  # without bitsandbytes
+            from peft import PeftModel
             meta = fetch_adapter(bucket, version, d)  # raises AdapterError unless every sha256 matches
             if meta.get("base_model") not in (None, args.model):
                 raise AdapterError(f"version {version} was trained on {meta['base_model']!r}, not {args.model!r}")

@@ -323,6 +323,49 @@ def resolve_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+# peft's memoised "is bitsandbytes installed?" answers (and transformers' one): cleared on entering and
+# leaving peft_calls(), so that what was answered inside (no) is not kept for a 4-bit model loaded later in
+# the same process, nor an earlier yes inside (peft would then import it and fail)
+BNB_CHECKS = (("peft.import_utils", "is_bnb_available"), ("peft.import_utils", "is_bnb_4bit_available"),
+              ("transformers.utils.import_utils", "is_bitsandbytes_available"))
+
+
+def _forget_bnb_checks() -> None:
+    for module, name in BNB_CHECKS:
+        if hasattr(fn := getattr(sys.modules.get(module), name, None), "cache_clear"):
+            fn.cache_clear()
+
+
+@contextmanager
+def peft_calls():
+    """What the project's calls into peft (its import, get_peft_model, PeftModel.from_pretrained) run under.
+
+    bitsandbytes hidden, unless it is imported already (a 4-bit model: transformers imported it to load
+    one, and then nothing is hidden): peft imports it whenever it is installed, at `import peft`
+    (peft/helpers.py) and each time its LoRA dispatcher wraps a layer, though only a 4-bit base needs it;
+    and on a CPU with AVX512-BF16 importing it tries to fetch a kernel from the Hub ("Failed to load CPU
+    gemm_4bit_forward from kernels-community"). Inside, `import bitsandbytes` fails (None in sys.modules),
+    which peft takes for "not installed".
+
+    And one FutureWarning filtered, by its message: peft's PeftModel reads the model's
+    `is_gradient_checkpointing`, an alias transformers 5 deprecates ("Use `is_activation_checkpointing`"):
+    peft's call, not ours, and nothing a run could act on."""
+    import warnings
+    hide = "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+        _forget_bnb_checks()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        if hide:
+            if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+                del sys.modules["bitsandbytes"]
+            _forget_bnb_checks()
+
+
 def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
     """(model, tokenizer) in eval mode, on the GPU when there is one; `name` is LOCAL_MODEL, a local
     dir or a Hub id. dtype: see resolve_dtype. load_in_4bit: the projections in bitsandbytes NF4

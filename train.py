@@ -51,7 +51,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups  # noqa: E402
 from metrics import Metrics  # noqa: E402
-from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right  # noqa: E402
+from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls  # noqa: E402
 from proxy_client import ProxyClient, ProxyError  # noqa: E402
 from trainer_state import Ledger, Owner, load_checkpoint, save_checkpoint  # noqa: E402
 from runconfig import record_config  # noqa: E402
@@ -145,14 +145,15 @@ class Args:
 
 
 def build_model(args: Args):
-    from peft import LoraConfig, get_peft_model
-    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)
+    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)  # a 4-bit base brings bitsandbytes in
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
-    # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
-    cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    # autocast_adapter_dtype (peft's default, said out loud): adapters of a bf16/fp16 base are made
-    # float32, so their updates are not rounded away; AdamW's state follows its parameters' dtype
-    model = get_peft_model(base, cfg, autocast_adapter_dtype=True)
+    with peft_calls():  # without bitsandbytes unless the 4-bit base imported it
+        from peft import LoraConfig, get_peft_model
+        # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
+        cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+        # autocast_adapter_dtype (peft's default, said out loud): adapters of a bf16/fp16 base are made
+        # float32, so their updates are not rounded away; AdamW's state follows its parameters' dtype
+        model = get_peft_model(base, cfg, autocast_adapter_dtype=True)
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:  # any adapter peft left in 16 bits
             p.data = p.data.float()
