@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.10"
 # dependencies = [
-#   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
+#   "torch>=2.4", "transformers>=5.0", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
 #   "math-verify[antlr4_13_2]>=0.9",
 # ]
@@ -48,7 +48,7 @@ import torch
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_args
 from proxy_client import ProxyClient
-from models import LOCAL_MODEL, encode_prompt, load_base, pad_left
+from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls
 from runconfig import record_config
 from tasks import load_task
 
@@ -70,7 +70,7 @@ class Args:
     threads: int = 0
     """torch threads on CPU (0: torch's default)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """base model dtype (auto: bfloat16 on a GPU that has it, else float32)"""
+    """base model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32)"""
     overwrite: bool = False
     """re-evaluate a version that already has a result"""
     live: bool = False
@@ -110,8 +110,8 @@ def greedy(model, tok, prompts: list[str], max_new: int, batch_size: int, device
 def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) -> dict:
     model = base
     if version > 0:
-        from peft import PeftModel
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory() as d, peft_calls():  # without bitsandbytes
+            from peft import PeftModel
             meta = fetch_adapter(bucket, version, d)  # raises AdapterError unless every sha256 matches
             if meta.get("base_model") not in (None, args.model):
                 raise AdapterError(f"version {version} was trained on {meta['base_model']!r}, not {args.model!r}")

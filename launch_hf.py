@@ -203,7 +203,12 @@ def sh(word: str) -> str:
 
 def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str, Path]) -> str:
     """The `hf jobs uv run` command equivalent to submitting `job` (secrets by name only). `local`:
-    shipped name -> the file here, for the one file whose name differs (a jsonl task's)."""
+    shipped name -> the file here, for the one file whose name differs (a jsonl task's).
+
+    `--` before the script: the hf CLI (Click) reads its own options anywhere on the line, after the
+    script too, so a script argument named like a Jobs option (the supervisor's `--namespace`, or a
+    `--timeout`, `-e`, `--with` passed through --rollout-arg) would be taken by the CLI and never reach
+    the script; after `--` everything is the script and its arguments."""
     cmd = ["hf", "jobs", "uv", "run", "--detach", "--flavor", job.flavor, "--timeout", job.timeout,
            "--name", f"{args.run}-{job.role}", "--label", f"{LABEL}={args.run}", "--label", f"role={job.role}"]
     cmd += ["--namespace", namespace] if namespace else []
@@ -218,7 +223,7 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
     # a file of the repository by its path in it (the CLI uploads each by its basename: all land in /data)
     files = [str(local[f].relative_to(ROOT)) if f in local and local[f].is_relative_to(ROOT) and local[f].name == f
              else str(local[f]) if f in local else f for f in job.files]
-    return " ".join(sh(w) for w in cmd + [job.script, *files, *job.args])
+    return " ".join(sh(w) for w in cmd + ["--", job.script, *files, *job.args])
 
 
 def cost_per_hour(args: Args) -> float:

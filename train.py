@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.10"
 # dependencies = [
-#   "torch>=2.4", "transformers>=4.57", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
+#   "torch>=2.4", "transformers>=5.0", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "tqdm>=4.66", "gguf>=0.10",
 #   "huggingface_hub>=1.24", "matplotlib>=3.8", "trackio>=0.43",
 #   "bitsandbytes>=0.50",  # --load-in-4bit (NF4); imported by transformers only when asked for
@@ -47,7 +47,7 @@ from tqdm import tqdm
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups
 from metrics import Metrics
-from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right
+from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls
 from proxy_client import ProxyClient, ProxyError
 from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
 from runconfig import record_config
@@ -82,7 +82,7 @@ class Args:
     target_modules: str = "all-linear"
     """peft target modules: "all-linear" or a comma-separated list"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """base weights' dtype (auto: bfloat16 on a GPU that has it, else float32); the LoRA weights and
+    """base weights' dtype (auto: bfloat16 on a GPU of compute capability >= 8.0, else float32: CPU, T4); the LoRA weights and
     AdamW's state are float32 whatever this is"""
     load_in_4bit: bool = False
     """base projections in 4-bit NF4 (QLoRA, bitsandbytes), computing in --dtype"""
@@ -141,14 +141,15 @@ class Args:
 
 
 def build_model(args: Args):
-    from peft import LoraConfig, get_peft_model
-    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)
+    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)  # a 4-bit base brings bitsandbytes in
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
-    # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
-    cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
-    # autocast_adapter_dtype (peft's default, said out loud): adapters of a bf16/fp16 base are made
-    # float32, so their updates are not rounded away; AdamW's state follows its parameters' dtype
-    model = get_peft_model(base, cfg, autocast_adapter_dtype=True)
+    with peft_calls():  # without bitsandbytes unless the 4-bit base imported it
+        from peft import LoraConfig, get_peft_model
+        # lora_dropout must stay 0: dropout would make the on-policy ratio differ from 1
+        cfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0)
+        # autocast_adapter_dtype (peft's default, said out loud): adapters of a bf16/fp16 base are made
+        # float32, so their updates are not rounded away; AdamW's state follows its parameters' dtype
+        model = get_peft_model(base, cfg, autocast_adapter_dtype=True)
     for p in model.parameters():
         if p.requires_grad and p.dtype != torch.float32:  # any adapter peft left in 16 bits
             p.data = p.data.float()

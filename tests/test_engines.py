@@ -42,3 +42,183 @@ def test_a_server_answer_is_checked_before_it_becomes_a_group():
     for samples, says in bad:
         with pytest.raises(RuntimeError, match=r"the inference server returned .*" + says):
             engines.checked(samples, 2)
+
+
+# ---- the server backend against a recording stand-in of an OpenAI-compatible server (the platform boundary) ----
+
+import json  # noqa: E402
+import threading  # noqa: E402
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
+
+LOGITS = [3.0 - 0.37 * i for i in range(24)]  # the next-token logits of the stand-in's model: token i has logit LOGITS[i]
+
+
+def log_softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    z = m + math.log(sum(math.exp(x - m) for x in xs))
+    return [x - z for x in xs]
+
+
+class FakeServer:
+    """Answers like vLLM's OpenAI server: GET /v1/models, POST /v1/completions (one next token; `logprobs: k`
+    gives the top k plus the sampled token when it is not among them, as vLLM does: up to k+1 entries) and
+    POST /v1/chat/completions. `processed`: logprobs of logits / T (what --logprobs-mode processed_logprobs
+    reports), else of the raw logits (pre-temperature). At T=1 it samples token 9 (outside any top 5), at any
+    other temperature token 0. Every request body is kept in `bodies`."""
+
+    def __init__(self, model: str, processed: bool = True):
+        self.model, self.processed, self.bodies = model, processed, []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, obj) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send({"data": [{"id": fake.model, "root": fake.model, "parent": None}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append((self.path, body))
+                self._send({"/v1/completions": fake.completion, "/generate": fake.generate}.get(self.path, fake.chat)(body))
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def completion(self, body: dict) -> dict:
+        t = body["temperature"]
+        lps = log_softmax([x / t for x in LOGITS] if self.processed else LOGITS)
+        sampled = 9 if abs(t - 1.0) < 1e-9 else 0
+        name = (lambda i: f"token_id:{i}") if body.get("return_tokens_as_token_ids") else (lambda i: f"w{i}")
+        top = {i: lps[i] for i in sorted(range(len(LOGITS)), key=lambda i: -lps[i])[:body.get("logprobs") or 0]}
+        top[sampled] = lps[sampled]
+        return {"choices": [{"index": i, "text": "x", "finish_reason": "length", "token_ids": [sampled],
+                             "logprobs": {"tokens": [name(sampled)], "token_logprobs": [lps[sampled]],
+                                          "top_logprobs": [{name(i): lp for i, lp in top.items()}]}}
+                            for i in range(len(body["prompt"]) * body.get("n", 1))]}
+
+    def generate(self, body: dict) -> list:  # SGLang's native route
+        return [{"meta_info": {"output_token_logprobs": [[-0.5, 0, None]], "finish_reason": {"type": "length"}}}
+                for _ in body["input_ids"]]
+
+    def chat(self, body: dict) -> dict:
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def fake_server(tiny_model):
+    servers = []
+
+    def start(**kw) -> FakeServer:
+        servers.append(FakeServer(tiny_model, **kw))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_the_processed_logprobs_check_compares_token_by_token(tiny_model, fake_server):
+    """vLLM answers `logprobs: 5` with six entries when the sampled token is not in the top 5. The check must
+    pair the two temperatures' logprobs by token id: a server that reports pre-temperature logprobs is refused
+    even when one answer carries that extra entry (pairing sorted values shifted every pair by one, so
+    such a server passed), and one that reports processed logprobs passes."""
+    raw = fake_server(processed=False)
+    engine = engines.ServerSampler(raw.url, "vllm", model=tiny_model)
+    with pytest.raises(RuntimeError, match="same logprobs at temperature 1 and 0.7"):
+        engine.check_processed_logprobs([1, 2, 3], 0.7)
+    assert [b["logprobs"] for p, b in raw.bodies] == [5, 5]
+    processed = fake_server(processed=True)
+    engines.ServerSampler(processed.url, "vllm", model=tiny_model).check_processed_logprobs([1, 2, 3], 0.7)
+
+
+NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_server_backend_asks_for_neutral_sampling_in_chat_and_rollouts(kind, tiny_model, fake_server):
+    """A parameter left out of a request is taken from the model's generation_config.json by vLLM (its default
+    --generation-config auto) and by SGLang: a routed chat request would decode with the model's top-k, min-p or
+    repetition penalty on the server backend but not on the hf one. Every request says the neutral value
+    (top_k -1: SGLang's "off", which vLLM takes as its 0), and the client's own top_p."""
+    srv = fake_server()
+    engine = engines.ServerSampler(srv.url, kind, model=tiny_model)
+    engine.chat([{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 4, "temperature": 0.8,
+                  "top_p": 0.9, "seed": 1, "stop": []}])
+    engine.sample([[1, 2, 3], [4, 5]], 2, 3, 0.7)
+    (_, chat), = [(p, b) for p, b in srv.bodies if p == "/v1/chat/completions"]
+    assert {k: chat.get(k) for k in NEUTRAL} == NEUTRAL, chat
+    assert chat["top_p"] == 0.9 and chat["temperature"] == 0.8
+    (_, rollout), = [(p, b) for p, b in srv.bodies if p in ("/v1/completions", "/generate")]
+    params = rollout["sampling_params"] if kind == "sglang" else rollout
+    assert {k: params.get(k) for k in NEUTRAL} == NEUTRAL and params["top_p"] == 1.0, params
+
+
+def test_the_hf_backend_ignores_the_models_sampling_defaults_too(tiny_model):
+    """The same routed request decodes the same whatever the model's generation_config says about top-k,
+    min-p or repetition penalty (generate() applies them unless told otherwise), greedy and sampled."""
+    import models
+    model, tok = models.load_base(tiny_model)
+    req = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 12, "temperature": 0.0,
+           "top_p": 1.0, "seed": 5, "stop": []}
+    plain = [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)]
+    model.generation_config.update(repetition_penalty=3.0, top_k=2, min_p=0.5)
+    assert [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)] == plain
+
+
+# ---- the hf backend's hot-swap: an adapter of another shape is refused, the loaded one stays ----------------
+
+
+def hf_adapter(tiny_model: str, path, version: int, r: int, alpha: int | None = None) -> dict:
+    """A saved LoRA of rank r (random B, so that it changes the output) as AdapterSync hands it over."""
+    import torch
+    from safetensors.torch import load_file
+
+    import train
+    model, _ = train.build_model(train.Args(model=tiny_model, lora_r=r, lora_alpha=alpha or 2 * r))
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.save_pretrained(path)
+    return {"version": version, "dir": str(path), "tensors": load_file(f"{path}/adapter_model.safetensors"),
+            "meta": {"lora": {"r": r}}}
+
+
+def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_old_one(tiny_model, tmp_path):
+    import torch
+
+    import models
+    from common import AdapterError
+    base, _ = models.load_base(tiny_model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+
+    def logits(m):
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+    plain = logits(base)
+    served = engines.swap_in(base, hf_adapter(tiny_model, tmp_path / "v1", 1, r=4))
+    v1 = logits(served)
+    assert not torch.allclose(v1, plain)
+    for v, r, alpha, says in ((2, 8, None, r"rank 8"), (3, 4, 32, r"lora_alpha 32")):
+        with pytest.raises(AdapterError, match=rf"version {v}\b.*{says}") as e:
+            engines.swap_in(served, hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=r, alpha=alpha))
+        assert "rank 4" in str(e.value)             # what is loaded now, named too
+        assert torch.equal(logits(served), v1)     # not one tensor of it copied in
+    # the same shape still swaps in place
+    served = engines.swap_in(served, hf_adapter(tiny_model, tmp_path / "v4", 4, r=4))
+    assert not torch.allclose(logits(served), v1)

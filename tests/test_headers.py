@@ -128,3 +128,23 @@ def test_every_job_of_a_run_ships_every_shared_module_its_script_imports():
     assert {j.script for j in jobs} == {"proxy.py", "rollout.py", "train.py", "launch_hf.py"}
     for job in jobs:
         assert {f"{m}.py" for m in local_modules(job.script)} <= set(job.files), job.role
+
+
+def test_the_transformers_floor_is_the_one_the_code_needs():
+    """models.py's activation checkpointing subclasses transformers' DynamicLayer and calls
+    `lazy_initialization(keys, values)`: the two-argument form transformers 5.0.0 introduced (4.57's takes the
+    keys only, and would fail with a TypeError). Every header that declares transformers, and requirements.txt,
+    must ask for at least 5.0 (which is also the first transformers that allows huggingface_hub >= 1.0)."""
+    import inspect
+
+    from packaging.version import Version
+    from transformers.cache_utils import DynamicLayer
+    need = Version("5.0")
+    found = {"requirements.txt": requirements()["transformers"]}
+    found |= {s: Requirement(d) for s in SCRIPTS for d in header(s)["dependencies"]
+              if canonicalize_name(Requirement(d).name) == "transformers"}
+    for where, r in found.items():
+        floor = max(Version(s.version) for s in r.specifier if s.operator in (">=", "==", "~="))
+        assert floor >= need, f"{where}: {r} allows transformers {floor}; models.py needs >= {need}"
+    # the form itself, in the transformers installed here
+    assert list(inspect.signature(DynamicLayer.lazy_initialization).parameters)[1:] == ["key_states", "value_states"]

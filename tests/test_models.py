@@ -107,8 +107,7 @@ def test_enable_checkpointing_switches_completion_logprobs(tiny_model):
 
 
 def test_dtype_auto_and_bad_names():
-    assert models.resolve_dtype("auto") == (torch.bfloat16 if torch.cuda.is_available()
-                                            and torch.cuda.is_bf16_supported() else torch.float32)
+    assert models.resolve_dtype("auto") == (torch.bfloat16 if models.gpu_computes_bf16() else torch.float32)
     assert models.resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="bf16.*one of auto, float32, bfloat16, float16"):
         models.resolve_dtype("bf16")
@@ -169,3 +168,37 @@ def test_4bit_base_on_cpu(tiny_model):
     assert 0 < (lp0 - lp32).abs().max() < 1.0
     opt, st = one_train_step(model)
     assert torch.isfinite(torch.tensor(st["loss"])) and all(opt.state[p]["exp_avg"].dtype == torch.float32 for p in trainable)
+
+
+# ---- --dtype auto: one rule everywhere, bf16 only where the GPU computes it (compute capability >= 8.0) ----
+
+GPUS = {"T4": (7, 5), "V100": (7, 0), "A100": (8, 0), "A10G": (8, 6), "L4": (8, 9), "H200": (9, 0)}
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_dtype_auto_is_bf16_only_on_a_gpu_that_computes_it(gpu, monkeypatch):
+    """The device query is emulated below the project's code: torch.cuda says a GPU of that compute capability
+    is there and, as torch does on a T4, that bf16 is "supported" (it counts emulation). The trainer's base
+    weights (models.resolve_dtype), a vLLM engine or server started here (engines), and the memory model's
+    flavors (memory.py, launch_hf's fit check) must all decide alike."""
+    import engines
+    import memory
+    cap = GPUS[gpu]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    bf16 = cap >= (8, 0)
+    assert models.resolve_dtype("auto") == (torch.bfloat16 if bf16 else torch.float32)
+    cmd, _ = engines.server_command("vllm", "Qwen/Qwen2.5-0.5B-Instruct", 8123)
+    assert cmd[cmd.index("--dtype") + 1] == ("bfloat16" if bf16 else "float16")  # vLLM has no use for fp32 on a GPU
+    for flavor, (name, _, *_) in memory.FLAVORS.items():
+        if name.split()[0] == gpu:
+            assert memory.flavor_bf16(flavor) is bf16, flavor
+
+
+def test_the_memory_model_and_the_launcher_count_a_t4_in_float32():
+    """launch_hf's fit check on a T4 counts --dtype auto as float32 (what resolve_dtype gives there)."""
+    import memory
+    notes, problems = memory.layout_check("Qwen/Qwen2.5-0.5B-Instruct", 512, 8, "t4-small", [], "t4-small", [],
+                                          hub=False)
+    assert any("(float32," in n for n in notes + problems), notes + problems

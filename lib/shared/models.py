@@ -157,6 +157,8 @@ def enable_checkpointing(model, on: bool = True) -> None:
 
 
 def _fixed_prefix_layer_class():
+    # the cache-layer API of transformers 5.0 (lazy_initialization(keys, values); 4.57's took the keys only):
+    # the floor every header and requirements.txt state (tests/test_headers.py)
     from transformers.cache_utils import DynamicLayer
 
     class FixedPrefixLayer(DynamicLayer):
@@ -303,14 +305,65 @@ def clean_config(config_json: Path) -> None:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def gpu_computes_bf16() -> bool:
+    """A CUDA GPU is here and computes in bf16: compute capability >= 8.0 (memory.computes_bf16, the one
+    rule of --dtype auto). Not torch.cuda.is_bf16_supported(), which also says True where bf16 is only
+    emulated (a T4)."""
+    from memory import computes_bf16
+    return torch.cuda.is_available() and computes_bf16(torch.cuda.get_device_capability())
+
+
 def resolve_dtype(name: str) -> torch.dtype:
-    """--dtype: auto is bfloat16 on a GPU that has it (Ampere and later), float32 otherwise (CPU, T4)."""
+    """--dtype: auto is bfloat16 on a GPU that computes it (gpu_computes_bf16: Ampere and later),
+    float32 otherwise (CPU, T4)."""
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: one of {', '.join(DTYPES)}")
     if name == "auto":
-        cuda = torch.cuda.is_available()
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if gpu_computes_bf16() else torch.float32
     return getattr(torch, name)
+
+
+# peft's memoised "is bitsandbytes installed?" answers (and transformers' one): cleared on entering and
+# leaving peft_calls(), so that what was answered inside (no) is not kept for a 4-bit model loaded later in
+# the same process, nor an earlier yes inside (peft would then import it and fail)
+BNB_CHECKS = (("peft.import_utils", "is_bnb_available"), ("peft.import_utils", "is_bnb_4bit_available"),
+              ("transformers.utils.import_utils", "is_bitsandbytes_available"))
+
+
+def _forget_bnb_checks() -> None:
+    for module, name in BNB_CHECKS:
+        if hasattr(fn := getattr(sys.modules.get(module), name, None), "cache_clear"):
+            fn.cache_clear()
+
+
+@contextmanager
+def peft_calls():
+    """What the project's calls into peft (its import, get_peft_model, PeftModel.from_pretrained) run under.
+
+    bitsandbytes hidden, unless it is imported already (a 4-bit model: transformers imported it to load
+    one, and then nothing is hidden): peft imports it whenever it is installed, at `import peft`
+    (peft/helpers.py) and each time its LoRA dispatcher wraps a layer, though only a 4-bit base needs it;
+    and on a CPU with AVX512-BF16 importing it tries to fetch a kernel from the Hub ("Failed to load CPU
+    gemm_4bit_forward from kernels-community"). Inside, `import bitsandbytes` fails (None in sys.modules),
+    which peft takes for "not installed".
+
+    And one FutureWarning filtered, by its message: peft's PeftModel reads the model's
+    `is_gradient_checkpointing`, an alias transformers 5 deprecates ("Use `is_activation_checkpointing`"):
+    peft's call, not ours, and nothing a run could act on."""
+    import warnings
+    hide = "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+        _forget_bnb_checks()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            yield
+    finally:
+        if hide:
+            if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+                del sys.modules["bitsandbytes"]
+            _forget_bnb_checks()
 
 
 def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):

@@ -24,15 +24,35 @@ GiB = 1024 ** 3
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(ROOT, "configs")
 
+# bf16 on a GPU: the one rule of --dtype auto, for every role (models.resolve_dtype for the trainer and the
+# hf backend, engines for a vLLM engine or server started by a worker, and the memory model and the
+# launcher's fit check below): compute capability 8.0 or more (Ampere and later), where bf16 runs in
+# hardware. Not torch.cuda.is_bf16_supported(): it also says True on a T4 (7.5), where bf16 is emulated
+# (slow, and not what the memory model counts there). vLLM draws the same line (its CUDA platform's
+# supported dtypes).
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def computes_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of this compute capability (major, minor) computes in bf16."""
+    return tuple(capability)[:2] >= BF16_MIN_CAPABILITY
+
+
 # GPU memory per flavor as the driver reports it (nvidia-smi's total: the datasheet's 16/24/48/80/141 GB
-# less what ECC and the driver keep), whether it computes in bf16 (T4: no), and $/hour (launch_hf.PRICES).
-# Multi-GPU flavors are listed per GPU: the trainer and each worker use one.
+# less what ECC and the driver keep), its compute capability (whether it computes in bf16: flavor_bf16;
+# T4: no), and $/hour (launch_hf.PRICES). Multi-GPU flavors are listed per GPU: the trainer and each
+# worker use one.
 FLAVORS = {
-    "t4-small": ("T4", 15360 / 1024, False), "t4-medium": ("T4", 15360 / 1024, False),
-    "l4x1": ("L4", 23034 / 1024, True), "a10g-small": ("A10G", 23028 / 1024, True),
-    "a10g-large": ("A10G", 23028 / 1024, True), "l40sx1": ("L40S", 46068 / 1024, True),
-    "a100-large": ("A100 80GB", 81920 / 1024, True), "h200": ("H200", 143771 / 1024, True),
+    "t4-small": ("T4", 15360 / 1024, (7, 5)), "t4-medium": ("T4", 15360 / 1024, (7, 5)),
+    "l4x1": ("L4", 23034 / 1024, (8, 9)), "a10g-small": ("A10G", 23028 / 1024, (8, 6)),
+    "a10g-large": ("A10G", 23028 / 1024, (8, 6)), "l40sx1": ("L40S", 46068 / 1024, (8, 9)),
+    "a100-large": ("A100 80GB", 81920 / 1024, (8, 0)), "h200": ("H200", 143771 / 1024, (9, 0)),
 }
+
+
+def flavor_bf16(flavor: str) -> bool:
+    """Whether the flavor's GPU computes in bf16 (what --dtype auto gives there: bfloat16, else float32)."""
+    return computes_bf16(FLAVORS[flavor][2])
 CUDA_OVERHEAD = 1.0 * GiB   # CUDA context, cuBLAS workspaces, allocator rounding: what torch's counters miss
 LOGITS_CHUNK = 256           # models.LOGITS_CHUNK: tokens per checkpointed lm_head chunk
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)   # 4-bit weights + 8-bit absmax per 64 + fp32 per 256 absmax (double quant)
@@ -231,7 +251,7 @@ def train_args(opts: list[str]) -> str:
 def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> str:
     """What would make the trainer fit: the fewest options on this flavor (checkpointing, 16-bit
     weights, one group per micro-batch, 4-bit weights), else the smallest flavor that holds it as is."""
-    half = "bfloat16" if FLAVORS[flavor][2] else "float16"
+    half = "bfloat16" if flavor_bf16(flavor) else "float16"
     steps = [(["--gradient-checkpointing", "on"], lambda t, lay: (replace(t, checkpointing=True), lay)),
              (["--dtype", half], lambda t, lay: (replace(t, dtype=half) if t.dtype == "float32" else t, lay)),
              (["--micro-groups", "1"], lambda t, lay: (t, replace(lay, micro_groups=1))),
@@ -245,7 +265,7 @@ def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> 
             if trainer_verdict(a, tt, flavor, ll)[0]:
                 return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
     for f in sorted(FLAVORS, key=flavor_gib):
-        ft = replace(t, dtype="float32") if not FLAVORS[f][2] and t.dtype == "bfloat16" else t
+        ft = replace(t, dtype="float32") if not flavor_bf16(f) and t.dtype == "bfloat16" else t
         if trainer_verdict(a, ft, f, lay)[0]:
             return f"--trainer-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB) fits"
     return "no single-GPU flavor holds this trainer"
@@ -279,7 +299,7 @@ def config_for(model: str, hub: bool = True) -> tuple[dict | None, str]:
         return json.load(open(path)), path
     carried = os.path.join(CONFIGS, model.replace("/", "--") + ".json")
     if os.path.isfile(carried):
-        return json.load(open(carried)), f"lib/jobs/configs/{os.path.basename(carried)}"
+        return json.load(open(carried)), f"lib/shared/configs/{os.path.basename(carried)}"
     if not hub or os.environ.get("HF_HUB_OFFLINE") == "1":
         return None, f"no carried config for {model} and the Hub is not asked (offline)"
     try:
@@ -317,7 +337,7 @@ def table(lay: Layout = Layout()) -> str:
             t64 = replace(t, lora_r=64)
             m64 = trainer_memory(a, t64, lay)["total"] / GiB
             # T4 has no bf16: --dtype auto runs (and is counted) in float32 there, 4-bit's compute too
-            fits = [trainer_verdict(a, t64 if FLAVORS[f][2] else replace(t64, dtype="float32"), f, lay)[0]
+            fits = [trainer_verdict(a, t64 if flavor_bf16(f) else replace(t64, dtype="float32"), f, lay)[0]
                     for f in TABLE_FLAVORS]
             rows.append(f"| {name.split('/')[1]} | {a.params() / 1e9:.2f}B | {label} | {m16:.1f} | {m64:.1f} | "
                         f"{_smallest(fits)} |")
@@ -376,8 +396,8 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
     flavor = trainer_flavor
     if flavor in FLAVORS:
         dtype = t.get("dtype", "auto")
-        if dtype == "auto":  # models.resolve_dtype on that GPU
-            dtype = "bfloat16" if FLAVORS[flavor][2] else "float32"
+        if dtype == "auto":  # models.resolve_dtype on that GPU: the same rule
+            dtype = "bfloat16" if flavor_bf16(flavor) else "float32"
         trainer = Trainer(dtype, bool(t.get("load_in_4bit")), t.get("gradient_checkpointing", "auto") != "off",
                                  lora_r)
         ok, _ = trainer_verdict(arch, trainer, flavor, lay)
