@@ -4,6 +4,7 @@ CLI (Click) takes its own options anywhere on the line, after the script too, so
 shares a name with a Jobs option (the supervisor's `--namespace`, a `--timeout`, `-e`, `--with`...) would
 be read as the CLI's: an org run's supervisor job would lose its `--namespace` and watch its user's jobs."""
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,10 @@ def test_every_printed_command_gives_the_script_its_own_arguments(org_run):
     for job in jobs:
         got = parse(launch_hf.hf_command(job, args, "an-org", local))
         assert got["script"] == job.script, job.role
-        assert list(got["script_args"]) == [*job.files, *job.args], job.role
+        n = len(job.files)  # the shipped files by their paths here; the CLI uploads each by its basename
+        assert [Path(p).name for p in got["script_args"][:n]] == job.files, job.role
+        assert all((launch_hf.ROOT / p).is_file() for p in got["script_args"][:n]), job.role
+        assert list(got["script_args"][n:]) == job.args, job.role
         assert got["namespace"] == "an-org" and got["flavor"] == job.flavor and got["timeout"] == job.timeout
         assert sorted(got["secrets"]) == sorted(job.secrets), job.role
         assert list(got["env"]) == [f"{k}={v}" for k, v in job.env.items()], job.role

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import math
 import os
 import secrets
@@ -35,6 +36,8 @@ import torch
 
 from common import AdapterError, Bucket
 from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, peft_calls, prefill
+
+log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefixed with the worker id
 
 # ---------------------------------------------------------------------------------------------
 # backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
@@ -202,7 +205,7 @@ def default_backend() -> str:
         import vllm  # noqa: F401
         return "vllm"
     except Exception as e:  # a broken install: say so, run on transformers
-        print(f"vllm does not import ({e}); using the hf backend", file=sys.stderr)
+        log.warning(f"vllm does not import ({e}); using the hf backend")
         return "hf"
 
 
@@ -404,7 +407,7 @@ class ServerSampler:
 
     def __init__(self, url: str, kind: str = "vllm", model: str = LOCAL_MODEL, api_key: str | None = None,
                  managed: ManagedServer | None = None, timeout_s: float = 600.0,
-                 on_down: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+                 on_down: Callable[[str], None] = lambda msg: log.warning(msg),
                  should_stop: Callable[[], bool] = lambda: False):
         from transformers import AutoTokenizer
         if kind not in SERVER_KINDS:
@@ -429,11 +432,10 @@ class ServerSampler:
         engine_kw = {k: kw.pop(k) for k in ("on_down", "should_stop", "timeout_s") if k in kw}
         cmd, env = server_command(kind, model, port, lora_rank, python=python, **kw)
         managed = ManagedServer(cmd, env, f"http://127.0.0.1:{port}", key, log_path, start_timeout_s)
-        print(f"starting the inference server: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
+        log.info(f"starting the inference server: {' '.join(cmd)} (log: {log_path})")
         t0 = time.time()
         managed.start()
-        print(f"inference server pid {managed.proc.pid} ready at {managed.url} after {time.time() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        log.info(f"inference server pid {managed.proc.pid} ready at {managed.url} after {time.time() - t0:.0f} s")
         return cls(managed.url, kind, model, key, managed, **engine_kw)
 
     # -- HTTP, with outages turned into ServerDown -------------------------------------------------
