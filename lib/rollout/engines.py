@@ -50,10 +50,10 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     head, body = lm.get_output_embeddings(), lm.get_decoder()
     cache, h, mask, pos = prefill(model, prompts, G, pad)
     N = h.shape[0]
-    eos_t = torch.tensor(sorted(eos))
+    eos_t = torch.tensor(sorted(eos), device=h.device)  # every tensor on the model's device (a GPU: the same one)
     logits = head(h).float() / temperature
     toks, lps = [], []
-    done = torch.zeros(N, dtype=torch.bool)
+    done = torch.zeros(N, dtype=torch.bool, device=h.device)
     for t in range(max_new):
         logp = torch.log_softmax(logits, -1)
         nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
@@ -62,7 +62,7 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
         done |= torch.isin(nxt, eos_t)
         if done.all() or t == max_new - 1:
             break
-        mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype)], 1)
+        mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=mask.device)], 1)
         out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
                    use_cache=True, **cache_kw(body, cache))
         logits = head(out.last_hidden_state[:, -1]).float() / temperature
