@@ -203,6 +203,7 @@ def test_a_presigned_url_that_fails_falls_back_to_the_proxy(bucket, spawn, tmp_p
         common._download(client, {**entry, "path": "/v1/adapters/9/files/meta.json"}, None, "x")
 
 
+@pytest.mark.timeout(900)  # its own bounds (train 600 s, the worker's exit 120 s) fire first, with the logs
 def test_a_rollout_worker_with_only_a_url_and_a_worker_token_joins_the_run(tiny_model, spawn, bucket, run_name, tmp_path):
     """The worker's environment has no bucket, no bucket keys and no S3 endpoint: its adapters come through
     the proxy, its groups reach the trainer recorded as the participant's, its metrics stay on its disk."""

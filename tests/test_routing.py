@@ -172,6 +172,7 @@ def adapter_v1(tiny_model, bucket, tmp_path):
     return model.eval()
 
 
+@pytest.mark.timeout(1200)  # its own bounds (300 s for the worker's first round, evaluate 600 s) fire first, with the logs
 def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model, start_proxy, run_name, tmp_path,
                                                                      adapter_v1):
     from transformers import AutoTokenizer
