@@ -145,7 +145,7 @@ def test_4_idle_and_half_sent_connections_are_closed_and_health_stays_fast(spawn
     starts with allows: /health answers meanwhile, in well under a second (median of up to 20; it is ~1 ms
     unloaded, and a proxy that had to wait for the idle ones to be closed would take the 5 s head
     deadline), none of them is closed before that deadline, and the proxy closes each of them once it
-    passes (408 for the half-sent ones). bench/ measures the latency itself (bench/proxy_load.py)."""
+    passes (408 for the half-sent ones). The latency measured is printed: a functional bound, not a benchmark."""
     head_s = 5.0
     p = spawn("--head-timeout-s", str(head_s), nofile=1024)
     socks, kinds = [], []
