@@ -8,6 +8,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import journal
 from ledger import BATCHES, Ledger
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
@@ -108,6 +110,7 @@ def assert_same(a: Ledger, b: Ledger, read, where: str) -> None:
     assert not la["lost"] and all(e.raw for e in la["buffer"].values())
 
 
+@pytest.mark.timeout(600)  # ~40 s alone; 100 rounds of traffic, two proxies and 10 replays took 180 s on a loaded 2-core machine
 def test_snapshot_plus_tail_equals_full_replay_at_random_cut_points(bucket, spawn, seed):
     rng, book = random.Random(seed), {"version": 0}
     p = spawn(*FLAGS)
