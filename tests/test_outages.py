@@ -81,7 +81,7 @@ def test_bucket_call_waits_out_an_outage(s3_env, run_name, fast_cadence):
     seconds = [int(s.split("failing for ")[1].split("s")[0]) for s in waits]
     assert all(b - a >= 3 for a, b in zip(seconds, seconds[1:])) and seconds[-1] >= 10, seconds
     assert said[-1].endswith(f"answering again after {said[-1].rsplit(' ', 1)[1]}")
-    assert time.time() - t0 >= down_s >= 10
+    assert time.time() - t0 >= down_s >= 9.5  # (the messages round to whole seconds: "10s" is 9.5 s or more)
 
 
 def test_bucket_mistake_fails_at_once():
