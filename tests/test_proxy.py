@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 import common
+from proxyproc import Worker, wait_for
 
 
 def group(version=0, G=4, worker="w1", gid=None, **over):
@@ -56,9 +57,13 @@ def test_lease_waits_then_returns_empty_and_expired_lease_returns_groups(start_p
     r = p.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 0.5}).json()
     assert r["batch_id"] is None and r["groups"] == [] and time.time() - t0 >= 0.45
     p.http.post("/v1/groups", json=group())
+    asked = time.monotonic()  # the proxy's lease starts after this (the same monotonic clock: one host)
     bid = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
-    time.sleep(2.5)  # lease_s=1, housekeeping runs every second
-    assert p.stats()["buffer_size"] == 1 and p.stats()["leases_expired"] == 1
+    wait_for(lambda: p.stats()["leases_expired"] == 1, 60, msg="the 1 s lease to run out")  # housekeeping: every 1 s
+    # coarse (the sweep runs once a second); test_lease_renew_ack_and_expiry pins lease_s against a control
+    assert time.monotonic() - asked >= 1.0, "the lease ran out before lease_s"
+    s = p.stats()
+    assert (s["buffer_size"], s["open_leases"]) == (1, 0)
     gone = p.http.post(f"/v1/batches/{bid}/ack")
     assert gone.status_code == 410 and "expired" in gone.text
 
@@ -88,11 +93,12 @@ def test_latest_long_poll(bucket, start_proxy):
     r = p.http.get("/v1/adapters/latest", params={"after": 0, "wait_s": 0.6}).json()
     assert r["version"] == 0 and time.time() - t0 >= 0.55
     assert p.http.get("/v1/adapters/latest", params={"after": -1, "wait_s": 5}).json()["version"] == 0  # no wait
-    import threading
-    threading.Timer(0.5, lambda: publish(bucket, p, 1)).start()
+    later = Worker(lambda: (time.sleep(0.5), publish(bucket, p, 1)))  # its failure fails the test (at join)
+    later.start()
     t0 = time.time()
-    r = p.http.get("/v1/adapters/latest", params={"after": 0, "wait_s": 10}).json()
-    assert r["version"] == 1 and time.time() - t0 < 5  # woke up on the registration, not the timeout
+    r = p.http.get("/v1/adapters/latest", params={"after": 0, "wait_s": 60}).json()
+    later.join(60)
+    assert r["version"] == 1 and time.time() - t0 < 30  # woke up on the registration, not the 60 s timeout
 
 
 def test_prompt_lease_covers_each_epoch_without_repeats(start_proxy):
@@ -214,23 +220,45 @@ def test_bad_requests_elsewhere(start_proxy):
 
 # ---- lease clocks: durations on the proxy's monotonic clock, renewable; versions' age on that clock ----
 def test_lease_renew_ack_and_expiry(start_proxy):
-    p = start_proxy("--group-size", "4", "--lease-s", "2")
+    """Two leases taken together; `held` is renewed every 0.3 s, `other` never. Once `other` has run out,
+    the sweep that expired it found `held` past its first deadline too (it was taken first): only the
+    renewals kept it open. The ack path does not look at deadlines, so without that proof a late sweep
+    would let a test of renewals pass with renewals broken."""
+    lease_s = 3.0  # the renewals' slack (2.7 s) is large against a loaded machine's jitter
+    p = start_proxy("--group-size", "4", "--lease-s", str(lease_s))
     for _ in range(2):
         p.http.post("/v1/groups", json=group())
+    last_sent = time.monotonic()  # `held` runs to lease_s after this at least
     r = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()
-    assert r["expires_in_s"] == 2.0
-    for _ in range(3):  # held 3.6 s in all, past lease_s, by renewing
-        time.sleep(1.2)
-        renewed = p.http.post(f"/v1/batches/{r['batch_id']}/renew")
-        assert renewed.status_code == 200 and renewed.json() == {"batch_id": r["batch_id"], "expires_in_s": 2.0}
-    assert p.stats()["open_leases"] == 1 and p.stats()["leases_expired"] == 0
-    assert p.http.post(f"/v1/batches/{r['batch_id']}/ack").json() == {"acked": 1}
-    assert p.http.post(f"/v1/batches/{r['batch_id']}/renew").status_code == 409
-    assert p.http.post("/v1/batches/0123456789abcdef/renew").status_code == 404
+    assert r["expires_in_s"] == lease_s
+    other_asked = time.monotonic()
     other = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
-    time.sleep(3.5)  # not renewed: it runs out
+
+    def call(what: str) -> httpx.Response:
+        """ack or renew `held`; if it was the lease's end that answered (410), the test's own requests must
+        have been more than lease_s apart (the machine stalled): then this run cannot tell, and says so."""
+        nonlocal last_sent
+        sent = time.monotonic()
+        answer = p.http.post(f"/v1/batches/{r['batch_id']}/{what}")
+        if answer.status_code == 410 and (gap := time.monotonic() - last_sent) >= lease_s:
+            pytest.skip(f"{gap:.1f} s between two renewals of a {lease_s:g} s lease (a stalled machine): not a test")
+        last_sent = sent
+        return answer
+
+    t0 = time.monotonic()
+    while p.stats()["leases_expired"] == 0:  # `other` has not run out yet
+        assert time.monotonic() - t0 < 60, "the unrenewed lease never ran out"
+        renewed = call("renew")
+        assert renewed.status_code == 200 and renewed.json() == {"batch_id": r["batch_id"], "expires_in_s": lease_s}
+        time.sleep(0.3)
+    assert time.monotonic() - other_asked >= lease_s  # so `held` was kept past lease_s by renewing
     gone = p.http.post(f"/v1/batches/{other}/renew")
     assert gone.status_code == 410 and "expired" in gone.text
+    s = p.stats()
+    assert (s["open_leases"], s["leases_expired"], s["buffer_size"]) == (1, 1, 1)
+    assert call("ack").json() == {"acked": 1}
+    assert p.http.post(f"/v1/batches/{r['batch_id']}/renew").status_code == 409
+    assert p.http.post("/v1/batches/0123456789abcdef/renew").status_code == 404
 
 
 def test_a_replayed_lease_gets_a_fresh_lease_s_whatever_the_new_hosts_clock(bucket, run_name, tmp_path):
@@ -246,10 +274,10 @@ def test_a_replayed_lease_gets_a_fresh_lease_s_whatever_the_new_hosts_clock(buck
     port, token = free_port(), "t" * 24
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": token}
 
-    def start(*pre):
+    def start(*pre, lease_s="60"):
         log = open(tmp_path / f"proxy-{len(list(tmp_path.iterdir()))}.log", "w")
         proc = subprocess.Popen([sys.executable, *pre, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4",
-                                 "--lease-s", "60"], env=env, stdout=log, stderr=log)
+                                 "--lease-s", lease_s], env=env, stdout=log, stderr=log)
         wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=60)
         return ProxyProc(f"http://127.0.0.1:{port}", token, proc)
 
@@ -258,10 +286,19 @@ def test_a_replayed_lease_gets_a_fresh_lease_s_whatever_the_new_hosts_clock(buck
     bid = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
-    q = start("-c", SKEWED, "3600")
+    # the new process leases for 1 s; the replayed lease keeps the 60 s its record says
+    q = start("-c", SKEWED, "3600", lease_s="1")
     try:
-        time.sleep(1.5)  # the housekeeping pass that would expire it has run
-        assert q.stats()["open_leases"] == 1 and q.stats()["leases_expired"] == 0
+        # a control: a 1 s lease taken after the restart, never renewed. Once it has run out, an expiry sweep
+        # ran after every deadline the replayed lease could have got from the hour-ahead clock (all in the
+        # past at the replay): the ack path does not look at deadlines, so only this shows that none expired it
+        q.http.post("/v1/groups", json=group())
+        control = q.http.post("/v1/batches/lease", json={"num_groups": 1}).json()["batch_id"]
+        wait_for(lambda: q.stats()["leases_expired"] >= 1, 60, msg="the control lease to run out")
+        gone = q.http.post(f"/v1/batches/{control}/ack")
+        assert gone.status_code == 410 and "expired" in gone.text
+        s = q.stats()
+        assert (s["open_leases"], s["leases_expired"], s["buffer_size"]) == (1, 1, 1)
         assert q.http.post(f"/v1/batches/{bid}/ack").json() == {"acked": 1}
     finally:
         stop(q.proc)
@@ -281,8 +318,9 @@ def test_prompt_shuffle_covers_every_epoch_for_many_sizes(start_proxy):
     p = start_proxy("--group-size", "4", use_bucket=False)
     for size in (1, 2, 3, 7, 64, 1000):
         got = []
-        while len(got) < 2 * size:
+        while len(got) < 2 * size:  # bounded: each answer carries its 5 indices
             r = p.http.post("/v1/prompts/lease", json={"dataset": f"d{size}", "size": size, "n": 5}).json()
+            assert len(r["indices"]) == len(r["epochs"]) == 5, r
             got += list(zip(r["epochs"], r["indices"]))
         for epoch in (0, 1):
             assert sorted(i for e, i in got if e == epoch) == list(range(size)), size

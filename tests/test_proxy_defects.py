@@ -16,6 +16,7 @@ against the real proxy process and the real S3 server (each of these fails on th
 import http.client
 import os
 import secrets
+import select
 import signal
 import socket
 import statistics
@@ -28,7 +29,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, SUPPORT, free_port, stop
-from proxyproc import rss_hwm_mb, spawn  # noqa: F401 - spawn is a fixture
+from proxyproc import metric, rss_hwm_mb, spawn, wait_for, wait_port  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
 
 
@@ -40,6 +41,14 @@ def test_1_no_group_is_ever_leased_staler_than_max_staleness(bucket, spawn):
     p = spawn("--max-staleness", "1", "--max-buffer", "100000")
     stop_, latest, leased, errors = threading.Event(), [0], [], []
     headers = {"X-Proxy-Token": p.token}
+
+    def reported(fn):  # what goes wrong in a thread is reported to the test, not lost with the thread
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(f"{fn.__name__}: {e!r}")
+        return run
 
     def submitter():
         with httpx.Client(base_url=p.url, headers=headers, timeout=30) as c:
@@ -54,22 +63,28 @@ def test_1_no_group_is_ever_leased_staler_than_max_staleness(bucket, spawn):
                 known = latest[0]  # answered before this lease is asked for
                 r = c.post("/v1/batches/lease", json={"num_groups": 2, "wait_s": 0.2}).json()
                 leased.extend((known, r["latest_version"], g["policy_version"]) for g in r["groups"])
-                if r["batch_id"]:
-                    c.post(f"/v1/batches/{r['batch_id']}/ack")
+                if r["batch_id"] and (a := c.post(f"/v1/batches/{r['batch_id']}/ack")).status_code != 200:
+                    errors.append(a.text)
 
-    threads = [threading.Thread(target=f, daemon=True) for f in [submitter] * 12 + [trainer] * 2]
+    def some_leases(msg: str) -> None:  # a few leases between two registrations, however slow the machine
+        n = len(leased)
+        time.sleep(0.15)
+        wait_for(lambda: len(leased) >= n + 6 or errors, 120, msg=msg)
+
+    threads = [threading.Thread(target=reported(f), daemon=True) for f in [submitter] * 12 + [trainer] * 2]
     for t in threads:
         t.start()
     try:
         for v in range(1, 21):
-            time.sleep(0.15)
+            some_leases(f"groups leased before version {v}")
             publish(bucket, p, v)
             latest[0] = v
-        time.sleep(0.5)
+        some_leases("groups leased after the last version")
     finally:
         stop_.set()
         for t in threads:
             t.join(60)
+    assert not any(t.is_alive() for t in threads), "a client thread did not stop"
     assert not errors, errors[:3]
     too_stale = [x for x in leased if x[0] - x[2] > 1 or x[1] - x[2] > 1]
     assert len(leased) > 100 and not too_stale, (len(leased), too_stale[:5])
@@ -86,7 +101,7 @@ def test_2_a_journal_write_whose_answer_is_lost_is_recognised_as_ours(s3_env, sp
     fwd = subprocess.Popen([sys.executable, str(SUPPORT / "lossy_forward.py"), str(lossy_port), s3_port,
                             "/rollouts/", "1"], stdout=log, stderr=log)
     try:
-        time.sleep(0.5)
+        wait_port(lossy_port, fwd)
         p = spawn(env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{lossy_port}"})
         g1, g2 = group(), group()
         r = p.http.post("/v1/groups", json=g1)
@@ -111,10 +126,13 @@ def test_3_a_long_poll_lease_whose_client_gave_up_takes_nothing(spawn):
     with pytest.raises(httpx.ReadTimeout):  # the trainer gives up after 0.5 s and closes its connection
         httpx.post(f"{p.url}/v1/batches/lease", json={"num_groups": 2, "wait_s": 60},
                    headers={"X-Proxy-Token": p.token}, timeout=httpx.Timeout(10, read=0.5))
-    time.sleep(0.5)
+    # the proxy noticed: the abandoned request has ended (its latency is observed when its handler returns),
+    # long before its 60 s wait_s. Not a sleep and a hope: a waiter that lived on would be woken by the groups
+    # below and take them, so this proves there is none left to do it
+    lease_requests = lambda: metric(p, "proxy_request_seconds_count", method="POST", route="/v1/batches/lease")  # noqa: E731
+    wait_for(lambda: lease_requests() == 1, 30, msg="the abandoned long-poll to end")
     for _ in range(2):
         assert p.http.post("/v1/groups", json=group()).json()["status"] == "accepted"
-    time.sleep(1.5)  # every chance for an abandoned waiter to take them (it wakes on each group)
     s = p.stats()
     assert (s["open_leases"], s["batches_leased"], s["buffer_size"]) == (0, 0, 2)
     r = p.http.post("/v1/batches/lease", json={"num_groups": 2}).json()
@@ -124,10 +142,14 @@ def test_3_a_long_poll_lease_whose_client_gave_up_takes_nothing(spawn):
 # ---- 4 ---------------------------------------------------------------------------------------------
 def test_4_idle_and_half_sent_connections_are_closed_and_health_stays_fast(spawn):
     """1,100 connections that send nothing or half a request, more than the 1024 soft file limit a container
-    starts with allows: /health answers within 100 ms (median of 20) meanwhile, and the proxy closes each
-    of them once the head deadline passes (408 for the half-sent ones)."""
-    p = spawn("--head-timeout-s", "3", nofile=1024)
+    starts with allows: /health answers meanwhile, in well under a second (median of up to 20; it is ~1 ms
+    unloaded, and a proxy that had to wait for the idle ones to be closed would take the 5 s head
+    deadline), none of them is closed before that deadline, and the proxy closes each of them once it
+    passes (408 for the half-sent ones). The latency measured is printed: a functional bound, not a benchmark."""
+    head_s = 5.0
+    p = spawn("--head-timeout-s", str(head_s), nofile=1024)
     socks, kinds = [], []
+    opened = time.monotonic()  # every connection's head deadline is after opened + head_s (set when accepted)
     for i in range(1100):
         s = socket.create_connection(("127.0.0.1", p.port))
         kind = i % 3
@@ -140,15 +162,28 @@ def test_4_idle_and_half_sent_connections_are_closed_and_health_stays_fast(spawn
     try:
         times = []
         for _ in range(20):  # a new connection each time: accepting it is part of the answer
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
+            if t0 > opened + head_s - 1.0:  # from here on the proxy may rightly close some: not "1100 open"
+                break
             c = http.client.HTTPConnection("127.0.0.1", p.port, timeout=10)
             c.request("GET", "/health")
             assert c.getresponse().status == 200
             c.close()
-            times.append(time.perf_counter() - t0)
+            times.append(time.monotonic() - t0)
+        measured = time.monotonic() - opened
+        if not times:  # the client itself took 4 s to open its connections: nothing measured while all were open
+            pytest.skip(f"opening 1100 connections took {measured:.1f} s (a stalled machine)")
         print(f"/health with 1100 idle/half-sent connections open: median {1000 * statistics.median(times):.1f} ms, "
-              f"max {1000 * max(times):.1f} ms")
-        assert statistics.median(times) < 0.1
+              f"max {1000 * max(times):.1f} ms, {len(times)} calls within {measured:.1f} s of opening them")
+        assert statistics.median(times) < 1.0, times
+        # a second before the deadline, none of them is closed yet (readable: answered or closed by the proxy)
+        time.sleep(max(0.0, opened + head_s - 1.0 - time.monotonic()))
+        poller = select.poll()  # (select() takes no descriptor over 1023)
+        for s in socks:
+            poller.register(s, select.POLLIN)
+        early = poller.poll(0)
+        if (looked := time.monotonic() - opened) < head_s:  # else the poll came too late to tell (a stalled machine)
+            assert not early, f"{len(early)} connections closed or answered {looked:.1f} s after opening, before the {head_s:g} s head deadline"
         answers = []
         for s in socks:  # each is closed by the proxy (recv returns what it said, then b"")
             s.settimeout(30)
@@ -332,7 +367,7 @@ def test_9_answers_name_no_bucket_run_or_endpoint(s3_env, spawn, tmp_path):
     common.Bucket(bucket=secret_bucket, run="x").ensure_bucket()
     fwd = subprocess.Popen([sys.executable, str(SUPPORT / "tcp_forward.py"), str(fwd_port), s3_port])
     try:
-        time.sleep(0.5)
+        wait_port(fwd_port, fwd)
         p = spawn("--bucket-patience-s", "3", env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}",
                                                     "BUCKET": secret_bucket, "RUN_NAME": secret_run, "S3_MAX_ATTEMPTS": "1"})
         assert p.http.post("/v1/groups", json=group()).json()["status"] == "accepted"

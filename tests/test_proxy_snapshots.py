@@ -10,7 +10,7 @@ import time
 import journal
 from conftest import ROOT, SUPPORT, free_port, stop
 from ledger import Ledger
-from proxyproc import spawn  # noqa: F401 - a fixture
+from proxyproc import spawn, wait_for, wait_port  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
 
 
@@ -19,22 +19,16 @@ def kill(p) -> None:
     p.proc.wait()
 
 
-def wait_for(what, timeout: float = 60.0):
-    t0 = time.monotonic()
-    while not (got := what()):
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.1)
-    return got
-
-
 def snapshot_covers_last_commit(bucket) -> bool:
     pointer = bucket.get_json(journal.POINTER)
     return bool(pointer) and pointer["covers"] == journal.log_keys(bucket)[-1]
 
 
 def drain(p) -> list[str]:
+    """Lease and ack one group at a time until none is left (bounded: the buffer holds fewer than 1000 here)."""
     out = []
     while (r := p.http.post("/v1/batches/lease", json={"num_groups": 1}).json())["batch_id"]:
+        assert len(out) < 1000, "the buffer never empties"
         out += [g["group_id"] for g in r["groups"]]
         assert p.http.post(f"/v1/batches/{r['batch_id']}/ack").status_code == 200
     return out
@@ -67,7 +61,7 @@ def test_kill_9_during_a_snapshot_write_loses_nothing(s3_env, bucket, spawn, tmp
         acked.extend(g["group_id"] for g in r["groups"])
 
     try:
-        time.sleep(0.5)
+        wait_port(fwd_port, fwd)
         p = spawn("--snapshot-commits", "4", "--snapshot-s", "3600", env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}"})
         t0 = time.monotonic()
         while "stalled PUT" not in open(log.name).read():
@@ -96,6 +90,7 @@ def test_a_torn_snapshot_is_skipped_for_the_newest_one_that_verifies(bucket, spa
     p = spawn("--snapshot-commits", "3")
     rounds = 0
     while len(bucket.list(journal.SNAPSHOTS)) < 3 or rounds < 6:  # 4 groups in, 3 acked, a snapshot in between
+        assert rounds < 60, f"{rounds} rounds of 6 commits and fewer than 3 snapshots (--snapshot-commits 3)"
         for _ in range(4):
             assert p.http.post("/v1/groups", json=group()).json()["status"] == "accepted"
         r = p.http.post("/v1/batches/lease", json={"num_groups": 3}).json()

@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import common
 import engines
 import routing
 from conftest import ROOT, stop
-from proxyproc import spawn  # noqa: F401 - a fixture
+from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 
 CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
 
@@ -41,7 +40,7 @@ def test_routes_have_their_scopes_and_a_participant_answers_only_its_own_leases(
     # bodies over 64 KiB within the routes' own limits (a 30k-character prompt of 4-byte characters, a 200 kB
     # answer) are taken: the general small-body cap must not refuse what the schema allows
     big = {**CHAT, "messages": [{"role": "user", "content": "\U0001d465" * 30000}]}
-    t = threading.Thread(target=lambda: got.append(as_["asker"].post("/v1/chat/completions", json=big)))
+    t = Worker(lambda: got.append(as_["asker"].post("/v1/chat/completions", json=big)))  # its failure fails the test
     t.start()
     (req,) = as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 20}).json()["requests"]
     fake = {"request_id": req["request_id"], "adapter_version": 0, "text": "carol's", "finish_reason": "stop",
@@ -52,7 +51,7 @@ def test_routes_have_their_scopes_and_a_participant_answers_only_its_own_leases(
     long_text = "7" * 200_000
     r = as_["bob"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": long_text}]})
     assert r.json()["accepted"] == 1
-    t.join(30)
+    t.join(60)
     assert got[0].status_code == 200 and got[0].json()["choices"][0]["message"]["content"] == long_text
     assert got[0].json()["worker_id"] == "bob/w1"
 
@@ -66,7 +65,7 @@ def ask(proxy, body=CHAT, out=None, timeout=60):
         return r
     if out is None:
         return go()
-    t = threading.Thread(target=go)
+    t = Worker(go)  # join() re-raises what failed in it
     t.start()
     return t
 
@@ -81,10 +80,11 @@ def answer(proxy, worker, rid, version=3, **kw):
     return proxy.http.post("/v1/inference/answers", json={"worker_id": worker, "answers": [a]})
 
 
-def test_routing_contract(start_proxy, monkeypatch):
-    for k, v in {"ROUTE_MAX_QUEUE": "2", "ROUTE_TIMEOUT_S": "4", "ROUTE_LEASE_S": "1", "ROUTE_MAX_TOKENS": "64"}.items():
-        monkeypatch.setenv(k, v)
-    proxy = start_proxy(use_bucket=False)
+def test_routing_contract(start_proxy):
+    # --route.timeout-s: the queued requests below must be answered within it after a 1 s lease ran out (~2.5 s
+    # unloaded); 8 s leaves room for a loaded machine, and the 504 check waits it out once
+    proxy = start_proxy("--route.max-queue", "2", "--route.timeout-s", "8", "--route.lease-s", "1",
+                        "--route.max-tokens", "64", use_bucket=False)
 
     assert httpx.post(f"{proxy.url}/v1/chat/completions", json=CHAT).status_code == 401
     r = ask(proxy)  # nobody serves yet: an immediate, clear 503
@@ -110,7 +110,7 @@ def test_routing_contract(start_proxy, monkeypatch):
     assert {k: v for k, v in req.items() if k != "request_id"} == {
         "messages": CHAT["messages"], "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 5, "stop": ["\n"]}
     assert answer(proxy, "w1", req["request_id"]).json() == {"accepted": 1, "unknown": []}
-    t.join()
+    t.join(60)
     r = got[0]
     assert r.status_code == 200 and r.headers["X-Adapter-Version"] == "3", r.text
     d = r.json()
@@ -121,28 +121,29 @@ def test_routing_contract(start_proxy, monkeypatch):
     # a full queue: 429 with Retry-After; a silent worker's lease goes back to the queue once
     got = []
     threads = [ask(proxy, out=got) for _ in range(2)]
-    while proxy.http.get("/v1/inference/stats").json()["waiting"] < 2:
-        time.sleep(0.05)
+    stats = lambda: proxy.http.get("/v1/inference/stats").json()  # noqa: E731
+    wait_for(lambda: stats()["waiting"] == 2, 60, msg="both requests to be queued")
     r = ask(proxy)
     assert r.status_code == 429 and "queue full (2 requests)" in r.text and r.headers["Retry-After"] == "2"
     held = lease(proxy, "w1")
     assert len(held) == 2
-    time.sleep(1.5)  # w1 says nothing for longer than ROUTE_LEASE_S
+    # w1 says nothing for longer than --route.lease-s: both go back to the queue (waited for, not slept on)
+    wait_for(lambda: stats()["requeued"] == 2, 60, msg="w1's silent lease to run out")
     again = lease(proxy, "w2")
     assert sorted(x["request_id"] for x in again) == sorted(x["request_id"] for x in held)
     assert answer(proxy, "w1", held[0]["request_id"]).json() == {"accepted": 0, "unknown": [held[0]["request_id"]]}
     answer(proxy, "w2", again[0]["request_id"], version=4)
     answer(proxy, "w2", again[1]["request_id"], error="prompt too long for the model")
-    [t.join() for t in threads]
+    [t.join(60) for t in threads]
     codes = sorted(r.status_code for r in got)
     assert codes == [200, 502], [r.text for r in got]
     assert "worker w2 could not answer: prompt too long for the model" in next(r.text for r in got if r.status_code == 502)
     assert next(r.json() for r in got if r.status_code == 200)["adapter_version"] == 4
 
-    # nobody takes it: 504 after ROUTE_TIMEOUT_S, and the queue is empty again
+    # nobody takes it: 504 after --route.timeout-s, and the queue is empty again
     t0 = time.time()
     r = ask(proxy)
-    assert r.status_code == 504 and "no worker answered within 4 s" in r.text and time.time() - t0 >= 3.9
+    assert r.status_code == 504 and "no worker answered within 8 s" in r.text and time.time() - t0 >= 7.9
 
     # malformed answers
     bad_answer = {"request_id": "abc", "adapter_version": 1, "text": "x", "error": "y"}
@@ -170,6 +171,7 @@ def adapter_v1(tiny_model, bucket, tmp_path):
     return model.eval()
 
 
+@pytest.mark.timeout(1200)  # its own bounds (300 s for the worker's first round, evaluate 600 s) fire first, with the logs
 def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model, start_proxy, run_name, tmp_path,
                                                                      adapter_v1):
     from transformers import AutoTokenizer

@@ -1,11 +1,16 @@
 """The `spawn` fixture: proxy.py as a real process, with the flags, environment, soft file limit or
 wall-clock offset a test needs (conftest's start_proxy covers the common case). Import it into a test
-module (`from proxyproc import spawn`) to use it there."""
+module (`from proxyproc import spawn`) to use it there. Also the helpers the proxy tests wait with:
+wait_for (poll a condition, bounded), wait_port, Worker (a thread whose failure fails the test) and
+metric (one sample of /metrics)."""
 import os
 import resource
 import secrets
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -47,3 +52,59 @@ def rss_hwm_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
+
+
+# ---- waiting for a condition, not sleeping and hoping: each wait is bounded and says what it waited for ----
+def wait_for(what, timeout: float = 60.0, every: float = 0.05, msg: str = ""):
+    """what() polled until it is truthy (returned); an AssertionError naming `msg` after `timeout` seconds.
+    The timeouts are generous on purpose: a loaded 2-core machine is slow, not broken."""
+    t0 = time.monotonic()
+    while not (got := what()):
+        assert time.monotonic() - t0 < timeout, f"timed out after {timeout:g} s waiting for {msg or what}"
+        time.sleep(every)
+    return got
+
+
+def wait_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+    """Something (a forwarder process) accepts connections on 127.0.0.1:port."""
+    def up() -> bool:
+        assert proc is None or proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+    wait_for(up, timeout, every=0.05, msg=f"127.0.0.1:{port} to accept connections")
+
+
+class Worker(threading.Thread):
+    """A thread whose failure fails the test: join() re-raises what it raised, and a thread still running
+    after the join's timeout is an error too (an assertion inside a plain thread fails nothing)."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.error, self.value = fn, args, None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - handed to join()
+            self.error = e
+
+    def join(self, timeout: float | None = 60.0):
+        super().join(timeout)
+        assert not self.is_alive(), f"{self.fn.__name__} still running after {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def metric(p, name: str, **labels) -> float:
+    """One sample of the proxy's /metrics (Prometheus text), 0 if absent: e.g. metric(p,
+    "proxy_request_seconds_count", method="POST", route="/v1/batches/lease") counts lease requests that ended."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in p.http.get("/metrics").text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key == want:
+            return float(value)
+    return 0.0

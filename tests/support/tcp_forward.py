@@ -104,7 +104,7 @@ class Forwarder:
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
         self.thread.start()
-        started.wait(10)
+        assert started.wait(60), f"the forwarder to 127.0.0.1:{upstream} did not start listening"
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
