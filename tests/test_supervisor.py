@@ -263,6 +263,7 @@ def trainer_steps(emu: JobsEmulator) -> list[int]:
     return [int(m) for m in re.findall(r"^step\s+(\d+) ", text.replace("\r", "\n"), re.M)]
 
 
+@pytest.mark.timeout(900)  # ~1 min on a quiet machine; its own waits add up to far more
 def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emulator, tiny_model, run_name, capsys):
     emu, bucket = emulator, common.Bucket(run=run_name)
     launch_hf.main(["--run", run_name, "--workers", "2", "--steps", str(STEPS), "--model", tiny_model,
