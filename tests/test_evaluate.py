@@ -54,6 +54,7 @@ def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     (cfg,) = [bucket.get_json(k) for k in bucket.list("config/evaluate-")]   # recorded at start
     assert cfg["args"]["version"] == 0 and cfg["command"].startswith("python evaluate.py --version 0 --model ")
     held_out = tasks.load_task("addition", "eval")
+    assert len(res["examples"]) == 3
     for ex in res["examples"]:   # the stored examples are held-out prompts, scored by the task's own reward
         i = held_out.prompts.index(ex["prompt"])
         assert ex["answer"] == held_out.answers[i]

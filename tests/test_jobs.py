@@ -202,6 +202,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     plan = bucket.get_json("launch/plan.json")
     assert [j["role"] for j in plan["jobs"]] == ["proxy", "rollout-1", "rollout-2", "trainer", "supervisor"]
     assert not [v for v in SECRETS.values() if v in json.dumps(plan)]   # secret names, never values
+    assert {"proxy.py", "rollout.py", "train.py", "launch_hf.py", "common.py"} <= set(plan["files"])
     for name, digest in plan["files"].items():
         assert common.hashlib.sha256(bucket.get(f"launch/files/{name}")[0]).hexdigest() == digest
     # the console: ids, the proxy URL and how to follow the logs; no secret value anywhere
@@ -401,6 +402,7 @@ def test_dry_run_without_a_namespace_prints_shell_safe_commands(tmp_path):
     assert 'export HF_NAMESPACE="${HF_NAMESPACE:-$(hf auth whoami --quiet)}"' in out
     assert 'hf buckets create "$HF_NAMESPACE/async-grpo" --private --exist-ok' in out
     assert not re.search(r"<[a-z-]+>", out)
+    assert len(hf_lines(out)) == 4, out   # proxy, one worker, trainer, supervisor: the loop below checks them all
     for line in hf_lines(out):
         argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + line.removeprefix("hf jobs uv run ")],
                               env={"HF_NAMESPACE": "my-org", "PATH": "/usr/bin:/bin"}, capture_output=True,
