@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 import common
@@ -41,6 +43,7 @@ def norm(text: str) -> str:
     return " ".join(text.lower().split()).strip(" .")
 
 
+@pytest.mark.timeout(900)  # four evaluate.py processes: 1.5 min on a quiet machine, over 5 at load 9
 def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     env = {**os.environ, "RUN_NAME": run_name, "OMP_NUM_THREADS": "1"}
     base = ["--model", tiny_model, "--max-new-tokens", "4", "--batch-size", "8"]
