@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 import common
@@ -32,6 +34,16 @@ def publish_random_adapter(bucket, tiny_model, tmp_path, version):
     common.publish_adapter(bucket, d, version, step=version, base_model=tiny_model)
 
 
+def last_line(completion: str) -> str:
+    """What a jsonl task's text answer is compared with: the text after the last '####', else the last line."""
+    return completion.rsplit("####", 1)[-1] if "####" in completion else (completion.strip().splitlines() or [""])[-1]
+
+
+def norm(text: str) -> str:
+    return " ".join(text.lower().split()).strip(" .")
+
+
+@pytest.mark.timeout(900)  # four evaluate.py processes: 1.5 min on a quiet machine, over 5 at load 9
 def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     env = {**os.environ, "RUN_NAME": run_name, "OMP_NUM_THREADS": "1"}
     base = ["--model", tiny_model, "--max-new-tokens", "4", "--batch-size", "8"]
@@ -45,6 +57,7 @@ def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     (cfg,) = [bucket.get_json(k) for k in bucket.list("config/evaluate-")]   # recorded at start
     assert cfg["args"]["version"] == 0 and cfg["command"].startswith("python evaluate.py --version 0 --model ")
     held_out = tasks.load_task("addition", "eval")
+    assert len(res["examples"]) == 3
     for ex in res["examples"]:   # the stored examples are held-out prompts, scored by the task's own reward
         i = held_out.prompts.index(ex["prompt"])
         assert ex["answer"] == held_out.answers[i]
@@ -63,6 +76,24 @@ def test_evaluate_addition_and_jsonl(tiny_model, bucket, run_name, tmp_path):
     # the adapters were really applied: greedy outputs differ from the base model's
     assert [ex["completion"] for ex in results[1]["examples"]] != [ex["completion"] for ex in results[0]["examples"]]
     assert "accuracy per version (jsonl-sums): v0:" in p.stderr and "v2:" in p.stderr
+
+    # the accuracy against a value known by construction: the same 20 prompts, the two held out answered
+    # with v1's own greedy completion of the first (its last line, as a jsonl text answer is compared) and
+    # with a text no completion is: v1 must score exactly 1/2. Every version scores what the last-line
+    # rule, applied here to its completions (all n of them are in "examples"), says
+    own = last_line(results[1]["examples"][0]["completion"])
+    assert norm(own) and not tasks._NUM.fullmatch(own) and not tasks._MATHY.search(own), own  # a text answer
+    answers = [own, "no completion says this"]
+    known = tmp_path / "known.jsonl"
+    known.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": answers[i - 18] if i >= 18 else "x"})
+                             + "\n" for i in range(20)))
+    run_eval(env, *base, "--task", f"jsonl:{known}", "--all")
+    scored = [bucket.get_json(f"adapters/v{v:06d}/eval_jsonl-known.json") for v in (0, 1, 2)]
+    for r, before in zip(scored, results):
+        completions = [ex["completion"] for ex in r["examples"]]
+        assert r["n"] == len(completions) == 2 and completions == [ex["completion"] for ex in before["examples"]]
+        assert r["accuracy"] == sum(norm(last_line(c)) == norm(a) for c, a in zip(completions, answers)) / 2, r
+    assert scored[1]["accuracy"] == 0.5, scored[1]
 
     # --all again: nothing left to do, nothing rewritten
     before = [r["created_at"] for r in results]

@@ -66,8 +66,13 @@ class FakeHub:
         path, method = request.url.path, request.method
         if request.url.host.endswith(".hf.jobs"):            # the proxy behind the --expose gateway
             assert request.headers["authorization"] == f"Bearer {SECRETS['HF_TOKEN']}"
+            if path == "/v1/stats":
+                # the launcher's question for the record's incarnation, with the proxy token the proxy wants;
+                # the value from a real proxy's state is checked in test_supervisor.py (the emulated run)
+                assert request.headers["x-proxy-token"] == SECRETS["PROXY_TOKEN"]
+                return httpx2.Response(200, json={"incarnation": 3, "buffer_size": 0})
             if path != "/health":
-                return httpx2.Response(200, json={"incarnation": 3})   # /v1/stats
+                return httpx2.Response(404, json={"detail": "Not Found"})
             self.health_calls += 1
             return httpx2.Response(200 if self.health_ok and self.health_calls > 1 else 502, json={"ok": True})
         if path == "/api/whoami-v2":
@@ -145,7 +150,9 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     # ... and its URL is in the run's record, where they look for it (nobody is told PROXY_URL)
     bucket = common.Bucket(bucket="async-grpo", run="gsm-1")
     record = proxy_client.read_proxy_endpoint(bucket)
+    # (its incarnation: what the proxy's /v1/stats said, here the fake's 3; a real proxy's in test_supervisor.py)
     assert record["url"] == proxy_url and record["job_id"] == proxy_id and record["incarnation"] == 3
+    assert [r.url.path for r in fake.requests if r.url.host.endswith(".hf.jobs")][-1] == "/v1/stats"
 
     base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
                 "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
@@ -195,6 +202,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     plan = bucket.get_json("launch/plan.json")
     assert [j["role"] for j in plan["jobs"]] == ["proxy", "rollout-1", "rollout-2", "trainer", "supervisor"]
     assert not [v for v in SECRETS.values() if v in json.dumps(plan)]   # secret names, never values
+    assert {"proxy.py", "rollout.py", "train.py", "launch_hf.py", "common.py"} <= set(plan["files"])
     for name, digest in plan["files"].items():
         assert common.hashlib.sha256(bucket.get(f"launch/files/{name}")[0]).hexdigest() == digest
     # the console: ids, the proxy URL and how to follow the logs; no secret value anywhere
@@ -394,6 +402,7 @@ def test_dry_run_without_a_namespace_prints_shell_safe_commands(tmp_path):
     assert 'export HF_NAMESPACE="${HF_NAMESPACE:-$(hf auth whoami --quiet)}"' in out
     assert 'hf buckets create "$HF_NAMESPACE/async-grpo" --private --exist-ok' in out
     assert not re.search(r"<[a-z-]+>", out)
+    assert len(hf_lines(out)) == 4, out   # proxy, one worker, trainer, supervisor: the loop below checks them all
     for line in hf_lines(out):
         argv = subprocess.run(["bash", "-c", "printf '%s\\0' " + line.removeprefix("hf jobs uv run ")],
                               env={"HF_NAMESPACE": "my-org", "PATH": "/usr/bin:/bin"}, capture_output=True,

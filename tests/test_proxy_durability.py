@@ -37,30 +37,43 @@ class Restartable:
         self.proc.wait()
 
 
-def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_path):
+CALL_PATIENCE_S = 120  # one call retried through a dead proxy gives up after this (a restart takes seconds)
+
+
+def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_path, seed):
     # a snapshot every 5 commits: the kills land before, during and after snapshot writes, and each start
     # reads a snapshot and the commits after it
+    rng, trainer_rng = random.Random(seed), random.Random(seed + 1)  # the kills' moments; "the optimizer step"
     px = Restartable(run_name, tmp_path, "--group-size", "4", "--lease-s", "4", "--max-buffer", "100000",
-                    "--max-staleness", "100", "--snapshot-commits", "5")
+                     "--max-staleness", "100", "--snapshot-commits", "5")
     px.start()
+    up_since = time.monotonic()
     http = httpx.Client(base_url=px.url, headers={"X-Proxy-Token": px.token}, timeout=10)
     stop, holding = threading.Event(), threading.Event()
     ok: set[str] = set()                      # groups that got a 2xx
     trained: list[tuple[str, list[str]]] = []  # batches whose ack got 200 (or 409 on a retry: acked before the kill)
     prompts: list[tuple[int, int]] = []        # (epoch, index) handed out
     errors: list[str] = []
+    # every request that lost its answer to a broken connection: (sent at, failed at, what); the ones sent
+    # while the proxy was up and cut at a kill show that the kill landed on requests in flight
+    lost: list[tuple[float, float, str]] = []
 
     def call(method, path, retried=None, **kw):
-        """Retry through the proxy being dead; return the first answer."""
-        while True:
+        """Retry through the proxy being dead (for CALL_PATIENCE_S at most); return the first answer."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < CALL_PATIENCE_S:
+            sent = time.monotonic()
             try:
                 return http.request(method, path, **kw)
-            except httpx.TransportError:
+            except httpx.TransportError as e:
+                if not isinstance(e, httpx.ConnectError):  # connected, then no answer: cut mid-request
+                    lost.append((sent, time.monotonic(), f"{method} {path.split('/')[2]}"))
                 if stop.is_set() and path == "/v1/groups":
                     return None
                 if retried is not None:
                     retried.append(1)
                 time.sleep(0.05)
+        raise TimeoutError(f"{method} {path}: no answer from the proxy for {CALL_PATIENCE_S} s")
 
     def submitter():
         while not stop.is_set():
@@ -78,7 +91,7 @@ def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_pat
                 continue
             lease = r.json()
             holding.set()  # a kill now is a kill during a lease
-            time.sleep(random.uniform(0.0, 0.3))  # "the optimizer step"
+            time.sleep(trainer_rng.uniform(0.0, 0.3))  # "the optimizer step"
             retried = []
             a = call("POST", f"/v1/batches/{lease['batch_id']}/ack", retried)
             # 409 after a retry: the ack was written before the kill, only its answer was lost
@@ -95,18 +108,27 @@ def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_pat
                 prompts.extend(zip(r.json()["epochs"], r.json()["indices"]))
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (submitter, submitter, trainer, prompter)]
+    def running(f):
+        def run():
+            try:
+                f()
+            except Exception as e:  # noqa: BLE001 - a client thread that dies says why, and the test fails
+                errors.append(f"{f.__name__}: {type(e).__name__}: {e}")
+        return run
+
+    threads = [threading.Thread(target=running(f), daemon=True) for f in (submitter, submitter, trainer, prompter)]
     for t in threads:
         t.start()
-    kills, during_lease, version = 0, 0, 0
+    kills, during_lease, version = [], 0, 0  # kills: (the proxy up since, killed at)
     for k in range(6):
-        time.sleep(random.uniform(0.3, 2.0))
+        time.sleep(rng.uniform(0.3, 2.0))
         if k % 2 == 1:  # every other kill waits for the trainer to hold an unacked lease
             holding.wait(20)
         during_lease += holding.is_set()
+        kills.append((up_since, time.monotonic()))
         px.kill()
-        kills += 1
         px.start()
+        up_since = time.monotonic()
         # versions continue across restarts, and the next one registers
         assert http.get("/v1/adapters/latest").json()["version"] == version
         version += 1
@@ -114,19 +136,30 @@ def test_kill_9_loses_nothing_and_trains_nothing_twice(bucket, run_name, tmp_pat
     time.sleep(1.0)
     stop.set()
     for t in threads:
-        t.join(30)
-    assert kills >= 5 and during_lease >= 1, (kills, during_lease)
+        t.join(CALL_PATIENCE_S + 30)
+    assert not [t for t in threads if t.is_alive()], "a client thread never finished"
     assert not errors, errors[:5]
+    # each kill cut requests in flight: sent while that proxy was up, answer lost as it died
+    cut = [[what for sent, failed, what in lost if up <= sent < killed <= failed] for up, killed in kills]
+    print("\nrequests cut by each kill:", [sorted(set(c)) for c in cut])
+    assert sum(bool(c) for c in cut) >= 5 and during_lease >= 1, (cut, during_lease)
     assert len(ok) > 20 and len(trained) > 3, (len(ok), len(trained))
 
     # one more kill and restart, then drain: every 2xx group is trained or still leasable, exactly once
     px.kill()
     px.start()
-    time.sleep(4 + 2)  # open leases of the dead trainer run out (lease_s=4)
+    t0 = time.time()  # open leases of the dead trainer run out (lease_s=4, from the restart)
+    while (open_leases := http.get("/v1/stats").json()["open_leases"]) and time.time() - t0 < 60:
+        time.sleep(0.2)
+    assert open_leases == 0, f"{open_leases} leases still open 60 s after the restart (lease_s=4)"
     drained = []
-    while (r := http.post("/v1/batches/lease", json={"num_groups": 1})).json()["batch_id"]:
+    for _ in range(len(ok) + 1000):  # one group a lease: the 2xx ones and a few whose answer was lost, then none
+        if not (r := http.post("/v1/batches/lease", json={"num_groups": 1})).json()["batch_id"]:
+            break
         drained += [g["group_id"] for g in r.json()["groups"]]
         assert http.post(f"/v1/batches/{r.json()['batch_id']}/ack").status_code == 200
+    else:
+        raise AssertionError(f"the drain went on past {len(ok) + 1000} groups ({len(ok)} got a 2xx)")
     consumed = [g for _, gids in trained for g in gids] + drained
     assert len(consumed) == len(set(consumed)), "a group was handed out again after its batch was acked"
     assert ok <= set(consumed), f"{len(ok - set(consumed))} acknowledged groups were lost"

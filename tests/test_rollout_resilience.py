@@ -50,6 +50,7 @@ def test_adapter_that_does_not_fit_is_refused():
         rollout.check_fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}}, args, names)
 
 
+@pytest.mark.timeout(600)  # its own bound is 240 s, on top of the model and the proxy
 def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model, start_proxy, bucket, run_name,
                                                                      tmp_path):
     """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why."""
@@ -98,43 +99,111 @@ def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model,
     assert len(after) >= 6 and set(after) == {"1"}  # it kept generating, with v1 only
 
 
-def test_killing_a_publisher_never_leaves_the_pointer_on_an_incomplete_version(bucket, run_name, tmp_path):
-    """kill -9 a process that keeps publishing adapter versions, at random moments (mid-upload
-    included): adapters/latest.json always names a version whose files all verify."""
+PUBLISHER = r'''
+import json, os, pathlib, sys, time
+sys.path.insert(0, sys.argv[1])
+import common
+
+
+class Logged(common.Bucket):
+    """The real bucket, each write said as it begins and once it is done: the test reads where a kill landed."""
+
+    def put(self, rel, data, **kw):
+        print("begin", rel, flush=True)
+        etag = super().put(rel, data, **kw)
+        print("done", rel, flush=True)
+        return etag
+
+
+b = Logged(run=sys.argv[2])
+d = pathlib.Path(sys.argv[3]); d.mkdir(exist_ok=True)
+(d / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+latest = b.get_json("adapters/latest.json")
+v = latest["version"] if latest else 0
+t0 = time.time()
+while time.time() - t0 < 300:  # the test kills it within seconds; bounded should it not
+    v += 1
+    (d / "adapter_model.safetensors").write_bytes(os.urandom(2_000_000))  # 2 MB: uploads take a while
+    common.publish_adapter(b, d, v, v, "m")
+    print("published", v, flush=True)
+sys.exit("publisher: not killed within 300 s")
+'''
+
+
+def where_killed(last: str) -> tuple[str, int | None]:
+    """Where the publisher was when it died, from the last line it wrote: (what, the version it was writing)."""
+    kind, _, rel = last.partition(" ")
+    if rel.startswith("adapters/v"):
+        version = int(rel.split("/v")[1][:6])
+        return (f"uploading {rel}" if kind == "begin" else f"between writes, after {rel}"), version
+    if kind == "begin" and rel == "adapters/latest.json":
+        return "writing the pointer", None
+    return "between versions", None
+
+
+def test_killing_a_publisher_never_leaves_the_pointer_on_an_incomplete_version(bucket, run_name, tmp_path, seed):
+    """kill -9 a process that keeps publishing adapter versions (common.publish_adapter, through a bucket
+    that logs each write as it begins and ends), six times: at a random moment after it published a version,
+    and, every other time, within moments of its starting to upload a version's weights. At least one kill
+    must have landed mid-upload, by the publisher's own log; after each, adapters/latest.json names a
+    version whose files all verify, and never the version that was being written."""
+    import queue
     import random
     import signal
     import subprocess
     import sys
+    import threading
     import time
+
+    from conftest import ROOT
     script = tmp_path / "publisher.py"
-    script.write_text(f'''
-import json, os, sys, pathlib
-sys.path.insert(0, {str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
-import common
-b = common.Bucket(run={run_name!r})
-d = pathlib.Path({str(tmp_path / "adapter")!r}); d.mkdir(exist_ok=True)
-(d / "adapter_config.json").write_text(json.dumps({{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}}))
-latest = b.get_json("adapters/latest.json")
-v = latest["version"] if latest else 0
-while True:
-    v += 1
-    (d / "adapter_model.safetensors").write_bytes(os.urandom(2_000_000))  # 2 MB: uploads take a while
-    common.publish_adapter(b, d, v, v, "m")
-''')
-    rng = random.Random()
-    for _ in range(6):
-        before = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
-        p = subprocess.Popen([sys.executable, str(script)], env=os.environ)
-        t0 = time.time()  # once it has published a version (however slow its start on a loaded machine)
-        while (bucket.get_json("adapters/latest.json") or {"version": 0})["version"] == before:
-            assert time.time() - t0 < 120 and p.poll() is None
-            time.sleep(0.1)
-        time.sleep(rng.uniform(0, 2.5))  # then at a random moment, often mid-upload
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+    script.write_text(PUBLISHER)
+    rng = random.Random(seed)
+    where = []
+    for k in range(6):
+        err = tmp_path / f"publisher-{k}.err"
+        p = subprocess.Popen([sys.executable, str(script), str(ROOT), run_name, str(tmp_path / "adapter")],
+                             env=os.environ, stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
+        lines: list[str] = []
+        got: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: [got.put(x.rstrip("\n")) for x in p.stdout], daemon=True)
+        reader.start()
+
+        def until(pred, what: str, timeout: float = 120) -> None:
+            t0 = time.time()  # however slow its start on a loaded machine
+            while time.time() - t0 < timeout:
+                try:
+                    lines.append(got.get(timeout=0.5))
+                except queue.Empty:
+                    assert p.poll() is None, f"the publisher exited ({p.returncode}): {err.read_text()[-2000:]}"
+                    continue
+                if pred(lines[-1]):
+                    return
+            raise AssertionError(f"the publisher never got to {what} within {timeout} s: {lines[-5:]}")
+
+        try:
+            until(lambda x: x.startswith("published "), "publishing a version")
+            if k % 2:  # as it starts uploading the next version's weights, then a moment into that
+                until(lambda x: x.startswith("begin adapters/v") and x.endswith("/adapter_model.safetensors"),
+                      "uploading the next version's weights")
+                time.sleep(rng.uniform(0, 0.02))
+            else:      # at a random moment
+                time.sleep(rng.uniform(0, 2.5))
+        finally:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        reader.join(10)
+        while not got.empty():
+            lines.append(got.get())
+        what, writing = where_killed(lines[-1])
+        where.append(what)
         latest = bucket.get_json("adapters/latest.json")
         assert latest is not None
         common.fetch_adapter(bucket, latest["version"], tmp_path / f"check-{latest['version']}")  # verifies sha256
+        if writing is not None:  # killed while writing version N's files or meta.json: the pointer is still on N-1
+            assert latest["version"] == writing - 1, (what, latest)
+    print("\nwhere each kill landed:", where)
+    assert [w for w in where if w.startswith("uploading adapters/v")], f"no kill landed mid-upload: {where}"
     versions = sorted(int(k.split("/v")[1][:6]) for k in bucket.list("adapters/v") if k.endswith("meta.json"))
     assert versions == list(range(1, len(versions) + 1))  # a killed publisher's successor never reused a number
 
@@ -180,7 +249,7 @@ for g in early:
 if mode == "tmpfs":                    # fill the (small) disk
     try:
         with open(os.path.join(root, "filler"), "wb", buffering=0) as f:
-            while True:
+            for _ in range(4096):      # 16 MB at most: far past the 256 kB disk
                 f.write(b"\0" * 4096)
     except OSError:
         pass
@@ -245,6 +314,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+@pytest.mark.timeout(600)  # its own bounds: 240 s for the rounds, 120 s for the exit
 def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_proxy, bucket, run_name, tmp_path):
     """A worker whose wall clock is an hour ahead: perf/weight_sync_s and rollout/version_lag_s still
     measure seconds (the proxy's age_s of the version against the worker's own monotonic clock)."""

