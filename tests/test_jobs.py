@@ -34,6 +34,11 @@ import launch_hf
 import hf_jobs
 from test_headers import local_modules
 
+def here(name: str) -> Path:
+    """Where a file a job ships by `name` is in this checkout (lib/<folder>/ for a module)."""
+    return hf_jobs.modules().get(name.removesuffix(".py"), ROOT / name)
+
+
 SECRETS = {"HF_TOKEN": "hf_FAKEtoken0123456789", "PROXY_TOKEN": "proxy-secret-0123456789",
            "AWS_ACCESS_KEY_ID": "HFAKfakeaccesskey01", "AWS_SECRET_ACCESS_KEY": "fake-secret-key-0123456789"}
 OWNER = {"id": "u1", "name": "alice", "type": "user"}
@@ -196,7 +201,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
         assert vol["type"] == "bucket" and vol["source"] == "alice/jobs-artifacts" and vol["mountPath"] == "/data"
         bucket_id, files = uploads[vol["path"]]
         names = [c.removeprefix("/data/") for c in cmd if c.startswith("/data/")]
-        assert bucket_id == "alice/jobs-artifacts" and files == {n: (ROOT / n).read_bytes() for n in names}, role
+        assert bucket_id == "alice/jobs-artifacts" and files == {n: here(n).read_bytes() for n in names}, role
 
     # the run's layout is in the bucket: a supervisor can relaunch any role from it alone
     plan = bucket.get_json("launch/plan.json")
@@ -378,8 +383,10 @@ def test_dry_run_prints_a_complete_run_and_no_secret(tmp_path):
                      "role=supervisor"]
     for c in cmds:
         script = next(a for a in c if a.endswith(".py"))
-        # shipped beside it: every module it imports
-        assert {f"{m}.py" for m in local_modules(script)} <= set(c[c.index(script) + 1:]), script
+        # shipped beside it, by its path here (it lands in /data by its basename): every module it imports
+        after = c[c.index(script) + 1:]
+        assert all((ROOT / a).is_file() for a in after if a.endswith(".py")), script
+        assert {f"{m}.py" for m in local_modules(script)} <= {Path(a).name for a in after}, script
         assert c[c.index("--timeout") + 1] == "6h" and "--detach" in c and "--namespace" in c
         assert "async-grpo-run=dry1" in c and "S3_ENDPOINT_URL=https://s3.hf.co/my-org" in c
         assert "PROXY_TOKEN" in c and "AWS_SECRET_ACCESS_KEY" in c       # secrets by name
@@ -487,18 +494,27 @@ def test_dry_run_commands_are_accepted_by_the_real_hf_cli(tmp_path):
 # --- every `hf jobs uv run` command the README and the docstrings show ---------------------------
 
 
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+PRINTED = re.compile(r"^\s*(bash launch_jobs\.sh --print-command \S+ --run \S+)", re.M)
+
+
 def documented_commands() -> list[tuple[str, str]]:
-    """(where, command) for each `hf jobs uv run` line in the README's code blocks and the scripts'
-    docstrings, continuation lines joined."""
-    found = []
-    readme = (ROOT / "README.md").read_text()
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):   # the abridged --dry-run sample is plain ```
-        for cmd in re.findall(r"^(hf jobs uv run .*?)(?<!\\)$", block.replace("\\\n", " "), re.M):
-            found.append(("README.md", cmd))
+    """(where, command) for each `hf jobs uv run` line in the bash blocks of the README and the docs pages and
+    in the scripts' docstrings (continuation lines joined), and for each `bash launch_jobs.sh --print-command
+    ROLE --run RUN` they show: the command that prints, as it prints it."""
+    found, printed = [], []
+    for page in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / page).read_text(), re.S):  # abridged samples are plain ```
+            found += [(page, cmd) for cmd in re.findall(r"^(hf jobs uv run .*?)(?<!\\)$", block.replace("\\\n", " "), re.M)]
+            printed += [(page, cmd) for cmd in PRINTED.findall(block)]
     for script in ("proxy.py", "rollout.py", "train.py", "evaluate.py", "launch_hf.py"):
         doc = ast.get_docstring(ast.parse((ROOT / script).read_text()), clean=False) or ""
-        for cmd in re.findall(r"^\s*(hf jobs uv run .*)$", doc, re.M):   # "\\\n" already joined the lines
-            found.append((script, cmd))
+        found += [(script, cmd) for cmd in re.findall(r"^\s*(hf jobs uv run .*)$", doc, re.M)]  # "\\\n" already joined
+        printed += [(script, cmd) for cmd in PRINTED.findall(doc)]
+    for where, cmd in printed:
+        p = run_launcher(*shlex.split(cmd)[2:], env_extra={"HF_HOME": "/nonexistent-hf-home"})  # no token: "$HF_NAMESPACE"
+        assert p.returncode == 0 and len(hf_lines(p.stdout)) == 1, (where, cmd, p.stdout, p.stderr)
+        found.append((f"{where}: {cmd}", hf_lines(p.stdout)[0]))
     return found
 
 
@@ -524,7 +540,9 @@ def test_documented_commands_ship_what_their_script_imports_and_pass_what_it_nee
         script = next(a for a in argv if a.endswith(".py"))
         scripts_seen.add(script)
         after = argv[argv.index(script) + 1:]
-        shipped = set(after[:next((i for i, a in enumerate(after) if a.startswith("-")), len(after))])
+        files = after[:next((i for i, a in enumerate(after) if a.startswith("-")), len(after))]
+        assert all((ROOT / a).is_file() for a in files), (where, files)  # run from the checkout's root, as printed
+        shipped = {Path(a).name for a in files}  # the CLI uploads each by its basename, beside the script
         imported = {f"{m}.py" for m in local_modules(script)}
         assert imported <= shipped, f"{where}: {script} imports {sorted(imported)} but ships only {sorted(shipped)}"
         secrets = {argv[i + 1] for i, a in enumerate(argv) if a == "--secrets"}
@@ -536,4 +554,4 @@ def test_documented_commands_ship_what_their_script_imports_and_pass_what_it_nee
         got = subprocess.run(["hf", "jobs", "uv", "run", "--dry-run", *argv[4:]], env=env, capture_output=True,
                              text=True, timeout=120, cwd=ROOT)
         assert got.returncode == 0 and "(dry run) Job not submitted." in got.stdout, (where, got.stdout + got.stderr)
-    assert {"proxy.py", "rollout.py", "train.py", "evaluate.py"} <= scripts_seen
+    assert {"proxy.py", "rollout.py", "train.py", "evaluate.py"} <= scripts_seen, scripts_seen
