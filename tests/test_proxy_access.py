@@ -198,9 +198,9 @@ def test_a_presigned_url_that_fails_falls_back_to_the_proxy(bucket, spawn, tmp_p
     publish(bucket, p, 1)
     client = proxy_client.ProxyClient(p.url, create(p, "erin"))
     entry = {"url": "http://127.0.0.1:9/expired", "path": "/v1/adapters/1/files/meta.json"}  # nothing listens on :9
-    assert json.loads(common._download(client, entry, None, "meta.json"))["version"] == 1
+    assert json.loads(proxy_client._download(client, entry, None, "meta.json"))["version"] == 1
     with pytest.raises(common.AdapterError, match="presigned URL: ConnectError; proxy: HTTP 404"):
-        common._download(client, {**entry, "path": "/v1/adapters/9/files/meta.json"}, None, "x")
+        proxy_client._download(client, {**entry, "path": "/v1/adapters/9/files/meta.json"}, None, "x")
 
 
 @pytest.mark.timeout(900)  # its own bounds (train 600 s, the worker's exit 120 s) fire first, with the logs

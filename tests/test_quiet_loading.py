@@ -17,6 +17,7 @@ CHILD = r"""
 import json, os, sys, traceback, warnings
 root, tiny, adapters = sys.argv[1:4]
 sys.path.insert(0, root)
+import common  # as every script: it puts the lib/ folders on sys.path
 REAL = os.path.realpath(root)
 
 def ours(path):

@@ -237,7 +237,7 @@ def test_spool_sets_aside_unreadable_files_and_sweeps_stale_temp_files(start_pro
 
 FULL_DISK = r'''
 import json, os, resource, signal, sys
-sys.path[:0] = [sys.argv[5], os.path.join(sys.argv[5], "tests")]
+sys.path[:0] = [sys.argv[5], os.path.join(sys.argv[5], "tests"), os.path.join(sys.argv[5], "tests", "support")]
 import common, proxy_client, rollout
 from test_proxy import group
 root, mode, url, token = sys.argv[1:5]
@@ -310,6 +310,7 @@ import runpy, sys, time
 _real = time.time
 time.time = lambda: _real() + 3600.0  # this host's wall clock is an hour ahead of the trainer's
 sys.argv = sys.argv[1:]
+sys.path.insert(0, __import__("os").path.dirname(sys.argv[0]))  # as `python SCRIPT` would (run_path does not)
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 

@@ -18,7 +18,8 @@ from conftest import ROOT, ProxyProc, free_port, stop, wait_http
 
 # runs proxy.py with time.time() shifted: a host whose clock is off, emulated below the proxy's own code
 SKEWED = ("import runpy, sys, time; _t, _d = time.time, float(sys.argv[1]); time.time = lambda: _t() + _d; "
-          "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+          "sys.argv = sys.argv[2:]; sys.path.insert(0, __import__('os').path.dirname(sys.argv[0])); "
+          "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.fixture
