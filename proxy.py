@@ -78,6 +78,7 @@ class Args:
     """a lease not acked or renewed within this many seconds returns its groups to the buffer"""
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
+    """per completion: an episode's tokens after the prompt, the environment's included"""
     max_body_mb: float = 8.0
     """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
@@ -350,8 +351,9 @@ async def submit_group(request: Request) -> SubmitResponse:
             book.counts["groups_duplicate"] -= 1
             raise
         return SubmitResponse(status="duplicate", duplicate=True, buffer_size=len(book.buffer))
-    if group.policy_version > S.latest:
-        raise HTTPException(409, f"policy_version {group.policy_version} is newer than the latest registered {S.latest}")
+    if (newest := group.newest_version()) > S.latest:
+        raise HTTPException(409, f"{'policy_version' if newest == group.policy_version else 'a token of version'} "
+                                 f"{newest} is newer than the latest registered {S.latest}")
     if book.too_stale(group.policy_version):
         book.counts["groups_dropped_stale"] += 1
         try:

@@ -45,7 +45,8 @@ import torch
 from tqdm import tqdm
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, zero_std_groups
+from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, token_versions,
+                    zero_std_groups)
 from metrics import Metrics
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls
 from proxy_client import ProxyClient, ProxyError
@@ -159,6 +160,11 @@ def build_model(args: Args):
     return model, tok
 
 
+def sampled(c: dict) -> list[int]:
+    """1 for each token of a completion the policy sampled, 0 for an episode's environment tokens."""
+    return c.get("mask") or [1] * len(c["token_ids"])
+
+
 def group_temperature(group: dict, default: float) -> float | None:
     """The temperature the group was sampled at (meta.temperature, else `default`); None when it
     is not a finite number > 0, so the group cannot be scored."""
@@ -168,9 +174,10 @@ def group_temperature(group: dict, default: float) -> float | None:
 
 
 class ByStaleness:
-    """One step's diagnostics per staleness s (= the trainer's version - the group's policy_version):
-    groups and mean reward over the whole batch; mean and max |ratio - 1| and the clipped share over
-    the tokens trained on. Flat metric keys stale/<s>/..., as train_step returns them."""
+    """One step's diagnostics per staleness s = the trainer's version - the version that sampled: groups and
+    mean reward over the whole batch (by the group's oldest version, its policy_version); mean and max
+    |ratio - 1| and the clipped share over the tokens trained on, each by its own version. Flat metric keys
+    stale/<s>/..., as train_step returns them."""
 
     def __init__(self, groups: list[dict], rewards: list[list[float]], version: int):
         self.version, self.acc = version, {}
@@ -181,16 +188,22 @@ class ByStaleness:
             a["samples"] += len(r)
 
     def _at(self, group: dict) -> dict:
-        return self.acc.setdefault(self.version - group["policy_version"], dict.fromkeys(
-            ("groups", "reward", "samples", "tokens", "dev_sum", "dev_max", "clipped"), 0.0))
+        return self._at_lag(self.version - group["policy_version"])
 
-    def add_tokens(self, group: dict, ratio: torch.Tensor, clipped: torch.Tensor) -> None:
-        """ratio, clipped: the group's trained tokens (1-D)."""
-        a, dev = self._at(group), (ratio - 1).abs()
-        a["tokens"] += dev.numel()
-        a["dev_sum"] += dev.sum().item()
-        a["dev_max"] = max(a["dev_max"], dev.max().item() if dev.numel() else 0.0)
-        a["clipped"] += clipped.sum().item()
+    def _at_lag(self, lag: int) -> dict:
+        return self.acc.setdefault(lag, dict.fromkeys(("groups", "reward", "samples", "tokens", "dev_sum", "dev_max",
+                                                       "clipped"), 0.0))
+
+    def add_tokens(self, lags: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor) -> None:
+        """lags, ratio, clipped: the trained tokens (1-D), each token's staleness its own (the version that
+        sampled it: a worker may have taken a new one mid-episode)."""
+        for lag in lags.unique().tolist():
+            on = lags == lag
+            a, dev = self._at_lag(lag), (ratio[on] - 1).abs()
+            a["tokens"] += dev.numel()
+            a["dev_sum"] += dev.sum().item()
+            a["dev_max"] = max(a["dev_max"], dev.max().item())
+            a["clipped"] += clipped[on].sum().item()
 
     def metrics(self) -> dict:
         out = {}
@@ -222,7 +235,8 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     # gradient, so it is trained.
     skip = args.skip_zero_std and args.beta == 0
     keep = [i for i in range(len(groups)) if temps[i] is not None and not (skip and zero_std[i])]
-    n_tok = sum(len(c["token_ids"]) for i in keep for c in groups[i]["completions"])
+    # only the tokens the policy sampled are trained on: an episode's environment tokens are context
+    n_tok = sum(sum(sampled(c)) for i in keep for c in groups[i]["completions"])
     by_lag = ByStaleness(groups, rewards, version)
     stats: dict[str, float] = {}
     agg_stats: dict[str, list] = {}
@@ -232,9 +246,13 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         prompts = [groups[i]["prompt_ids"] for i in mb]
         ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
         row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
+        comps = [c for i in mb for c in groups[i]["completions"]]
         logp, mask = completion_logprobs(model, prompts, ids, row_t, pad=0)
-        behav = pad_right([c["logprobs"] for i in mb for c in groups[i]["completions"]], 0.0,
+        mask = mask * pad_right([sampled(c) for c in comps], 0)[0].to(mask.device)  # padding and environment: 0
+        behav = pad_right([[0.0 if x is None else x for x in c["logprobs"]] for c in comps], 0.0,
                           dtype=torch.float32)[0].to(logp.device)
+        lags = pad_right([[version - v for v in token_versions(c, groups[i]["policy_version"])]
+                          for i in mb for c in groups[i]["completions"]], 0)[0].to(logp.device)
         a = adv[mb].reshape(-1).to(logp.device)                                    # [N]
         ref = None
         if args.beta > 0:
@@ -251,10 +269,10 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             for j, i in enumerate(mb):
                 rows = slice(j * G, (j + 1) * G)
                 m = mask[rows].bool()
-                by_lag.add_tokens(groups[i], out.ratio[rows][m], out.clipped[rows][m])
-                # ratio on groups generated by exactly the weights we hold: must be 1 (+- fp noise)
-                if fresh_weights and groups[i]["policy_version"] == version:
-                    onpolicy.append(out.ratio[rows][m])
+                by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m])
+                # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
+                if fresh_weights:
+                    onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)])
     for k, vs in agg_stats.items():
         if k == "ratio/min":
             stats[k] = min(v for v, _ in vs)
@@ -262,8 +280,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             stats[k] = max(v for v, _ in vs)
         else:
             stats[k] = sum(v * w for v, w in vs) / max(sum(w for _, w in vs), 1e-9)
-    if onpolicy:
-        r = torch.cat(onpolicy)
+    if onpolicy and (r := torch.cat(onpolicy)).numel():
         stats["ratio/onpolicy_mean"] = r.mean().item()
         stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
     stats.update(by_lag.metrics())
