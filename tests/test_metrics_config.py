@@ -124,3 +124,17 @@ def test_config_records_every_start_without_secrets(bucket, monkeypatch, capsys,
     assert "configuration of each role start (2;" in out and out.count("command:  python train.py") == 2
     assert "torch " in out and "sha256:   train.py " in out
     assert json.loads((tmp_path / "configs.json").read_text())[0]["role"] == "train"
+
+
+def test_config_keeps_settings_whose_names_only_contain_token(bucket, monkeypatch):
+    """max_new_tokens is a setting, not a secret: it and its value stay in the record (a name matching
+    "tokens" once hid them), while --proxy-token's value and --api-key's are still hidden."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "rollout.py"), "--max-new-tokens", "48", "--proxy-token", "s3cret-0007",
+                                      "--api-key=s3cret-0008"])
+    import rollout
+    args = rollout.Args(max_new_tokens=48, proxy_token="s3cret-0007")
+    cfg = runconfig.record_config(bucket, "rollout", args, str(ROOT / "rollout.py"))
+    assert cfg["argv"] == ["rollout.py", "--max-new-tokens", "48", "--proxy-token", runconfig.REDACTED,
+                           f"--api-key={runconfig.REDACTED}"]
+    assert cfg["args"]["max_new_tokens"] == 48 and cfg["args"]["proxy_token"] == runconfig.REDACTED
+    assert "--max-new-tokens 48" in cfg["command"] and "s3cret" not in json.dumps(cfg)

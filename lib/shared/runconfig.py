@@ -29,7 +29,9 @@ RECORDED_PACKAGES = ("torch", "transformers", "peft", "vllm", "huggingface_hub",
 RECORDED_ENV = ("BUCKET", "RUN_NAME", "S3_ENDPOINT_URL", "AWS_REGION", "PROXY_URL", "TRAINER_ID", "SPOOL_DIR",
                 "REPORT_TO", "TRACKIO_PROJECT", "TRACKIO_SPACE_ID", "JOB_ID", "ACCELERATOR", "OMP_NUM_THREADS",
                 "CUDA_VISIBLE_DEVICES", "HF_ENDPOINT")
-SECRET_NAME = re.compile(r"token|secret|password|passwd|credential|api_?key|access_?key|private_?key", re.I)
+# "token" as a word of the name (proxy_token, --hf-token, PROXY_TOKEN), not max_new_tokens; "api-key" as a flag too
+SECRET_NAME = re.compile(r"(?<![a-z])token(?![a-z])|secret|password|passwd|credential|api[_-]?key|access[_-]?key"
+                         r"|private[_-]?key", re.I)
 REDACTED = "<redacted>"
 
 
