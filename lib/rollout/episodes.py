@@ -141,6 +141,9 @@ def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list
                 text = renderer.tok.decode(ids, skip_special_tokens=True)
                 e.texts.append(text)
                 step = e.session.step(text)
+                if step.mismatch:  # the environment says the episode is not the one these tokens are
+                    e.drift, e.finish = step.mismatch, "stop"
+                    continue
                 if step.done:
                     e.finish = "stop" if fin == "stop" else "length"
                     continue

@@ -34,6 +34,7 @@ class Step:
     messages: list[dict]                  # what the environment says next (chat messages; empty when done)
     done: bool
     history: list[dict] | None = None     # the whole conversation as the environment keeps it, if it does
+    mismatch: str | None = None           # the environment found its episode is not the one the tokens say
 
 
 class Session:
