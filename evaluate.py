@@ -83,7 +83,7 @@ class Args:
     hf_token: str | None = field(default_factory=lambda: os.environ.get("PROXY_HF_TOKEN"))
     """--live: HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
     live_wait_s: float = 900.0
-    """--live: how long one request may wait for its answer (the proxy gives up first: ROUTE_TIMEOUT_S, 300 s)"""
+    """--live: how long one request may wait for its answer (the proxy gives up first: its --route.timeout-s, 300 s)"""
 
 
 def result_key(version: int, task_name: str) -> str:

@@ -554,7 +554,7 @@ def tokens(args: Args) -> None:
     if args.token_create:
         print(f"participant {got['name']} ({got['role']}, {limit(got)}) on {url}\n"
               f"token (shown once; the proxy keeps only its sha256):\n  {got['token']}\n"
-              f"give them:  PROXY_URL={url}  PROXY_TOKEN=<that token>  (README: Join a run from your own machine)")
+              f"give them:  PROXY_URL={url}  PROXY_TOKEN=<that token>  (docs/jobs.md: Join a run from your own machine)")
     elif args.token_revoke:
         print(f"participant {got['name']} revoked: its next request gets 401; its accepted groups stay in the run")
     elif args.token_limit:

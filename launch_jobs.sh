@@ -35,6 +35,8 @@ options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N 
          (train.py's local default: --loss cispo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
+         bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
+                                                      trainer, rollout or supervisor; submits nothing)
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
          bash launch_jobs.sh --watch RUN [--detach]          (supervise: relaunch every job that ends early)
 participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):

@@ -368,10 +368,11 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.rejected_full += 1
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
-    # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding
+    # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding, without
+    # the optional fields a sender left out (a single-turn group stays the line it was before episodes)
     m = HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
     keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
-    raw = body.rstrip() if keep else group.model_dump_json().encode()
+    raw = body.rstrip() if keep else group.model_dump_json(exclude_none=True).encode()
     if participant:  # the sender, as its token says (a client cannot send this field: unknown fields are refused)
         raw = raw[:-1] + b',"participant":"' + participant.encode() + b'"}'
     entry = Entry(gid, group.policy_version, raw)

@@ -13,8 +13,9 @@ restarting, samples G completions per prompt, scores them and posts each group t
     python rollout.py --proxy-url http://127.0.0.1:8000           # env: BUCKET, S3_ENDPOINT_URL, PROXY_TOKEN
     PROXY_TOKEN=agrpo_... python rollout.py --proxy-url URL       # no bucket keys: adapters through the proxy
     # one more worker for a run on Hugging Face Jobs (docs/jobs.md): the launcher prints the first worker's exact
-    # command; run it with another --worker-id and --label role=extra-1 (the supervisor relaunches the plan's roles
-    # only). It finds the proxy in the run's proxy/endpoint.json, which the launcher and the supervisor keep current
+    # command; run it with another --worker-id, --name my-run-extra-1 and --label role=extra-1 (the supervisor
+    # relaunches the plan's roles only). It finds the proxy in the run's proxy/endpoint.json, which the launcher and
+    # the supervisor keep current
     bash launch_jobs.sh --print-command rollout --run my-run
 
     python rollout.py --backend server --server-url http://127.0.0.1:8001   # drive an inference server you run

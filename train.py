@@ -89,10 +89,10 @@ class Args:
     """base projections in 4-bit NF4 (QLoRA, bitsandbytes), computing in --dtype"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute activations in backward (models.enable_checkpointing); auto: on with a GPU (the Jobs
-    layout's 512-token completions need it at every model size, README "Model sizes and memory"),
+    layout's 512-token completions need it at every model size, docs/memory.md),
     off on CPU (the local demo's short completions fit without, and run ~30% faster)"""
     loss: Literal["ppo", "cispo", "decoupled"] = "ppo"
-    """policy objective (README, "Objectives"): ppo = PPO clip of pi/mu against the recorded behaviour
+    """policy objective (docs/objectives.md): ppo = PPO clip of pi/mu against the recorded behaviour
     logprobs; cispo = capped, detached IS weight times A log pi (MiniMax-M1); decoupled = PPO clip
     around the pre-step weights times a capped IS weight pi_prox/mu (AReaL)"""
     eps_low: float = 0.2

@@ -1,7 +1,7 @@
 """The GPU check (run by bench/gpu_check.sh): one run of at most ~10 minutes on one GPU, no network.
-Models are built from the configs/ the project carries, with random weights; the tokenizer is a
-word-level one built here. With the repository's own code (train.build_model / train_step,
-engines.VLLMSampler / engines.sample, models.completion_logprobs) it measures:
+Models are built from the configs the project carries (lib/shared/configs/), with random weights;
+the tokenizer is a word-level one built here. With the repository's own code (train.build_model /
+train_step, engines.VLLMSampler / engines.sample, models.completion_logprobs) it measures:
 
   1. trainer: step time and peak GPU memory in bf16 (checkpointing on, the GPU default) for
      Qwen2.5-0.5B and 1.5B at the Jobs layout (8 groups a step, 2 per micro-batch, G=8, prompts of

@@ -1,9 +1,9 @@
 """The GPU check without vLLM (run by bench/gpu_hf_check.sh): one run of at most ~9 minutes on one
-GPU, no network, on the machine's own torch/transformers/peft. Models are built from the configs/ the
-project carries, with random weights (bf16) and a word-level tokenizer; nothing is downloaded. With
-the repository's own code (train.build_model / train.train_step, engines.sample / engines.swap_in,
-models.load_base / completion_logprobs, memory.trainer_memory) it measures, for Qwen2.5-0.5B, 1.5B
-and 7B (bf16), then 7B and 14B in 4-bit when bitsandbytes imports:
+GPU, no network, on the machine's own torch/transformers/peft. Models are built from the configs the
+project carries (lib/shared/configs/), with random weights (bf16) and a word-level tokenizer;
+nothing is downloaded. With the repository's own code (train.build_model / train.train_step,
+engines.sample / engines.swap_in, models.load_base / completion_logprobs, memory.trainer_memory) it
+measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bitsandbytes imports:
 
   trainer   step time and peak GPU memory at the Jobs layout (8 groups a step, 2 per micro-batch,
             G=8, prompts of 256 tokens, completions of 512; LoRA r=16, r=64 in 4-bit; AdamW, clipping,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the server backend (engines.ServerSampler) against a real SGLang server, and the same
 # against vLLM's OpenAI server, for a machine with a GPU and no network. SGLang has no CPU build on
-# PyPI (see README, "Server backend"), so this is where its code path is exercised.
+# PyPI (see docs/engines.md, "SGLang"), so this is where its code path is exercised.
 #
 #   SGLANG_PYTHON=/path/sglang-venv/bin/python PYTHON=.venv/bin/python bash bench/sglang_check.sh [results.json]
 #   KINDS=vllm VLLM_PYTHON=/path/vllm-venv/bin/python bash bench/sglang_check.sh   # vLLM's server only

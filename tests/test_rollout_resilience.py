@@ -3,6 +3,7 @@ proxy outage and a worker restart; adapters that do not fit, or do not verify, a
 a publisher killed at any moment never leaves latest.json on an incomplete version."""
 import json
 import os
+import re
 
 import pytest
 
@@ -54,13 +55,10 @@ def test_adapter_that_does_not_fit_is_refused():
 def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model, start_proxy, bucket, run_name,
                                                                      tmp_path):
     """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why."""
-    import re
-    import subprocess
-    import sys
     import time
 
     import train
-    from conftest import ROOT, stop
+    from runlib import worker_refuses_v2
     proxy = start_proxy("--group-size", "4")
     model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
 
@@ -75,27 +73,9 @@ def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model,
         assert proxy.http.post("/v1/adapters", json={"version": v, "step": v, "published_at": time.time()}).is_success
 
     publish(1)
-    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
-           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
-    log = tmp_path / "worker.log"
-    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
-                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "w1",
-                               "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    rounds = lambda: re.findall(r"round \d+ v(\d+):", log.read_text())  # noqa: E731
-    try:
-        t0 = time.time()
-        while "1" not in rounds():
-            assert time.time() - t0 < 180 and worker.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)
-        publish(2, corrupt=True)
-        while log.read_text().count("not loading version 2") < 2 or len(rounds()) < rounds().index("1") + 6:
-            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)
-    finally:
-        stop(worker)
-    text = log.read_text()
+    text, after = worker_refuses_v2(tiny_model, proxy, run_name, tmp_path, lambda: publish(2, corrupt=True),
+                                    "not loading version 2", rounds_after=6)
     assert re.search(r"not loading version 2: .*sha256", text), text[-2000:]
-    after = rounds()[rounds().index("1"):]
     assert len(after) >= 6 and set(after) == {"1"}  # it kept generating, with v1 only
 
 

@@ -1,16 +1,17 @@
 """The memory model: how much GPU memory the trainer and a vLLM rollout worker need for a model,
 from its config.json alone. Pure Python (no torch), so launch_hf.py can check a layout on a laptop
-before it creates anything; the README's table of model sizes against Jobs flavors is its output.
+before it creates anything; the tables of model sizes against Jobs flavors in docs/memory.md are its
+output.
 
-    python memory.py --table                                   # the README table (markdown)
-    python memory.py --model Qwen/Qwen2.5-7B-Instruct          # one model: trainer and worker, per flavor
-    python memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
+    python lib/shared/memory.py --table                            # docs/memory.md's two tables (markdown)
+    python lib/shared/memory.py --model Qwen/Qwen2.5-7B-Instruct   # one model: trainer and worker, per flavor
+    python lib/shared/memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
 
-Where a config comes from (config_for): a local folder with config.json, the configs/ the project
-carries (Hub id with "/" as "--"), or the Hub when it answers; otherwise None and the caller says it
-cannot judge. Counts are exact for dense Llama-like decoders (Llama, Qwen2/2.5/3, Mistral, SmolLM);
-activations follow what models.completion_logprobs keeps for backward (see trainer_memory), checked
-against measured peaks on CPU by bench/memory_check.py.
+Where a config comes from (config_for): a local folder with config.json, the configs the project
+carries in lib/shared/configs/ (Hub id with "/" as "--"), or the Hub when it answers; otherwise None
+and the caller says it cannot judge. Counts are exact for dense Llama-like decoders (Llama,
+Qwen2/2.5/3, Mistral, SmolLM); activations follow what models.completion_logprobs keeps for backward
+(see trainer_memory), checked against measured peaks on CPU by bench/memory_check.py.
 """
 from __future__ import annotations
 
@@ -311,7 +312,7 @@ def config_for(model: str, hub: bool = True) -> tuple[dict | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the README table
+# the tables of docs/memory.md
 
 
 TABLE_MODELS = ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
@@ -435,7 +436,7 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", action="store_true", help="print the README table")
+    p.add_argument("--table", action="store_true", help="print docs/memory.md's two tables (markdown)")
     p.add_argument("--model", help="Hub id, local folder or local:SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--load-in-4bit", action="store_true")

@@ -68,6 +68,33 @@ def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *
     assert worker.returncode == 0, (logdir / "rollout.log").read_text()[-3000:]
 
 
+def worker_refuses_v2(tiny_model: str, proxy, run_name: str, tmp_path: Path, publish_v2, said: str,
+                      rounds_after: int) -> tuple[str, list[str]]:
+    """A real worker (hf backend) generating with version 1, already published; publish_v2() then publishes a
+    version 2 it must not load. Waits (bounded) until its log holds `said` twice and it did `rounds_after`
+    rounds since its first with version 1; returns its log and the versions of its rounds since then."""
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "w1",
+                               "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    rounds = lambda: re.findall(r"round \d+ v(\d+):", log.read_text())  # noqa: E731
+    try:
+        t0 = time.time()
+        while "1" not in rounds():
+            assert time.time() - t0 < 180 and worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        publish_v2()
+        while log.read_text().count(said) < 2 or len(rounds()) < rounds().index("1") + rounds_after:
+            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert worker.poll() is None, log.read_text()[-3000:]
+    finally:
+        stop(worker)
+    return log.read_text(), rounds()[rounds().index("1"):]
+
+
 def wait_for(pred, timeout: float, what: str, role: Role | None = None, alive: tuple[Role, ...] = ()) -> float:
     """Poll pred() until it holds (returns when); fails early, with its log, if a role in `alive` exits."""
     t0 = time.time()
