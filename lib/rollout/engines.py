@@ -158,6 +158,14 @@ class HFTurns:
         return out
 
 
+def hf_generate(model, eos: set[int], pad: int, seqs: list[list[int]], max_new: list[int], temperature: float):
+    """One sample continuing each token sequence (the loopback generate endpoint's calls on the hf engine)."""
+    turns = HFTurns(model, eos, pad, temperature)
+    turns.start(seqs, 1)
+    got = turns.turn({k: [] for k in range(len(seqs))}, dict(enumerate(max_new)))
+    return [got[k] for k in range(len(seqs))]
+
+
 class TokenTurns:
     """backend vllm and server, episodes of several turns: each turn generates from each episode's whole token
     sequence (prompt and everything appended), one sample each; the engine's prefix cache keeps the work
@@ -369,12 +377,13 @@ class VLLMSampler:
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
                 for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
 
-    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float):
-        """One sample continuing each token sequence (an episode's later turns), at most max_new[i] tokens."""
+    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float, stop: set[int] = frozenset()):
+        """One sample continuing each token sequence (an episode's later turns), at most max_new[i] tokens;
+        `stop`: token ids that end a turn besides the model's EOS."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        params = [SamplingParams(n=1, temperature=temperature, max_tokens=m, logprobs=0, top_k=0, top_p=1.0)
-                  for m in max_new]
+        params = [SamplingParams(n=1, temperature=temperature, max_tokens=m, logprobs=0, top_k=0, top_p=1.0,
+                                 stop_token_ids=sorted(stop) or None) for m in max_new]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, lora_request=self.lora,
                                  use_tqdm=False)
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
@@ -657,25 +666,26 @@ class ServerSampler:
     def sample(self, prompts: list[list[int]], G: int, max_new: int, temperature: float):
         return self._retrying("generation", lambda: self._sample(prompts, G, max_new, temperature))
 
-    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float):
+    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float, stop: set[int] = frozenset()):
         """One sample continuing each token sequence (an episode's later turns), at most max_new[i] tokens: one
-        request per distinct budget (a request has one max_tokens)."""
+        request per distinct budget (a request has one max_tokens); `stop`: token ids that end a turn too."""
         out: list = [None] * len(seqs)
         for m in sorted(set(max_new)):
             at = [i for i, x in enumerate(max_new) if x == m]
-            got = self.sample([seqs[i] for i in at], 1, m, temperature)
+            got = self._retrying("generation", lambda: self._sample([seqs[i] for i in at], 1, m, temperature, stop))
             for i, g in zip(at, got):
                 out[i] = g
         return out
 
-    def _sample(self, prompts, G, max_new, temperature):
+    def _sample(self, prompts, G, max_new, temperature, stop: set[int] = frozenset()):
         if self.kind == "sglang":
-            return self._sample_sglang(prompts, G, max_new, temperature)
+            return self._sample_sglang(prompts, G, max_new, temperature, stop)
         # prompts as token ids, G samples each; the sampled token's processed logprob (logprobs=0) and
         # the token ids themselves come back
         body = {"model": self.lora or self.base, "prompt": prompts, "n": G, "max_tokens": max_new,
                 "temperature": temperature, **NO_FILTERS, "logprobs": 0, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+                "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                **({"stop_token_ids": sorted(stop)} if stop else {})}
         r = self._post("/v1/completions", body)
         if r.status_code != 200:
             raise RuntimeError(f"the inference server refused a rollout request: {r.status_code} {r.text[:500]}")
@@ -683,12 +693,12 @@ class ServerSampler:
         return checked([(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"]) for c in choices],
                        len(prompts) * G)
 
-    def _sample_sglang(self, prompts, G, max_new, temperature):
+    def _sample_sglang(self, prompts, G, max_new, temperature, stop: set[int] = frozenset()):
         # SGLang's native route: token ids in, [(logprob, token_id, text)] per output token out
         n = len(prompts) * G
         body = {"input_ids": [p for p in prompts for _ in range(G)], "return_logprob": True,
                 "sampling_params": {"max_new_tokens": max_new, "temperature": temperature, **NO_FILTERS,
-                                    "skip_special_tokens": False},
+                                    "skip_special_tokens": False, **({"stop_token_ids": sorted(stop)} if stop else {})},
                 "lora_path": [self.lora] * n if self.lora else None}
         r = self._post("/generate", body)
         if r.status_code != 200:

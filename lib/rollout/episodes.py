@@ -46,6 +46,7 @@ class Episode:
     tool_turns: int = 0          # environment turns (the environment answered and the episode went on)
     finish: str | None = None    # stop | length | turns, once it ended
     drift: str | None = None     # why the environment's history does not match the tokens (None: it does)
+    failed: str | None = None    # why the episode did not complete (an environment library's error)
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded (for the log and evaluate.py)
     reward: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # the reward's components (environments.Session.score)
@@ -175,5 +176,5 @@ def group_of(eps: list[Episode]) -> tuple[list[dict], list[dict], str | None]:
     for e in eps:
         comps.append(e.completion(e.reward))
         parts.append({**e.parts, "diag_turns": float(e.turns)})
-    drift = next((f"episode {k}: {e.drift}" for k, e in enumerate(eps) if e.drift), None)
-    return comps, parts, drift
+    why = next((f"episode {k}: {e.drift or e.failed}" for k, e in enumerate(eps) if e.drift or e.failed), None)
+    return comps, parts, why
