@@ -50,7 +50,7 @@ import torch
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import AdapterError, Bucket, BucketError, fetch_adapter, new_group_id
 from engines import (HFTurns, ServerDown, ServerSampler, TokenTurns, VLLMSampler, default_backend, hf_chat,
-                     published_lora_rank, sample, swap_in, vllm_rank)
+                     hf_generate, published_lora_rank, sample, swap_in, vllm_rank)
 from environments import is_environment, load_environment
 from episodes import Budget, Renderer, group_of, run_episodes
 from metrics import Metrics
@@ -316,8 +316,10 @@ def main(args: Args) -> None:
     metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
                else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     # an environment of several turns (environments.py), or a single-turn task (tasks.py): both name their prompts
-    env = load_environment(args.task) if is_environment(args.task) else None
-    task = env or load_task(args.task)
+    # (a verifiers environment runs its own loop and generates through the engine: it is made once the engine is)
+    vf = args.task.startswith("verifiers:")
+    env = load_environment(args.task) if is_environment(args.task) and not vf else None
+    task = env or (None if vf else load_task(args.task))
     budget = Budget(args.max_turns or (env.max_turns if env else 1), args.max_new_tokens, args.max_episode_tokens)
     engine = None
     if args.backend == "server":
@@ -343,6 +345,14 @@ def main(args: Args) -> None:
     model, tok = (None, engine.tok) if engine else load_base(args.model, args.dtype)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
+    if vf:
+        from verifiers_env import VerifiersEnvironment
+
+        def generate(seqs, max_new, temperature, stop):  # the loopback endpoint's calls: the adapter served now
+            return (engine.generate_ids(seqs, max_new, temperature, stop) if engine else
+                    hf_generate(model, eos | stop, tok.pad_token_id, seqs, max_new, temperature))
+        task = env = VerifiersEnvironment(args.task.partition(":")[2], args.model, generate, args.vllm_max_model_len,
+                                          args.temperature, args.max_new_tokens, args.max_turns, args.max_episode_tokens)
     renderer = Renderer(tok, eos) if env else None
     sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
@@ -398,7 +408,7 @@ def main(args: Args) -> None:
                                                     "n": args.prompts_per_round})["indices"]
         except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             continue
-        prompts = [renderer.ids(env.prompts[i]) if env else encode_prompt(tok, task.prompts[i]) for i in idx]
+        prompts = [] if vf else [renderer.ids(env.prompts[i]) if env else encode_prompt(tok, task.prompts[i]) for i in idx]
         t_gen = time.time()
         if first_round_of_version and published is not None:
             row["rollout/version_lag_s"] = time.monotonic() - published
@@ -406,9 +416,12 @@ def main(args: Args) -> None:
         G = args.group_size
         try:
             if env:  # episodes: model turn, environment turn, ... (episodes.py); G per prompt
-                turns = (TokenTurns(engine, args.temperature) if engine
-                         else HFTurns(model, eos, tok.pad_token_id, args.temperature))
-                eps = run_episodes(turns, env, idx, prompts, G, budget, renderer, version)
+                if vf:  # verifiers' own loop, through the loopback endpoint; the shared prompts are its first calls'
+                    prompts, eps = env.run(idx, G, version)
+                else:
+                    turns = (TokenTurns(engine, args.temperature) if engine
+                             else HFTurns(model, eos, tok.pad_token_id, args.temperature))
+                    eps = run_episodes(turns, env, idx, prompts, G, budget, renderer, version)
                 scored = [group_of(eps[j * G:(j + 1) * G]) for j in range(len(idx))]
                 row.update(episode_metrics(eps))
             else:
@@ -452,6 +465,8 @@ def main(args: Args) -> None:
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         if args.max_rounds and rounds >= args.max_rounds:
             break
+    if env:
+        env.close()  # stops an environment server this worker started
     if isinstance(engine, ServerSampler):
         engine.close()  # stops a server this worker started (a --server-url one is left running)
     if sync.done:  # the final version is registered: nothing sent from now on would ever be trained
