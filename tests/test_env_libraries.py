@@ -30,7 +30,7 @@ def need(module: str) -> None:
         pytest.skip(f"{module} is not installed here (the envs lane installs it: bash tests/envs_lane.sh): {e}")
 
 
-def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=(), G=4, tokens=96, steps=2):
+def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=(), G=4, tokens=96, steps=2, groups=2):
     """One worker on `task` and a trainer for `steps` steps; (trainer rows, worker rows, the worker's log)."""
     proxy = start_proxy("--group-size", str(G), "--max-completion-tokens", str(tokens))
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "OMP_NUM_THREADS": "1",
@@ -43,7 +43,7 @@ def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=()
                               env=env, stdout=log, stderr=log, cwd=ROOT)
     try:
         train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(steps),
-                                "--batch-groups", "2", "--lease-wait-s", "5", "--no-skip-zero-std"],
+                                "--batch-groups", str(groups), "--lease-wait-s", "5", "--no-skip-zero-std"],
                                env=env, capture_output=True, text=True, timeout=500)
         assert train.returncode == 0, train.stderr[-3000:] + "\n--- worker:\n" + log_path.read_text()[-3000:]
         worker.wait(timeout=120)
@@ -81,10 +81,14 @@ def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, buck
 @pytest.mark.timeout(600)
 def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
     need("verifiers")
-    rows, roll, log = run_task("verifiers:vf_guess", start_proxy, bucket, run_name, tiny_model, tmp_path,
-                               extra=("--max-turns", "3"), tokens=160)
-    # the episodes were rebuilt from the loopback endpoint's record: several model calls per episode, the game's
-    # answers as environment tokens, no drift, and the groups reached the trainer
+    # the real SmolLM2-135M: verifiers' default renderer re-renders the history from text (it has no bridge for
+    # SmolLM2's template), so an episode whose sampled ids are not the text's own tokenisation drifts; a random
+    # tiny model's ids almost never are, the real model's mostly are
+    import models
+    rows, roll, log = run_task("verifiers:vf_guess", start_proxy, bucket, run_name, str(models.local_smollm2()),
+                               tmp_path, extra=("--temperature", "0.7"), G=2, tokens=160, steps=1, groups=1)
+    # the episodes were rebuilt from the loopback endpoint's record: several model calls per episode (the game's
+    # answers between them as environment tokens), drifted ones counted and not sent, the others trained
     assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0, log[-3000:]
-    assert all(r["rollout/drift_episodes"] == 0 for r in roll), log[-3000:]
-    assert sum(r["rollout/groups_accepted"] for r in roll) >= 2, log[-3000:]
+    assert sum(r["rollout/groups_accepted"] for r in roll) >= 1, log[-3000:]
+    assert all(r["rollout/groups_dropped_drift"] <= 2 for r in roll)
