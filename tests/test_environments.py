@@ -172,3 +172,49 @@ def test_the_calculator_runs_end_to_end_through_proxy_and_trainer(start_proxy, b
     assert [r["step"] for r in rows] == [1, 2] and all("reward/diag_tool_call" in r for r in rows)
     roll = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
     assert all("rollout/turns_mean" in r and r["rollout/drift_episodes"] == 0 for r in roll if "rollout/gen_s" in r)
+
+
+# ---- the loopback generate endpoint (what verifiers' train client calls) ----------------------------
+
+def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_episodes_with_the_drift_check(tiny, seed):
+    """POST /inference/v1/generate on loopback: the worker's key only; what it answers is what the engine sampled
+    (recorded by X-Session-ID); an episode is rebuilt from the calls: each later prompt's extension is the
+    environment's (mask 0), and a later prompt that re-renders an earlier turn differently is drift."""
+    import threading
+    import httpx
+    from engines import hf_generate
+    from generate_server import GenerateServer, episode_of
+    model, tok = tiny
+    torch.manual_seed(seed)
+    srv = GenerateServer(lambda seqs, m, t, stop: hf_generate(model, {tok.eos_token_id} | stop, tok.pad_token_id,
+                                                               seqs, m, t), "policy", 512, version=lambda: 3)
+    url = srv.start()
+    done = threading.Event()
+    threading.Thread(target=srv.serve_batches, args=(done.is_set,), daemon=True).start()
+    try:
+        assert httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1, 2]}).status_code == 401
+        auth = {"authorization": f"Bearer {srv.key}", "x-session-id": "ep1"}
+        prompt = Renderer(tok, {tok.eos_token_id}).ids([{"role": "user", "content": "Hi"}])
+
+        def call(ids):
+            r = httpx.post(f"{url}/inference/v1/generate", headers=auth, timeout=60,
+                           json={"token_ids": ids, "sampling_params": {"max_tokens": 5, "temperature": 1.0}})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        first = call(prompt)
+        env = tok.encode("<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        second = call(prompt + first + env)
+        calls = srv.calls.take("ep1")
+        assert [c.ids for c in calls] == [first, second] and all(c.version == 3 for c in calls)
+        tokens, mask, lps, versions, drift = episode_of(calls, prompt)
+        assert drift is None and tokens == first + env + second and versions == [[0, 3]]
+        assert mask == [1] * len(first) + [0] * len(env) + [1] * len(second)
+        assert [lp is None for lp in lps] == [m == 0 for m in mask]
+        # the library re-renders the first turn (here: one token changed) in the second call's prompt
+        bent = prompt + [first[0] + 1] + first[1:] + env
+        call(bent)
+        tokens, mask, _, _, drift = episode_of([calls[0], srv.calls.take("ep1")[0]], prompt)
+        assert drift and "does not extend" in drift and tokens == first
+    finally:
+        done.set()
+        srv.stop()
