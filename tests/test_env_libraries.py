@@ -92,3 +92,23 @@ def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucke
     assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0, log[-3000:]
     assert sum(r["rollout/groups_accepted"] for r in roll) >= 1, log[-3000:]
     assert all(r["rollout/groups_dropped_drift"] <= 2 for r in roll)
+
+
+def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
+    """Prompt i is the dataset's entry i for the seed (the same on every worker; the eval split another seed), and an
+    episode's reward is reasoning-gym's own score_answer of the answer the model tagged."""
+    need("reasoning_gym")
+    import reasoning_gym
+    import environments
+    env, again = (environments.load_environment("reasoning-gym:leg_counting", seed=3) for _ in range(2))
+    ds = reasoning_gym.create_dataset("leg_counting", size=environments.RG_SIZE, seed=3)
+    assert [p[-1]["content"] for p in env.prompts[:5]] == [ds[i]["question"] for i in range(5)]
+    assert env.prompts[:5] == again.prompts[:5]
+    assert environments.load_environment("reasoning-gym:leg_counting", "eval", seed=3).prompts[0] != env.prompts[0]
+    for text, want in [(f"<answer>{ds[0]['answer']}</answer>", 1.0), ("<answer>-1</answer>", 0.0), ("no tag", 0.0)]:
+        s = env.session(0)
+        assert s.step(text).done
+        r, parts = s.score()
+        assert r == want == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
+                                            if "<answer>" in text else None, entry=ds[0]), (text, r)
+        assert parts["diag_answer_tagged"] == float("<answer>" in text)
