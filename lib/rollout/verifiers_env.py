@@ -24,7 +24,7 @@ import sys
 import threading
 from urllib.parse import parse_qsl
 
-from environments import Session, Step, require
+from env_types import Session, Step, require
 from episodes import Episode
 from generate_server import GenerateServer, episode_of
 

@@ -8,7 +8,7 @@ one episode runner (lib/shared/episodes.py); tasks.py's single-turn tasks stay a
     reasoning-gym:NAME  any reasoning-gym dataset (`pip install reasoning-gym`), seeded and offline, scored
                         by its own scorer: reasoning-gym:leg_counting, reasoning-gym:basic_arithmetic, ...
     openenv:URL         an OpenEnv environment server (openenv-core) at URL, or openenv:MODULE:CLASS started
-                        here on loopback (`openenv_env.py`)
+                        here on loopback (`openenv_env.py`); the contract is in `env_types.py`
     verifiers:ENV_ID    a verifiers environment run by its own loop (`verifiers_env.py`)
 
 An environment gives, for prompt index i, the first chat messages (the group's shared prompt) and a fresh
@@ -21,51 +21,11 @@ only when such a task is asked for, and a missing one is named with the command 
 from __future__ import annotations
 
 import ast
-import importlib
 import operator
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Callable
 
-
-@dataclass
-class Step:
-    messages: list[dict]                  # what the environment says next (chat messages; empty when done)
-    done: bool
-    history: list[dict] | None = None     # the whole conversation as the environment keeps it, if it does
-    mismatch: str | None = None           # the environment found its episode is not the one the tokens say
-
-
-class Session:
-    """One episode's environment: step() takes the text of the model's turn; score() its reward at the end."""
-
-    def step(self, text: str) -> Step:
-        raise NotImplementedError
-
-    def score(self) -> tuple[float, dict[str, float]]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass
-class Environment:
-    name: str
-    prompts: list[list[dict]]             # the first chat messages of each prompt index (the shared prompt)
-    session: Callable[[int], Session]     # a fresh session for an episode of prompt i
-    max_turns: int = 4                    # model turns per episode (the runner's default turn budget)
-    close: Callable[[], None] = field(default=lambda: None)  # stops whatever the environment started
-
-
-def require(package: str, module: str | None = None):
-    """Import an optional environment library, or stop naming the package and how to install it."""
-    try:
-        return importlib.import_module(module or package.replace("-", "_"))
-    except ImportError as e:
-        raise SystemExit(f"this task needs the package {package!r}, which is not installed ({e}): "
-                         f"pip install -r requirements-envs.txt (or launch with --rollout-with envs)") from e
+from env_types import Environment, Session, Step, require  # noqa: F401 - the contract, re-exported
 
 
 # ----------------------------------------------------------------------------------------------

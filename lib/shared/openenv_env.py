@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
-from environments import Environment, Session, Step, require
+from env_types import Environment, Session, Step, require
 
 SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
 EVAL_SEED = 1_000_003
