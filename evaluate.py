@@ -52,6 +52,9 @@ from proxy_client import ProxyClient
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls
 from runconfig import record_config
 from tasks import load_task
+from environments import is_environment, load_environment
+from engines import HFTurns
+from episodes import Budget, Renderer, run_episodes
 
 
 @dataclass
@@ -63,7 +66,12 @@ class Args:
     model: str = LOCAL_MODEL
     """the base model the run trains (a Hub id, a local dir, or the local SmolLM2)"""
     task: str = "addition"
-    """addition, gsm8k, math or jsonl:PATH (PATH may be s3://BUCKET/KEY)"""
+    """addition, gsm8k, math or jsonl:PATH (PATH may be s3://BUCKET/KEY); or an environment of several turns:
+    calculator, reasoning-gym:NAME, openenv:URL (rollout.py's episode runner, greedy, one episode per prompt)"""
+    max_turns: int = 0
+    """environments: model turns per episode at most (0: the environment's own limit)"""
+    max_episode_tokens: int = 512
+    """environments: tokens per episode after the prompt at most (sampled and environment tokens)"""
     limit: int = 0
     """only the first N held-out prompts (0: all of them)"""
     batch_size: int = 32
@@ -108,6 +116,24 @@ def greedy(model, tok, prompts: list[str], max_new: int, batch_size: int, device
     return out
 
 
+def greedy_episodes(model, tok, env, n: int, args: Args) -> tuple[list[str], list[dict]]:
+    """One greedy episode per held-out prompt through the workers' episode runner (episodes.run_episodes, hf
+    turns with the KV cache kept); (each episode's model turns joined, its reward components)."""
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
+    renderer = Renderer(tok, eos)
+    budget = Budget(args.max_turns or env.max_turns or 1, args.max_new_tokens, args.max_episode_tokens)
+    texts, parts = [], []
+    for i in range(0, n, args.batch_size):
+        idx = list(range(i, min(n, i + args.batch_size)))
+        eps = run_episodes(HFTurns(model, eos, tok.pad_token_id, 0.0), env, idx, [renderer.ids(env.prompts[k]) for k in idx],
+                           1, budget, renderer, 0)
+        texts += [" | ".join(e.texts) for e in eps]
+        parts += [{**e.parts, "turns": float(e.turns), "drift": float(e.drift is not None)} for e in eps]
+        print(f"  {len(texts)}/{n}", file=sys.stderr, flush=True)
+    return texts, parts
+
+
 def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) -> dict:
     model = base
     if version > 0:
@@ -119,17 +145,21 @@ def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) 
             model = PeftModel.from_pretrained(base, d, adapter_name=f"v{version}").to(device).eval()
     n = len(task.prompts) if args.limit <= 0 else min(args.limit, len(task.prompts))
     t0 = time.time()
-    completions = greedy(model, tok, task.prompts[:n], args.max_new_tokens, args.batch_size, device)
-    scored = [task.reward(c, i) for i, c in enumerate(completions)]
-    rewards, parts = [r for r, _ in scored], [p for _, p in scored]
+    if is_environment(args.task):
+        completions, parts = greedy_episodes(model, tok, task, n, args)
+        rewards = [p["correct"] for p in parts]
+    else:
+        completions = greedy(model, tok, task.prompts[:n], args.max_new_tokens, args.batch_size, device)
+        scored = [task.reward(c, i) for i, c in enumerate(completions)]
+        rewards, parts = [r for r, _ in scored], [p for _, p in scored]
     if version > 0:
         model.unload()  # take the LoRA layers out again: the next version starts from the clean base
     return {"version": version, "task": task.name, "split": "eval", "n": n, "model": args.model,
             "accuracy": sum(p["correct"] for p in parts) / n, "reward_mean": sum(rewards) / n,
             "components": {k: sum(p[k] for p in parts) / n for k in parts[0]},
             "max_new_tokens": args.max_new_tokens, "eval_s": round(time.time() - t0, 2), "created_at": time.time(),
-            "examples": [{"prompt": task.prompts[i], "answer": task.answers[i], "completion": completions[i]}
-                         for i in range(min(3, n))]}
+            "examples": [{"prompt": task.prompts[i], "answer": getattr(task, "answers", [None] * n)[i],
+                          "completion": completions[i]} for i in range(min(3, n))]}
 
 
 def evaluate_live(args: Args, task) -> dict:
@@ -161,6 +191,9 @@ def evaluate_live(args: Args, task) -> dict:
 
 def main(args: Args) -> None:
     if args.live:
+        if is_environment(args.task):
+            raise SystemExit("--live sends single chat requests: an environment of several turns is evaluated "
+                             "from the bucket's adapters (drop --live)")
         task = load_task(args.task, "eval")
         res = evaluate_live(args, task)
         if os.environ.get("BUCKET"):
@@ -175,7 +208,10 @@ def main(args: Args) -> None:
         raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
     bucket = Bucket()
     record_config(bucket, "evaluate", args, __file__)
-    task = load_task(args.task, "eval")
+    if args.task.startswith("verifiers:"):
+        raise SystemExit("evaluate.py runs environments through rollout.py's episode runner; a verifiers environment "
+                         "runs its own loop: evaluate it with verifiers' own `vf-eval` against the run's adapter")
+    task = load_environment(args.task, "eval") if is_environment(args.task) else load_task(args.task, "eval")
     published = published_versions(bucket)
     if args.all:
         versions = [0, *published]
@@ -203,6 +239,8 @@ def main(args: Args) -> None:
             raise SystemExit(f"not evaluating version {v}: {e}") from e
         bucket.put_json(result_key(v, task.name), res)
         print(json.dumps({k: res[k] for k in ("version", "task", "n", "accuracy", "reward_mean")}), flush=True)
+    if is_environment(args.task):
+        task.close()  # an environment server it started
     # the curve: every result of this task in the run
     curve = [(v, r["accuracy"]) for v in [0, *published] if (r := bucket.get_json(result_key(v, task.name)))]
     print(f"accuracy per version ({task.name}): " + "  ".join(f"v{v}: {a:.3f}" for v, a in curve), file=sys.stderr)

@@ -289,7 +289,7 @@ def check_fit(args: Args, hub: bool = True) -> list[str]:
     the notes to print (a worker that fits but cannot run a whole round at once, a model that
     cannot be judged). Runs before anything is created."""
     notes, problems = memory.layout_check(args.model, args.max_new_tokens, args.group_size, args.trainer_flavor,
-                                          args.train_arg, args.rollout_flavor, args.rollout_arg, hub)
+                                          args.train_arg, args.rollout_flavor, args.rollout_arg, hub, args.task)
     if problems and not args.ignore_memory_check:
         raise SystemExit("this layout does not fit its GPUs (memory.py; --ignore-memory-check to launch anyway):\n"
                          + "\n".join(f"- {p}" for p in problems))

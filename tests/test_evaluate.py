@@ -115,3 +115,25 @@ def test_evaluate_refuses_corrupt_and_unpublished_versions(tiny_model, bucket, r
     other = str(tmp_path / "another-model")
     p = run_eval(env, *base, "--model", other, "--version", "1", ok=False)  # the last --model wins
     assert f"not evaluating version 1: trained on {tiny_model!r}, not {other!r}" in p.stderr
+
+
+def test_evaluate_runs_an_environment_through_the_workers_episode_runner(tiny_model, bucket, run_name):
+    """--task calculator: greedy episodes of several turns on the held-out split, scored by the environment; the
+    result is the episode runner's own (the same greedy episodes run in-process give the same texts and scores)."""
+    env = {**os.environ, "RUN_NAME": run_name, "OMP_NUM_THREADS": "1"}
+    run_eval(env, "--model", tiny_model, "--max-new-tokens", "6", "--batch-size", "4", "--limit", "4",
+             "--task", "calculator", "--version", "0")
+    res = bucket.get_json("adapters/v000000/eval_calculator.json")
+    assert res["task"] == "calculator" and res["n"] == 4
+    assert {"correct", "diag_tool_call", "turns", "drift"} <= set(res["components"])
+    import environments
+    from engines import HFTurns
+    from episodes import Budget, Renderer, run_episodes
+    from models import load_base
+    model, tok = load_base(tiny_model)
+    calc = environments.load_environment("calculator", "eval")
+    rend = Renderer(tok, {tok.eos_token_id})
+    eps = run_episodes(HFTurns(model, {tok.eos_token_id}, tok.pad_token_id, 0.0), calc, [0, 1, 2], [rend.ids(calc.prompts[i])
+                       for i in range(3)], 1, Budget(calc.max_turns, 6, 512), rend, 0)
+    assert [x["completion"] for x in res["examples"]] == [" | ".join(e.texts) for e in eps]
+    assert res["examples"][0]["prompt"] == calc.prompts[0]

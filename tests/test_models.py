@@ -202,3 +202,16 @@ def test_the_memory_model_and_the_launcher_count_a_t4_in_float32():
     notes, problems = memory.layout_check("Qwen/Qwen2.5-0.5B-Instruct", 512, 8, "t4-small", [], "t4-small", [],
                                           hub=False)
     assert any("(float32," in n for n in notes + problems), notes + problems
+
+
+def test_the_fit_check_counts_an_environments_episode_length_not_a_turns():
+    """An environment trains episodes of up to --max-episode-tokens (all its turns, its own tokens too): the fit
+    check counts those, so a long episode budget that does not fit the trainer's GPU is refused."""
+    import memory
+    args = ("Qwen/Qwen2.5-7B-Instruct", 256, 16, "l4x1", [], "l4x1")
+    single, _ = memory.layout_check(*args, ["--max-episode-tokens", "16384"], hub=False, task="gsm8k")
+    assert any("completions of 256 tokens" in n for n in single), single
+    notes, problems = memory.layout_check(*args, ["--max-episode-tokens", "16384"], hub=False, task="calculator")
+    assert any("completions of 16384 tokens" in p for p in problems), (notes, problems)
+    notes, _ = memory.layout_check(*args, [], hub=False, task="reasoning-gym:leg_counting")
+    assert any("completions of 256 tokens" in n for n in notes), notes

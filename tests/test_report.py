@@ -43,3 +43,19 @@ def test_from_dir_round_trip(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "first reaches 0.8 at step 7, 70 s" in out and (tmp_path / "reward_curve.png").stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 8
+
+
+def test_an_environments_success_rate_and_tool_call_share_first_and_last_five_steps(tmp_path):
+    """A tool-using environment's run: the summary gives the success rate and the share of episodes that called
+    the tool, means of the first and last five steps, and the plot draws the tool-call share."""
+    train = _rows() + _rows()
+    for i, r in enumerate(train):
+        r.update({"step": i + 1, "reward/correct": 0.1 if i < 5 else 0.9, "reward/diag_tool_call": 0.2 if i < 5 else 0.8,
+                  "reward/diag_turns": 1.5})
+    s = report.summarize(train, {}, [])
+    assert s["success_first5_last5"] == [0.1, 0.9] and s["tool_call_share_first5_last5"] == [0.2, 0.8]
+    assert s["turns_first5_last5"] == [1.5, 1.5]
+    plain = report.summarize(_rows(), {}, [])
+    assert "tool_call_share_first5_last5" not in plain and "success_first5_last5" not in plain
+    report.plot(train, {}, str(tmp_path / "curve.png"))
+    assert (tmp_path / "curve.png").stat().st_size > 0

@@ -31,18 +31,5 @@ xml=$(mktemp --suffix=.xml)
 trap 'rm -f "$xml"' EXIT
 rc=0
 "$V/bin/python" -m pytest -q -s -rs --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
-"$V/bin/python" -c '
-import sys, xml.etree.ElementTree as ET
-xml, rc, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
-try:
-    root = ET.parse(xml).getroot()
-except (OSError, ET.ParseError) as e:
-    sys.exit(f"vllm_lane.sh: FAILED: no test report from pytest ({e}; pytest exit status {rc})")
-cases = list(root.iter("testcase"))
-skipped = [c.get("classname") + "::" + c.get("name") for c in cases if c.find("skipped") is not None]
-if skipped or len(cases) < want:
-    sys.exit(f"vllm_lane.sh: FAILED: {len(cases)} test(s) reported, {len(skipped)} skipped {skipped}; "
-             f"the lane must run (at least {want}) and skip none")
-print(f"vllm_lane.sh: {len(cases)} test(s) ran, none skipped (pytest exit status {rc})", file=sys.stderr)
-' "$xml" "$rc" "$([ $# -eq 0 ] && echo 3 || echo 1)"
+"$V/bin/python" tests/support/lane_report.py vllm_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 3 || echo 1)"
 exit "$rc"

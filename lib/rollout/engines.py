@@ -75,6 +75,124 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     return out
 
 
+class HFTurns:
+    """backend hf, episodes of several turns (episodes.run_episodes drives it): the G episodes of each prompt
+    in one batched KV cache that is kept across turns, so a turn computes only the tokens appended since
+    the last one (the environment's, and the model's last sampled token). Rows are episodes; the cache's
+    2-D attention mask marks what is real (a row's padding in a ragged chunk is masked out and its positions
+    are counted per row), so every row sees exactly its own token sequence, as the trainer will. Episodes
+    that ended are dropped from the cache at the next turn. temperature 0: greedy (evaluate.py)."""
+
+    def __init__(self, model, eos: set[int], pad: int, temperature: float):
+        self.model, self.eos, self.pad, self.temperature = model, eos, pad, temperature
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]], G: int) -> None:
+        self.cache, self.h, self.mask, self.pos = prefill(self.model, prompts, G, self.pad)
+        self.rows = list(range(self.h.shape[0]))   # the episode of each cache row
+        self.unfed: dict[int, int] = {}            # an episode's last sampled token, not in the cache yet
+
+    def _pick(self, logits: torch.Tensor):
+        if self.temperature <= 0:
+            nxt = logits.argmax(-1)
+            return nxt, torch.zeros_like(nxt, dtype=torch.float32)
+        logp = torch.log_softmax(logits.float() / self.temperature, -1)
+        nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
+        return nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+
+    def _forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Append [n, k] tokens (real: [n, k] 0/1) to every row; the hidden state after each row's last real one."""
+        lm = _causal_lm(self.model)
+        body = lm.get_decoder()
+        pos = self.pos[:, None] + (real.cumsum(1) - 1).clamp(min=0)
+        self.mask = torch.cat([self.mask, real.to(self.mask.dtype)], 1)
+        out = body(input_ids=ids, attention_mask=self.mask, position_ids=pos, use_cache=True,
+                   **cache_kw(body, self.cache))
+        self.pos = self.pos + real.sum(1)
+        last = (real.sum(1) - 1).clamp(min=0)
+        return out.last_hidden_state[torch.arange(ids.shape[0], device=ids.device), last]
+
+    @torch.no_grad()
+    def turn(self, feed: dict[int, list[int]], room: dict[int, int]) -> dict[int, tuple[list[int], list[float], str]]:
+        lm = _causal_lm(self.model)
+        dev = self.h.device
+        keep = [r for r, e in enumerate(self.rows) if e in feed]
+        if len(keep) < len(self.rows):  # episodes that ended leave the batch
+            idx = torch.tensor(keep, device=dev)
+            self.cache.batch_select_indices(idx)
+            self.h, self.mask, self.pos = self.h[idx], self.mask[idx], self.pos[idx]
+            self.rows = [self.rows[r] for r in keep]
+        n = len(self.rows)
+        chunks = [([self.unfed[e]] if e in self.unfed else []) + feed[e] for e in self.rows]
+        if any(chunks):  # a later turn: the model's last token and the environment's, into the cache
+            k = max(len(c) for c in chunks)
+            ids = torch.full((n, k), self.pad, dtype=torch.long, device=dev)
+            real = torch.zeros((n, k), dtype=torch.long, device=dev)
+            for r, c in enumerate(chunks):
+                ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+                real[r, :len(c)] = 1
+            self.h = self._forward(ids, real)
+        head = lm.get_output_embeddings()
+        limit = torch.tensor([max(1, room[e]) for e in self.rows], device=dev)
+        eos_t = torch.tensor(sorted(self.eos), device=dev)
+        active = torch.ones(n, dtype=torch.bool, device=dev)
+        toks, lps = [], []
+        nxt, lp = self._pick(head(self.h))
+        for t in range(int(limit.max())):
+            toks.append(torch.where(active, nxt, self.pad))
+            lps.append(lp)
+            active = active & ~torch.isin(nxt, eos_t) & (limit > t + 1)
+            if not active.any():
+                break
+            # a row's token goes into the cache only while its turn goes on: a turn's last token is fed next turn
+            h = self._forward(nxt[:, None], active[:, None].long())
+            nxt, lp = self._pick(head(h))
+        toks_t, lps_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
+        out = {}
+        for r, e in enumerate(self.rows):
+            ids = toks_t[r][:int(limit[r])]  # past its limit a row holds padding (which may be the EOS id)
+            stop = next((i for i, x in enumerate(ids) if x in self.eos), None)
+            m = len(ids) if stop is None else stop + 1
+            out[e] = (ids[:m], lps_t[r][:m], "length" if stop is None else "stop")
+            self.unfed[e] = ids[m - 1]
+        return out
+
+
+def hf_generate(model, eos: set[int], pad: int, seqs: list[list[int]], max_new: list[int], temperature: float):
+    """One sample continuing each token sequence (the loopback generate endpoint's calls on the hf engine)."""
+    turns = HFTurns(model, eos, pad, temperature)
+    turns.start(seqs, 1)
+    got = turns.turn({k: [] for k in range(len(seqs))}, dict(enumerate(max_new)))
+    return [got[k] for k in range(len(seqs))]
+
+
+class TokenTurns:
+    """backend vllm and server, episodes of several turns: each turn generates from each episode's whole token
+    sequence (prompt and everything appended), one sample each; the engine's prefix cache keeps the work
+    to what is new. The first turn samples the G episodes of a prompt together (n=G)."""
+
+    def __init__(self, engine, temperature: float):
+        self.engine, self.temperature = engine, temperature
+
+    def start(self, prompts: list[list[int]], G: int) -> None:
+        self.prompts, self.G, self.seqs = prompts, G, {}
+
+    def turn(self, feed: dict[int, list[int]], room: dict[int, int]) -> dict[int, tuple[list[int], list[float], str]]:
+        if not self.seqs:  # the first turn: G samples of each shared prompt
+            got = self.engine.sample(self.prompts, self.G, max(room.values()), self.temperature)
+            out = {k: (ids[:room[k]], lps[:room[k]], fin if len(ids) <= room[k] else "length")
+                   for k, (ids, lps, fin) in enumerate(got) if k in feed}
+        else:
+            keys = list(feed)
+            for k in keys:
+                self.seqs[k] = self.seqs[k] + feed[k]
+            got = self.engine.generate_ids([self.seqs[k] for k in keys], [room[k] for k in keys], self.temperature)
+            out = dict(zip(keys, got))
+        for k, (ids, _, _) in out.items():
+            self.seqs[k] = self.seqs.get(k, self.prompts[k // self.G]) + ids
+        return out
+
+
 def swap_in(model, new: dict):
     """Hot-load a verified adapter. The first one wraps the base model (peft); each later one must have
     the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (milliseconds).
@@ -258,6 +376,18 @@ class VLLMSampler:
         # logprobs=0: one dict per position holding the sampled token's (processed) logprob
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
                 for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+
+    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float, stop: set[int] = frozenset()):
+        """One sample continuing each token sequence (an episode's later turns), at most max_new[i] tokens;
+        `stop`: token ids that end a turn besides the model's EOS."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = [SamplingParams(n=1, temperature=temperature, max_tokens=m, logprobs=0, top_k=0, top_p=1.0,
+                                 stop_token_ids=sorted(stop) or None) for m in max_new]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, lora_request=self.lora,
+                                 use_tqdm=False)
+        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], c.finish_reason)
+                for o in outs for c in o.outputs[:1]]
 
     def chat(self, reqs: list[dict]) -> list[dict]:
         from vllm import SamplingParams
@@ -536,14 +666,26 @@ class ServerSampler:
     def sample(self, prompts: list[list[int]], G: int, max_new: int, temperature: float):
         return self._retrying("generation", lambda: self._sample(prompts, G, max_new, temperature))
 
-    def _sample(self, prompts, G, max_new, temperature):
+    def generate_ids(self, seqs: list[list[int]], max_new: list[int], temperature: float, stop: set[int] = frozenset()):
+        """One sample continuing each token sequence (an episode's later turns), at most max_new[i] tokens: one
+        request per distinct budget (a request has one max_tokens); `stop`: token ids that end a turn too."""
+        out: list = [None] * len(seqs)
+        for m in sorted(set(max_new)):
+            at = [i for i, x in enumerate(max_new) if x == m]
+            got = self._retrying("generation", lambda: self._sample([seqs[i] for i in at], 1, m, temperature, stop))
+            for i, g in zip(at, got):
+                out[i] = g
+        return out
+
+    def _sample(self, prompts, G, max_new, temperature, stop: set[int] = frozenset()):
         if self.kind == "sglang":
-            return self._sample_sglang(prompts, G, max_new, temperature)
+            return self._sample_sglang(prompts, G, max_new, temperature, stop)
         # prompts as token ids, G samples each; the sampled token's processed logprob (logprobs=0) and
         # the token ids themselves come back
         body = {"model": self.lora or self.base, "prompt": prompts, "n": G, "max_tokens": max_new,
                 "temperature": temperature, **NO_FILTERS, "logprobs": 0, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+                "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                **({"stop_token_ids": sorted(stop)} if stop else {})}
         r = self._post("/v1/completions", body)
         if r.status_code != 200:
             raise RuntimeError(f"the inference server refused a rollout request: {r.status_code} {r.text[:500]}")
@@ -551,12 +693,12 @@ class ServerSampler:
         return checked([(c["token_ids"], c["logprobs"]["token_logprobs"], c["finish_reason"]) for c in choices],
                        len(prompts) * G)
 
-    def _sample_sglang(self, prompts, G, max_new, temperature):
+    def _sample_sglang(self, prompts, G, max_new, temperature, stop: set[int] = frozenset()):
         # SGLang's native route: token ids in, [(logprob, token_id, text)] per output token out
         n = len(prompts) * G
         body = {"input_ids": [p for p in prompts for _ in range(G)], "return_logprob": True,
                 "sampling_params": {"max_new_tokens": max_new, "temperature": temperature, **NO_FILTERS,
-                                    "skip_special_tokens": False},
+                                    "skip_special_tokens": False, **({"stop_token_ids": sorted(stop)} if stop else {})},
                 "lora_path": [self.lora] * n if self.lora else None}
         r = self._post("/generate", body)
         if r.status_code != 200:

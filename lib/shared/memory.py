@@ -21,6 +21,8 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from environments import is_environment  # stdlib only: which tasks train episodes of several turns
+
 GiB = 1024 ** 3
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -377,10 +379,12 @@ def _flag_values(argv: list[str], spec: dict[str, type]) -> dict:
 
 
 def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavor: str, train_argv: list[str],
-                 rollout_flavor: str, rollout_argv: list[str], hub: bool = True) -> tuple[list[str], list[str]]:
+                 rollout_flavor: str, rollout_argv: list[str], hub: bool = True, task: str = "") -> tuple[list[str], list[str]]:
     """Will a run's trainer and rollout workers fit their GPUs? From the model's config.json and the
     options the launcher passes to train.py (train_argv) and rollout.py (rollout_argv). Returns
-    (notes: what fits, or why it cannot be judged; problems: what does not fit, each with advice)."""
+    (notes: what fits, or why it cannot be judged; problems: what does not fit, each with advice).
+    An environment of several turns (`task`) trains episodes of up to rollout.py's --max-episode-tokens
+    (sampled and environment tokens), not of --max-new-tokens: those are the completions counted."""
     cfg, source = config_for(model, hub=hub)
     if cfg is None:
         return [f"memory check: cannot judge {model} ({source}); not checked"], []
@@ -391,6 +395,8 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
     notes, problems = [], []
     t = _flag_values(train_argv, {"--dtype": str, "--load-in-4bit": bool, "--gradient-checkpointing": str,
                                       "--lora-r": int, "--micro-groups": int})
+    if is_environment(task):  # rollout.py's default for --max-episode-tokens is 256
+        max_new_tokens = _flag_values(rollout_argv, {"--max-episode-tokens": int}).get("max_episode_tokens", 256)
     lay = Layout(new_tokens=max_new_tokens, group_size=group_size,
                         micro_groups=t.get("micro_groups", Layout.micro_groups))
     lora_r = t.get("lora_r", 16)

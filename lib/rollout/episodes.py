@@ -1,0 +1,180 @@
+"""The episode runner: G episodes per prompt, a model turn, then the environment's turn, until the
+environment says done or a turn or token budget is reached. rollout.py and evaluate.py both run
+episodes through `run_episodes`; the environments are in lib/shared/environments.py, the engines'
+turn samplers in engines.py (`HFTurns`, `TokenTurns`).
+
+The token sequence of an episode is built up turn by turn and never re-tokenised (`Episode`): what the
+engine sampled is appended with its behaviour logprob and the adapter version that sampled it (mask 1),
+and what the environment says next is rendered by the chat template on its own (`Renderer.after_turn`:
+the end of the model's turn the template adds, the new messages, the next assistant header) and
+appended as environment tokens (mask 0, logprob null). So the trainer scores exactly the tokens the
+policy sampled, in exactly the context it sampled them in.
+
+An environment that keeps the whole conversation itself hands its history back with each step; the
+runner renders that history and checks it against the tokens it has (`Renderer.drift`). A chat template
+can render a history differently from what was sampled (a re-tokenised turn, whitespace stripped, a
+reasoning block dropped); such an episode is counted (`drift`) and its group is not trained: training on
+tokens the model never saw in that context, silently, is what this check exists to prevent.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from environments import Environment, Session
+
+log = logging.getLogger("rollout.episodes")
+
+
+@dataclass
+class Budget:
+    max_turns: int = 4          # model turns per episode
+    max_new_tokens: int = 24    # tokens per model turn
+    max_tokens: int = 256       # tokens per episode after the shared prompt: sampled and environment tokens
+
+
+@dataclass
+class Episode:
+    """One episode's append-only token sequence after the group's shared prompt."""
+    prompt_index: int
+    session: Session
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)  # [[first token index, version], ...]
+    turns: int = 0
+    tool_turns: int = 0          # environment turns (the environment answered and the episode went on)
+    finish: str | None = None    # stop | length | turns, once it ended
+    drift: str | None = None     # why the environment's history does not match the tokens (None: it does)
+    failed: str | None = None    # why the episode did not complete (an environment library's error)
+    texts: list[str] = field(default_factory=list)  # the model's turns, decoded (for the log and evaluate.py)
+    reward: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # the reward's components (environments.Session.score)
+
+    def add_sampled(self, ids: list[int], lps: list[float], version: int) -> None:
+        if ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append([len(self.tokens), version])
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += list(lps)
+
+    def add_environment(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [None] * len(ids)
+
+    def completion(self, reward: float) -> dict:
+        """The episode in the group schema (common.Completion): a single-turn episode as before (no mask),
+        `versions` only when more than one adapter version sampled it."""
+        c = {"token_ids": self.tokens, "logprobs": self.logprobs, "reward": reward, "finish_reason": self.finish}
+        if 0 in self.mask:
+            c["mask"] = self.mask
+        if len(self.versions) > 1:
+            c["versions"] = self.versions
+        return c
+
+
+class Renderer:
+    """The chat template, one new piece at a time. `after_turn(messages, eos_ended)` gives the tokens that
+    follow a model turn: the end-of-turn text the template writes after an assistant message (less the
+    EOS token the model sampled itself), the new messages, and the header of the next assistant turn.
+    Found by rendering a reference conversation with and without them and taking the difference, so it
+    works for any template that renders a conversation as the concatenation of its messages (and says so
+    when one does not)."""
+
+    def __init__(self, tok, eos_ids: set[int]):
+        self.tok, self.eos_ids = tok, eos_ids
+        self.ref = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+        rendered = self.text(self.ref)
+        if "A" not in rendered:
+            raise ValueError("the chat template does not render an assistant message's content as is")
+        self.base = rendered
+        self.closing = rendered[rendered.rindex("A") + 1:]       # e.g. "<|im_end|>\n"
+        self.eos_text = {e: tok.decode([e]) for e in eos_ids}
+
+    def text(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def ids(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def after_turn(self, messages: list[dict], last_token: int | None) -> list[int]:
+        closing = self.closing
+        eos = self.eos_text.get(last_token) if last_token is not None else None
+        if eos and closing.startswith(eos):
+            closing = closing[len(eos):]  # the model ended its turn with the template's own end-of-turn token
+        full = self.text(self.ref + messages, generation_prompt=True)
+        if not full.startswith(self.base):
+            raise ValueError("the chat template renders earlier messages differently once more follow: "
+                             "new messages cannot be appended without re-tokenising the history")
+        return self.tok.encode(closing + full[len(self.base):], add_special_tokens=False)
+
+    def drift(self, history: list[dict], have: list[int]) -> str | None:
+        """None when rendering `history` (then the next assistant header) gives exactly the tokens `have`;
+        else where they part."""
+        want = self.ids(history)
+        if want == have:
+            return None
+        i = next((k for k, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+        return (f"the environment's history renders to {len(want)} tokens, the episode has {len(have)}; they part at "
+                f"token {i}: {self.tok.decode(want[i:i + 8])!r} vs {self.tok.decode(have[i:i + 8])!r}")
+
+
+def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list[int]], G: int, budget: Budget,
+                 renderer: Renderer, version: int) -> list[Episode]:
+    """G episodes for each prompt (group-major, as the engines' sample()), run to their end. `turns` is an
+    engine's turn sampler: start(prompts, G) once, then turn({episode: tokens to append}, {episode: max
+    new tokens}) -> {episode: (token_ids, logprobs, finish_reason)} for the episodes still running."""
+    eps = [Episode(i, env.session(i)) for i in indices for _ in range(G)]
+    max_turns = min(budget.max_turns, env.max_turns) if env.max_turns else budget.max_turns
+    turns.start(prompts, G)
+    feed: dict[int, list[int]] = {k: [] for k in range(len(eps))}
+    try:
+        while feed:
+            room = {k: min(budget.max_new_tokens, budget.max_tokens - len(eps[k].tokens)) for k in feed}
+            got = turns.turn(feed, room)
+            feed = {}
+            for k, (ids, lps, fin) in got.items():
+                e = eps[k]
+                e.add_sampled(ids, lps, version)
+                e.turns += 1
+                text = renderer.tok.decode(ids, skip_special_tokens=True)
+                e.texts.append(text)
+                step = e.session.step(text)
+                if step.mismatch:  # the environment says the episode is not the one these tokens are
+                    e.drift, e.finish = step.mismatch, "stop"
+                    continue
+                if step.done:
+                    e.finish = "stop" if fin == "stop" else "length"
+                    continue
+                if e.turns >= max_turns:
+                    e.finish = "turns"
+                    continue
+                env_ids = renderer.after_turn(step.messages, ids[-1] if ids else None)
+                if len(e.tokens) + len(env_ids) >= budget.max_tokens:
+                    e.finish = "length"  # no room for the environment's answer and a model turn after it
+                    continue
+                e.add_environment(env_ids)
+                e.tool_turns += 1
+                if step.history is not None and (why := renderer.drift(step.history, prompts[k // G] + e.tokens)):
+                    e.drift, e.finish = why, "stop"
+                    continue
+                feed[k] = env_ids
+        for e in eps:  # scored while the environment is still there (a server's session, say)
+            e.reward, e.parts = e.session.score()
+    finally:
+        for e in eps:
+            e.session.close()
+    return eps
+
+
+def group_of(eps: list[Episode]) -> tuple[list[dict], list[dict], str | None]:
+    """The G episodes of one prompt scored by their environment: (completions in the group schema, reward
+    components, why the group must not be trained: an episode drifted; None: it may)."""
+    comps, parts = [], []
+    for e in eps:
+        comps.append(e.completion(e.reward))
+        parts.append({**e.parts, "diag_turns": float(e.turns)})
+    why = next((f"episode {k}: {e.drift or e.failed}" for k, e in enumerate(eps) if e.drift or e.failed), None)
+    return comps, parts, why

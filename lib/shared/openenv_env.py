@@ -1,0 +1,160 @@
+"""OpenEnv environments (Hugging Face and Meta's environment servers, PyPI `openenv-core`) as environments of
+several turns (environments.py): `--task openenv:URL` drives a server someone runs (a Space, a container, a
+process), `--task openenv:PATH.py:APP` starts the server in PATH.py (an app made with openenv's own
+`create_app`) on loopback here and stops it at the end.
+
+An OpenEnv server speaks typed actions and observations (GET /schema) over a WebSocket session per
+episode (openenv's own client, `GenericEnvClient(...).sync()`): reset(seed) gives the first observation,
+step(action) the next one with a reward and `done`. The model's turn becomes the action's one text field
+(the schema's only string property, or `?action_field=NAME`); an observation becomes a user message (its
+one text field, or `?observation_field=NAME`, else its fields as JSON). Prompt index i resets with seed
+i (eval: seeds from 1,000,003 on), so the G episodes of a group start from the same observation, which
+is the group's shared prompt; a server that answers another first observation to the same seed breaks
+that, and its episodes are counted as drift and not trained. The episode's reward is the sum of its
+steps' rewards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+
+from env_types import Environment, Session, Step, require
+
+SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
+EVAL_SEED = 1_000_003
+
+
+def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
+    """Start `uvicorn MODULE:APP` for PATH.py:APP on a free loopback port; (its URL, the process)."""
+    path, _, app = path_app.rpartition(":")
+    if not path.endswith(".py") or not os.path.isfile(path) or not app:
+        raise SystemExit(f"openenv:{path_app}: expected an http(s) URL or PATH.py:APP (a file that exists)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(tempfile.gettempdir(), f"openenv-{port}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{os.path.basename(path)[:-3]}:{app}", "--app-dir",
+                             os.path.dirname(os.path.abspath(path)), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the OpenEnv server {path_app} exited ({proc.returncode}) while starting: see {log.name}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"the OpenEnv server {path_app} did not answer {url}/health within 60 s (log: {log.name})")
+
+
+def text_field(schema: dict, given: str | None, what: str) -> str | None:
+    """The one string property of a JSON schema (or `given`, checked); None when there is not exactly one."""
+    props = {k: v for k, v in (schema.get("properties") or {}).items() if k not in SKIP}
+    if given:
+        if given not in props:
+            raise SystemExit(f"the OpenEnv {what} has no field {given!r}; its fields: {sorted(props)}")
+        return given
+    strings = [k for k, v in props.items() if v.get("type") == "string"]
+    return strings[0] if len(strings) == 1 else None
+
+
+class OpenEnvSession(Session):
+    def __init__(self, client, action_field: str, render, first: str, seed: int):
+        self.client, self.action_field, self.render = client.sync(), action_field, render
+        self.client.connect()
+        got = render(self.client.reset(seed=seed).observation)
+        self.mismatch = None if got == first else (
+            f"the server's first observation for seed {seed} is not the group's prompt ({got[:80]!r} vs "
+            f"{first[:80]!r}): the environment does not reset deterministically from its seed")
+        self.rewards: list[float] = []
+
+    def step(self, text: str) -> Step:
+        if self.mismatch:
+            return Step([], done=True, mismatch=self.mismatch)
+        r = self.client.step({self.action_field: text})
+        self.rewards.append(float(r.reward or 0.0))
+        return Step([] if r.done else [{"role": "user", "content": self.render(r.observation)}], done=bool(r.done))
+
+    def score(self) -> tuple[float, dict[str, float]]:
+        total = sum(self.rewards)
+        return total, {"correct": total, "diag_env_steps": float(len(self.rewards))}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - a server gone at the end of a run: nothing left to tell it
+            pass
+
+
+class Prompts:
+    """The first observation of each prompt index, asked of the server once and kept (index -> messages)."""
+
+    def __init__(self, client_cls, url: str, render, system: str | None, size: int, seed0: int):
+        self.client_cls, self.url, self.render, self.system, self.size, self.seed0 = (
+            client_cls, url, render, system, size, seed0)
+        self.cache: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def text(self, i: int) -> str:
+        if i not in self.cache:
+            with self.client_cls(base_url=self.url).sync() as c:
+                self.cache[i] = self.render(c.reset(seed=self.seed0 + i).observation)
+        return self.cache[i]
+
+    def __getitem__(self, i: int) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.text(i)}]
+
+
+def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Environment:
+    require("openenv-core", "openenv")
+    from openenv.core.generic_client import GenericEnvClient
+    parts = urlsplit(spec) if spec.startswith(("http://", "https://")) else None
+    opts = {k: v[-1] for k, v in parse_qs(parts.query if parts else spec.partition("?")[2]).items()}
+    proc = None
+    if parts:
+        url = spec.split("?", 1)[0].rstrip("/")
+    else:
+        url, proc = start_server(spec.split("?", 1)[0])
+    try:
+        schema = httpx.get(f"{url}/schema", timeout=30.0).raise_for_status().json()
+    except httpx.HTTPError as e:
+        raise SystemExit(f"the OpenEnv server at {url} does not answer GET /schema: {e}") from e
+    action_field = text_field(schema["action"], opts.get("action_field"), "action")
+    if action_field is None:
+        raise SystemExit(f"the OpenEnv action at {url} has no single text field: name it with "
+                         f"openenv:{spec.split('?')[0]}?action_field=NAME (fields: {sorted(schema['action'].get('properties', {}))})")
+    obs_field = text_field(schema["observation"], opts.get("observation_field"), "observation")
+
+    def render(obs: dict) -> str:
+        if obs_field:
+            return str(obs.get(obs_field, ""))
+        return json.dumps({k: v for k, v in obs.items() if k not in SKIP}, sort_keys=True)
+    seed0 = (seed if split == "train" else seed + EVAL_SEED)
+    prompts = Prompts(GenericEnvClient, url, render, opts.get("system"), int(opts.get("size", 1000)), seed0)
+
+    def session(i: int) -> Session:
+        return OpenEnvSession(GenericEnvClient(base_url=url), action_field, render, prompts.text(i), seed0 + i)
+
+    def close() -> None:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    name = "openenv-" + (urlsplit(url).hostname or "env") if parts else "openenv-" + os.path.basename(spec.split(":")[0])[:-3]
+    return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close)

@@ -1,0 +1,55 @@
+"""An OpenEnv environment server for the tests, made with openenv-core's own server classes: guess the number.
+reset(seed) picks a number from 1 to 20 by the seed; each action is a guess in text; the observation says
+'higher', 'lower' or 'right' and the number of guesses left; reward 1 for the right guess; done when it is
+right or after 4 guesses.
+
+    python -m uvicorn openenv_guess:app --app-dir tests/support --port 8001
+"""
+import random
+import re
+from uuid import uuid4
+
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
+
+GUESSES = 4
+
+
+class GuessAction(Action):
+    guess: str = Field(..., description="the guess, as text; its first number counts")
+
+
+class GuessObservation(Observation):
+    feedback: str = Field(default="", description="what the game says")
+
+
+class GuessEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        self._state = State(episode_id=str(uuid4()), step_count=0)
+        self.secret = 0
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
+        self.secret = random.Random(seed).randint(1, 20)
+        return GuessObservation(feedback=f"I am thinking of a number from 1 to 20. Guess it: reply with just a "
+                                         f"number. You have {GUESSES} guesses.", done=False, reward=0.0)
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        self._state.step_count += 1
+        m = re.search(r"-?\d+", action.guess)
+        left = GUESSES - self._state.step_count
+        if m and int(m.group()) == self.secret:
+            return GuessObservation(feedback="right", done=True, reward=1.0)
+        hint = "not a number" if not m else "higher" if int(m.group()) < self.secret else "lower"
+        return GuessObservation(feedback=f"{hint}; {left} guesses left", done=left <= 0, reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=128)
