@@ -197,7 +197,8 @@ class Fleet:
 
     # ---- a worker ----------------------------------------------------------------------------------------------
     async def worker(self, i: int) -> None:
-        a, rng = self.a, random.Random(f"{a.seed}:{self.n}:{i}")
+        a = self.a
+        rng = random.Random(f"{a.seed}:{self.n}:{i}")
         wid, speed = f"sim-{i}", math.exp(rng.gauss(0, a.speed_sigma))
         net = rng.uniform(0.2, 1.0) * a.time_scale if rng.random() < a.slow_net else 0.0
         joins = rng.random() < a.join
@@ -230,7 +231,7 @@ class Fleet:
                     self.hard.setdefault(p, math.exp(rng.gauss(0, a.prompt_sigma)))
                     self.m["handed"][p] = self.m["handed"].get(p, 0) + 1
                 if got.get("version", 0) > held[0]:  # fetch the version the grant counts on (the bucket's files)
-                    await self.fetch(got["version"], held)
+                    await self.fetch(got["version"], held, net)
                 version = held[0]
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
@@ -261,11 +262,15 @@ class Fleet:
             if status == 200:
                 seen = max(seen, json.loads(raw)["version"])
 
-    async def fetch(self, version: int, held: list[int]) -> None:
-        """meta.json and the two adapter files of `version` from the bucket, as rollout.py's sync thread does."""
-        prefix = f"{self.bucket.bucket}/{self.bucket.run}/{common.adapter_prefix(version)}"
-        for name in ("meta.json", *common.ADAPTER_FILES):
-            async with self.http_s3.get(f"{self.s3}/{prefix}/{name}") as r:
+    async def fetch(self, version: int, held: list[int], net: float) -> None:
+        """meta.json and the two adapter files of `version`, as rollout.py's sync thread gets them: the proxy's
+        listing (GET /v1/adapters/{v}/files), then each file from the bucket by its presigned URL (real GETs)."""
+        status, raw = await self.call("GET", f"/v1/adapters/{version}/files", net)
+        if status != 200:
+            self.fail(f"files of v{version}: {status} {raw[:200]}")
+            return
+        for name, f in json.loads(raw)["files"].items():
+            async with (self.http_s3.get(f["url"]) if f["url"].startswith("http") else self.http.get(f["url"])) as r:
                 await r.read()
                 self.m["bucket_gets"] += 1
                 if r.status != 200:
@@ -365,6 +370,8 @@ class Fleet:
                 self.done.set()
                 await asyncio.wait(tasks, timeout=30)
                 for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        self.fail(f"a task failed: {t.exception()!r}")  # a bug here, not the proxy's
                     t.cancel()
                 elapsed = time.monotonic() - t0
                 async with http.get("/v1/stats") as r:
@@ -373,7 +380,7 @@ class Fleet:
 
 
 def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
-    m, a = f.m, f.a
+    m = f.m
     gen = sum(t for t, _ in m["generated"].values())
     leased = sum(m["generated"][g][0] for g in m["leased"] if g in m["generated"])
     hist = {str(k): v for k, v in sorted(m["staleness"].items())}
@@ -441,7 +448,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
 
 def line(r: dict) -> str:
     h = r["staleness"]
-    return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation']:.3f}  "
+    return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation'] or 0:.3f}  "
             f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
             f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
             f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "
