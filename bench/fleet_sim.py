@@ -206,8 +206,8 @@ class Fleet:
         if joins:
             self.m["join"] += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5) * self.expected_s)
-        held = [0]
-        sync = asyncio.create_task(self.adapter_sync(wid, held, net))
+        held, seen = [0], [0]  # the version it generates with; the newest its long-poll has seen
+        sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
         try:
             while not self.done.is_set():
                 if time.monotonic() > leaves_at:
@@ -230,8 +230,9 @@ class Fleet:
                 for p in idx:
                     self.hard.setdefault(p, math.exp(rng.gauss(0, a.prompt_sigma)))
                     self.m["handed"][p] = self.m["handed"].get(p, 0) + 1
-                if got.get("version", 0) > held[0]:  # fetch the version the grant counts on (the bucket's files)
-                    await self.fetch(got["version"], held, net)
+                want = max(got.get("version", 0), seen[0])  # the newest, as rollout.py takes between rounds
+                if want > held[0]:  # (a grant's version at least: the one it counts on) from the bucket
+                    await self.fetch(want, held, net)
                 version = held[0]
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
@@ -249,18 +250,17 @@ class Fleet:
         finally:
             sync.cancel()
 
-    async def adapter_sync(self, wid: str, held: list[int], net: float) -> None:
-        """The worker's long-poll of the newest version (its downloads happen when a grant needs one)."""
-        seen = 0
+    async def adapter_sync(self, wid: str, seen: list[int], net: float) -> None:
+        """The worker's long-poll of the newest version (it downloads it before its next round)."""
         while not self.done.is_set():
             try:
-                status, raw = await self.call("GET", f"/v1/adapters/latest?after={seen}&wait_s=30", net)
+                status, raw = await self.call("GET", f"/v1/adapters/latest?after={seen[0]}&wait_s=30", net)
             except aiohttp.ClientError as e:
                 self.fail(f"{wid} adapter poll: {e!r}")
                 await asyncio.sleep(1)
                 continue
             if status == 200:
-                seen = max(seen, json.loads(raw)["version"])
+                seen[0] = max(seen[0], json.loads(raw)["version"])
 
     async def fetch(self, version: int, held: list[int], net: float) -> None:
         """meta.json and the two adapter files of `version`, as rollout.py's sync thread gets them: the proxy's
@@ -307,7 +307,7 @@ class Fleet:
     async def trainer(self) -> None:
         a, first = self.a, None
         for step in range(1, a.steps + 1):
-            t0 = time.monotonic()
+            mark = time.monotonic()  # waiting for a batch is counted as it happens (a timed-out run waits last)
             while True:
                 body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (a.steps - step + 1) * self.batch}
                 status, raw = await self.call("POST", "/v1/batches/lease", json=body)
@@ -315,14 +315,14 @@ class Fleet:
                     self.fail(f"lease {status}: {raw[:200]}")
                     await asyncio.sleep(1)
                     continue
-                got = json.loads(raw)
+                got, now = json.loads(raw), time.monotonic()
+                if first is not None:  # from its first batch on
+                    self.m["trainer_wait"] += now - mark
+                mark = now
                 if got["batch_id"]:
                     break
             t1 = time.monotonic()
-            if first is None:
-                first = t1
-            else:
-                self.m["trainer_wait"] += t1 - t0
+            first = first or t1
             for g in got["groups"]:
                 s = got["latest_version"] - g["policy_version"]
                 self.m["staleness"][s] = self.m["staleness"].get(s, 0) + 1
