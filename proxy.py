@@ -54,7 +54,8 @@ from metrics import Metrics, peak_rss_mb
 from adapter_files import FILES, Downloads, check_published
 from book import Book, Entry, Held
 from ledger import HEAD
-from participants import Senders
+from pacing import Grant, Waiting
+from participants import Senders, worker_key
 from prompts import Cursors, PromptError
 from serving import Limits, serve
 from snapshots import Keeper
@@ -109,6 +110,13 @@ class Args:
     """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
     snapshot_commits: int = 200
     """... or every this many commits, if sooner: a start reads about this many commits at most"""
+    pace: bool = True
+    """grant a worker that asks with wait_s prompts only when its round can still be trained within max_staleness
+    and what the trainer will still lease (pacing.py); it waits otherwise. --no-pace: every prompt lease at once"""
+    grant_s: float = 120.0
+    """a grant holds its place for this long, or 3 of its worker's round times if longer; then it is given up"""
+    pace_jitter: float = 0.3
+    """pacing's margin on the predicted arrival order, as a share of the worker's round time"""
     route: routing.Limits = field(default_factory=routing.Limits)
     """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
 
@@ -176,7 +184,8 @@ def stats() -> dict:
             "staleness_hist": {str(k): v for k, v in sorted(S.book.staleness_hist.items())},
             **S.senders.stats(time.time(), roles),
             "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
-            "cursors": S.cursors.table, "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            "cursors": S.cursors.table, "pacing": S.book.pacing.stats(), "waiting_for_grants": len(WAITING),
+            "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 # ---- start: the state read back from the bucket (snapshots.py) ----------------------------------
@@ -185,9 +194,14 @@ KEEPER: Keeper | None = None  # the state after the last commit in the bucket, a
 def take_over(live: dict) -> None:
     """The state a start read back (ledger.Ledger.live) becomes the live state."""
     S.book = Book.adopt(live, ARGS.max_staleness, ARGS.lease_s)
+    pacing_options(S.book)
+    S.book.pacing.restart(time.monotonic())  # an open grant holds its place as if made now (as a lease does)
     S.cursors.table, S.senders, S.rejected_full = live["cursors"], live["senders"], live["counters"].get("groups_rejected_full", 0)
     # every open lease gets a full lease_s from now: no clock of another host (or of ours, earlier) is compared
     S.deadlines = {b: time.monotonic() + h.lease_s for b, h in S.book.leases.items()}
+
+def pacing_options(book: Book) -> None:
+    book.pacing.grant_s, book.pacing.jitter = ARGS.grant_s, ARGS.pace_jitter
 
 def fatal_foreign_writer(msg: str) -> None:
     print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
@@ -222,6 +236,8 @@ async def _housekeeping() -> None:
         await asyncio.sleep(1.0)
         async with S.cond:
             expire_leases(time.monotonic())
+        S.book.pacing.expire(time.monotonic())
+        pace()  # predicted arrivals move with the clock, and grants run out
         if METRICS is not None:
             row = {"buffer/size": len(S.book.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
             await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
@@ -236,6 +252,7 @@ async def lifespan(app: FastAPI):
     POLICY.tokens = access.Tokens(None, ARGS.token)
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     S.book = Book(ARGS.max_staleness, ARGS.lease_s)
+    pacing_options(S.book)
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket(patience_s=ARGS.bucket_patience_s)  # while serving; then 503 (which the callers wait out)
         startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
@@ -363,6 +380,7 @@ async def submit_group(request: Request) -> SubmitResponse:
             book.counts["groups_dropped_stale"] -= 1
             raise
         S.senders.touch(participant, group.worker_id, time.time())
+        arrived(participant, group.worker_id)
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
     if len(book.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
         S.rejected_full += 1
@@ -378,6 +396,7 @@ async def submit_group(request: Request) -> SubmitResponse:
     entry = Entry(gid, group.policy_version, raw)
     buffered = await journaled(gid, raw, lambda: book.accept(entry))
     S.senders.touch(participant, group.worker_id, time.time(), groups=1)
+    arrived(participant, group.worker_id)
     if not buffered:  # a version registered while this group was being written made it stale
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
     async with S.cond:
@@ -391,6 +410,8 @@ class Strict(BaseModel):
 class LeaseRequest(Strict):
     num_groups: int = Field(ge=1, le=1024)
     wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
+    groups_left: int | None = Field(default=None, ge=0, le=10**9)
+    """the groups the trainer will still lease, this batch's included (pacing grants no round beyond them)"""
 
 class LeasedGroup(TrajectoryGroup):
     participant: str | None = None
@@ -425,6 +446,9 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
     answer (batch_id null) if they did not. A client that gives up waiting takes nothing."""
     gone = asyncio.create_task(_until_disconnect(request.receive))
     book = S.book
+    if book.pacing.requested(req.num_groups, req.groups_left):  # it waits for a batch: no version on its way (pacing.py)
+        JOURNAL.append({"t": "demand", "groups_left": req.groups_left})  # not awaited: the next lease carries it too
+    pace()
     try:
         async with S.cond:
             before = book.counts["groups_dropped_stale"]
@@ -433,11 +457,12 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
             entries = None if gone.done() else book.leasable(req.num_groups, S.pending_version)
             if not entries:
                 return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest)
-            bid, latest = uuid.uuid4().hex, S.latest
-            book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest)
+            bid, latest, left = uuid.uuid4().hex, S.latest, book.pacing.left_after(len(entries))
+            book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest, left, at=time.monotonic())
             S.deadlines[bid] = time.monotonic() + ARGS.lease_s
             fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries], "lease_s": ARGS.lease_s,
-                                  "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest})
+                                  "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest,
+                                  **({} if left is None else {"left": left})})
         try:
             await fut  # the trainer must be able to ack this batch after a restart
         except journal.JournalWriteError:  # the write failed: undo, so that nothing changed
@@ -530,7 +555,8 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
         async with S.cond:
             dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
             S.cond.notify_all()
-            return {"latest_version": S.latest, "dropped_stale": dropped}
+        pace()  # a new version: room for rounds generated with it (and after the final one, nothing)
+        return {"latest_version": S.latest, "dropped_stale": dropped}
 
 @app.get("/v1/adapters/latest", openapi_extra=scope("worker"))
 async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float = Query(0.0, ge=0.0, le=300.0)) -> dict:
@@ -566,22 +592,66 @@ class PromptLeaseRequest(Strict):
     dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
     size: int = Field(ge=1, le=1 << 22)
     n: int = Field(ge=1, le=4096)
+    # pacing (pacing.py): a worker that sends wait_s asks for a grant, and waits up to wait_s for one
+    worker_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """the worker asking (as in its groups); needed with wait_s"""
+    wait_s: float | None = Field(default=None, ge=0.0, le=60.0)
+    """ask for a grant: the answer comes once the round can still be trained (at most n prompts), or after
+    wait_s with none (retry_s: when to ask again). Absent: n prompts at once, unpaced, as before"""
 
 @app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
-async def lease_prompts(req: PromptLeaseRequest) -> dict:
+async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
-    across restarts too (the cursor is journaled before the indices are handed out)."""
+    across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
+    up to n of them once a round generated now can still be trained, with `version`, the version to
+    generate with (or newer); none after wait_s, or once the run is over (`done`)."""
+    grant, n = None, req.n
+    if req.wait_s is not None and ARGS.pace:
+        if req.worker_id is None:
+            raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
+        who = request.scope["principal"]
+        grant = await granted(worker_key(None if who.name == ADMIN else who.name, req.worker_id), req.n, req.wait_s)
+        if grant is None:
+            S.book.pacing.live["waits"] += 1
+            return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done,
+                    "retry_s": S.book.pacing.retry_s(time.monotonic())}
+        n = grant.n
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
         try:
-            spans, record = S.cursors.reserve(req.dataset, req.size, req.n)
+            spans, record = S.cursors.reserve(req.dataset, req.size, n)
         except PromptError as e:
+            if grant is not None:
+                S.book.pacing.ungrant(grant)
+                pace()
             raise HTTPException(409, str(e)) from None
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
-        fut = JOURNAL.append(record)
-    await fut
-    if req.n <= 64:
-        return S.cursors.indices(req.dataset, req.size, spans)
-    return await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans)  # ~5 us an index: off the loop
+        writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
+    try:
+        for fut in writes:
+            await fut
+    except journal.JournalWriteError:
+        if grant is not None:  # the grant holds no place: nobody got its prompts
+            S.book.pacing.ungrant(grant)
+            pace()
+        raise
+    answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
+              await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
+    return answer if grant is None else {**answer, "version": grant.version, "done": False}
+
+# ---- pacing: paced prompt requests wait for their grant in WAITING (pacing.Waiting) ----
+WAITING = Waiting()
+
+async def granted(key: str, n: int, wait_s: float) -> Grant | None:
+    return await WAITING.wait(key, n, wait_s, pace)
+
+def arrived(participant: str | None, worker: str) -> None:
+    """A group of this worker is in (accepted, or refused as stale): one less of its grant in flight."""
+    S.book.pacing.arrived(worker_key(participant, worker), time.monotonic())
+    pace()
+
+def pace() -> None:
+    """Hand out the grants there is room for now (called when something pacing depends on changes)."""
+    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
 
 @app.get("/v1/whoami", openapi_extra=scope("worker"))
 async def whoami(request: Request) -> dict:

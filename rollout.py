@@ -62,6 +62,7 @@ from spool import LocalMetrics, Spool, run_name
 log = logging.getLogger("rollout")
 from tasks import load_task
 
+GRANT_POLL_S = 5.0  # a paced prompt lease waits this long on the proxy for a grant, then we ask again
 
 @dataclass
 class Args:
@@ -371,26 +372,34 @@ def main(args: Args) -> None:
     log.info(f"ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), G={args.group_size}, "
              f"backend {args.backend}")
 
+    def take_new(row: dict) -> bool:
+        """Swap in the newest verified adapter if the sync thread has one (True if it had)."""
+        nonlocal model, version, published, first_round_of_version
+        new = sync.take()
+        if new is None:
+            return False
+        try:
+            t0 = time.time()
+            if engine:
+                engine.swap_in(new)
+            else:
+                model = swap_in(model, new)
+            version, published, first_round_of_version = new["version"], new["published"], True
+            row["perf/swap_s"] = time.time() - t0
+            if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
+                row["perf/weight_sync_s"] = new["ready"] - published
+        except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
+            what = "refused" if isinstance(e, AdapterError) else "could not load"
+            log.info(f"{what} version {new['version']}, keeping version {version}: {e}")
+        return True
+
     rounds, bp_prev = 0, 0.0  # bp_prev: time the previous round's submissions waited on 429
     last_round_version = -1   # --sync: the version the last round was generated with
+    row: dict = {}            # this round's metrics, from the first swap or wait before it
+    paced = True              # ask the proxy for a grant (False: a proxy from before pacing)
     while not stop.is_set() and not (sync.done and sync.ready is None):
-        row: dict = {}
-        new = sync.take()
-        if new is not None:
-            try:
-                t0 = time.time()
-                if engine:
-                    engine.swap_in(new)
-                else:
-                    model = swap_in(model, new)
-                version, published, first_round_of_version = new["version"], new["published"], True
-                row["perf/swap_s"] = time.time() - t0
-                if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
-                    row["perf/weight_sync_s"] = new["ready"] - published
-            except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
-                what = "refused" if isinstance(e, AdapterError) else "could not load"
-                log.info(f"{what} version {new['version']}, keeping version {version}: {e}")
-        if sync.done and new is None and version >= sync.seen:
+        new = take_new(row)
+        if sync.done and not new and version >= sync.seen:
             break
         if args.sync and sync.done and version >= sync.seen:
             break  # --sync: the final version has nothing left to train: a round with it would go unused
@@ -403,11 +412,32 @@ def main(args: Args) -> None:
             # what we'd generate now would be dropped as stale: wait for the new adapter (serving meanwhile)
             routed.serve(chat, version, wait_s=0.5)
             continue
+        # pacing: the prompts come with the proxy's grant, once a round generated now can still be trained
+        # (proxy.py, pacing.py); until then the proxy holds the request up to GRANT_POLL_S and we ask again
+        t_ask, ask = time.monotonic(), {"dataset": task.name, "size": len(task.prompts), "n": args.prompts_per_round}
         try:
-            idx = client.post("/v1/prompts/lease", {"dataset": task.name, "size": len(task.prompts),
-                                                    "n": args.prompts_per_round})["indices"]
+            lease = client.post("/v1/prompts/lease", {**ask, "worker_id": args.worker_id, "wait_s": GRANT_POLL_S}
+                                if paced else ask)
+        except ProxyError as e:
+            if not (paced and e.status == 422 and "wait_s" in e.detail):
+                raise
+            log.info("the proxy does not pace (it is older than pacing): asking for prompts as before")
+            paced = False
+            continue
         except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             continue
+        row["rollout/grant_wait_s"] = row.get("rollout/grant_wait_s", 0.0) + time.monotonic() - t_ask
+        idx = lease["indices"]
+        if not idx:  # no grant yet (or the run is over): answer a few routed requests, then ask again
+            sync.done = sync.done or lease.get("done", False)
+            row["serve/requests"] = row.get("serve/requests", 0) + routed.serve(chat, version)
+            continue
+        if lease.get("version", 0) > version:  # the grant counts on that version (or newer): have it first
+            t_wait = time.monotonic()
+            while sync.seen < lease["version"] and not (sync.done or stop.is_set()) and time.monotonic() - t_wait < 60:
+                time.sleep(0.005)
+            take_new(row)
+            row["rollout/adapter_wait_s"] = time.monotonic() - t_wait
         prompts = [] if vf else [renderer.ids(env.prompts[i]) if env else encode_prompt(tok, task.prompts[i]) for i in idx]
         t_gen = time.time()
         if first_round_of_version and published is not None:
@@ -449,7 +479,7 @@ def main(args: Args) -> None:
                                              if k in row}}}}
             spool.add(group)
         sent = dict(spool.flush(client))  # this round's groups, and any left from before
-        row["serve/requests"] = routed.serve(chat, version)  # between rounds, a few at most
+        row["serve/requests"] = row.get("serve/requests", 0) + routed.serve(chat, version)  # between rounds, a few at most
         if isinstance(engine, ServerSampler):
             row["rollout/server_down_s"] = engine.down_s
         statuses = list(sent.values())
@@ -463,6 +493,7 @@ def main(args: Args) -> None:
         rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], version
         log.info(f"round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
+        row = {}
         if args.max_rounds and rounds >= args.max_rounds:
             break
     if env:

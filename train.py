@@ -295,14 +295,18 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 # a step's traffic: lease, publish, register, checkpoint + acks, and the final registration
 
 
-def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups, bar, stop: threading.Event) -> dict | None:
+def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups, bar, stop: threading.Event,
+          step: int) -> dict | None:
     """Wait for a batch with something left to train on (the time spent here is the trainer starving
     for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`
-    (the ids of those left out as already trained, from this batch and any passed over before it)."""
+    (the ids of those left out as already trained, from this batch and any passed over before it).
+    groups_left tells the proxy's pacing what we will still lease, so that no round is generated past it."""
     skipped: list[str] = []
+    ask = {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s,
+           "groups_left": (args.max_steps - step + 1) * args.batch_groups}
     while not stop.is_set():
         try:
-            got = client.post("/v1/batches/lease", {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s})
+            got = client.post("/v1/batches/lease", ask)
         except httpx.HTTPError:  # the client waits out outages: this means SIGTERM
             return None
         if not got["batch_id"]:
@@ -486,7 +490,7 @@ def main(args: Args) -> None:
                total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        got = lease(client, args, owner, trained, bar, stop)
+        got = lease(client, args, owner, trained, bar, stop, step)
         if got is None:
             break
         t1 = time.time()

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import Any
 
+from pacing import Pacer
+
 BATCHES = 1024  # acked and expired batch ids remembered, each
 COUNTED = ("groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_leased", "groups_acked",
            "batches_leased", "batches_acked", "leases_expired")  # what the journal implies (429s it does not)
@@ -121,6 +123,7 @@ class Book:
         self.done = False                                    # the trainer registered its final version
         self.counts = dict.fromkeys(COUNTED, 0)
         self.staleness_hist: dict[int, int] = {}             # staleness at lease -> groups
+        self.pacing = Pacer(max_staleness)                   # grants of prompts, the trainer's demand (pacing.py)
 
     @property
     def latest(self) -> int:
@@ -159,10 +162,12 @@ class Book:
         fresh = [it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)]
         return fresh[:n] if len(fresh) >= n else None
 
-    def lease(self, bid: str, ids: list[str], lease_s: float, latest: int | None = None) -> list:
+    def lease(self, bid: str, ids: list[str], lease_s: float, latest: int | None = None, left: int | None = None,
+              at: float | None = None) -> list:
         """Groups `ids` out of the buffer into the open lease `bid`, leased when `latest` was the latest
         version (for the staleness histogram); returns their items. A group another open lease names means
-        that lease ran out and its expiry was never journaled (replay): it is returned first."""
+        that lease ran out and its expiry was never journaled (replay): it is returned first. left: the
+        trainer's demand after this lease, as journaled; at: the live proxy's clock (pacing.py)."""
         for b in {self.holder[g] for g in ids if g in self.holder}:
             self.return_lease(b)
         items = [self.buffer.pop(g) for g in ids if g in self.buffer]
@@ -170,9 +175,10 @@ class Book:
         self.holder.update(dict.fromkeys(ids, bid))
         self.counts["batches_leased"] += 1
         self.counts["groups_leased"] += len(ids)
-        at = self.latest if latest is None else latest
+        v = self.latest if latest is None else latest
         for it in items:
-            self.staleness_hist[at - it.version] = self.staleness_hist.get(at - it.version, 0) + 1
+            self.staleness_hist[v - it.version] = self.staleness_hist.get(v - it.version, 0) + 1
+        self.pacing.leased(len(ids), left, at)
         return items
 
     def renew(self, bid: str, lease_s: float) -> None:
@@ -202,6 +208,7 @@ class Book:
         """A newer adapter version: groups it makes stale leave the buffer (returned: how many), the window
         forgets what is answered `stale` anyway. final: the run is over."""
         self.versions.add(version, step, published_at, registered)
+        self.pacing.registered(registered)
         self.done = final
         dropped = self.drop_stale()
         self.window.advance(self.latest - self.max_staleness)
@@ -210,6 +217,7 @@ class Book:
     # ---- undoing a transition whose journal write failed (the live proxy: nothing changed) -------------
     def unlease(self, bid: str, latest: int) -> None:
         held = self._close(bid)
+        self.pacing.unleased(len(held.ids))
         self.counts["batches_leased"] -= 1
         self.counts["groups_leased"] -= len(held.ids)
         for it in held.items:
@@ -249,7 +257,8 @@ class Book:
                 "window": self.window.state(), "acked": [[b, n] for b, n in self.acked.items()],
                 "expired": [[b, n] for b, n in self.expired.items()],
                 "versions": self.versions.state(), "done": self.done, "counts": dict(self.counts),
-                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                "pacing": self.pacing.book_state()}
 
     @classmethod
     def adopt(cls, live: dict, max_staleness: int, lease_s: float) -> Book:
@@ -260,4 +269,5 @@ class Book:
         book.leases = {b: Held(items, s, ids) for b, (items, s, ids) in live["leases"].items()}
         book.holder = {g: b for b, h in book.leases.items() for g in h.ids}
         book.counts = {k: live["counters"][k] for k in COUNTED}
+        book.pacing = Pacer.from_state(live.get("pacing"), max_staleness)
         return book

@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 
 from book import BATCHES, Book, Entry, Held, Recent, Versions, Window  # noqa: F401 - BATCHES: the bound, for callers
 
-from participants import Senders
+from pacing import Pacer
+from participants import Senders, worker_key
 from prompts import Cursors
 
 FORMAT = 1      # of to_snapshot()'s dict; a start refuses another (and replays every commit instead)
@@ -104,8 +105,10 @@ class Ledger(Book):
         gid, version = m[1].decode(), int(m[3])
         if gid in self.window:  # the live proxy never logs a group twice; an old log might
             return
-        self.senders.touch(tail[1].decode() if tail else None, m[2].decode(), self.at, groups=1, live=False)
+        participant, worker = tail[1].decode() if tail else None, m[2].decode()
+        self.senders.touch(participant, worker, self.at, groups=1, live=False)
         self.accept(Ref(gid, version, key, line if self.keep_raw else None))
+        self.pacing.arrived(worker_key(participant, worker))
 
     def event(self, e: dict) -> None:
         t = e.get("t")
@@ -116,7 +119,7 @@ class Ledger(Book):
             self.tip = max(self.tip, (e["by"], 0))
         elif t == "lease":
             self.legacy_hist |= "latest" not in e
-            self.lease(e["batch_id"], e["group_ids"], e.get("lease_s", self.lease_s), e.get("latest"))
+            self.lease(e["batch_id"], e["group_ids"], e.get("lease_s", self.lease_s), e.get("latest"), e.get("left"))
         elif t == "renew" and e["batch_id"] in self.leases:
             self.renew(e["batch_id"], e["lease_s"])
         elif t == "ack":
@@ -130,6 +133,11 @@ class Ledger(Book):
         elif t == "stale":  # refused as stale on arrival
             self.counts["groups_dropped_stale"] += 1
             self.senders.touch(e.get("participant"), e["worker_id"], self.at, live=False)
+            self.pacing.arrived(worker_key(e.get("participant"), e["worker_id"]))
+        elif t == "grant":  # prompts granted to a worker (pacing.py)
+            self.pacing.grant(e["key"], e["n"], e["version"], round_s=e.get("round_s"))
+        elif t == "demand":  # what the trainer will still lease, as a lease request said (pacing.py)
+            self.pacing.demand = e["groups_left"]
         elif t == "duplicate":
             self.counts["groups_duplicate"] += 1
         elif t == "counters":
@@ -148,6 +156,7 @@ class Ledger(Book):
                 "done": self.done, "cursors": {d: dict(c) for d, c in self.cursors.table.items()},
                 "senders": self.senders.state(), "counts": dict(self.counts),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()}, "legacy_hist": self.legacy_hist,
+                "pacing": self.pacing.state(),
                 "trailer": json.loads(json.dumps(self.trailer)), "tip": list(self.tip),
                 "fenced": {str(k): v for k, v in self.fenced.items()}}
 
@@ -170,6 +179,7 @@ class Ledger(Book):
         led.counts = {**led.counts, **d["counts"]}
         led.staleness_hist = {int(k): v for k, v in d["staleness_hist"].items()}
         led.legacy_hist, led.trailer = d["legacy_hist"], d["trailer"]
+        led.pacing = Pacer.from_state(d.get("pacing"), max_staleness, max_workers)  # a snapshot from before pacing: none
         led.fenced = {int(k): v for k, v in d.get("fenced", {}).items()}
         if "tip" in d:
             led.tip = tuple(d["tip"])
@@ -206,6 +216,7 @@ class Ledger(Book):
                 "acked": Recent(self.acked.items()), "expired": Recent(self.expired.items()),
                 "versions": Versions.from_state(snap["versions"]), "done": self.done, "cursors": snap["cursors"],
                 "senders": Senders.from_state(snap["senders"], self.max_workers), "counters": self.counters(),
+                "pacing": snap["pacing"],
                 "staleness_hist": ({int(k): v for k, v in self.trailer.get("staleness_hist", {}).items()} if self.legacy_hist
                                    else dict(self.staleness_hist))}
 

@@ -13,6 +13,11 @@ from prometheus_client.core import GaugeMetricFamily
 from access import ADMIN
 
 
+def worker_key(participant: str | None, worker: str) -> str:
+    """How a worker is keyed here and in pacing.py: `participant/worker_id`, the run's own `worker_id`."""
+    return worker if participant is None else f"{participant}/{worker}"
+
+
 class Senders:
     def __init__(self, max_workers: int = 4096):
         self.max_workers = max_workers  # worker ids are the clients' to choose: the least recently seen go first
@@ -22,7 +27,7 @@ class Senders:
     def touch(self, participant: str | None, worker: str, at: float, groups: int = 0, live: bool = True) -> None:
         """`worker` of `participant` (None: the admin token) sent `groups` groups (0: refused as stale) at `at`;
         live: now, rather than replayed from the journal (only live ones count toward groups per second)."""
-        key = worker if participant is None else f"{participant}/{worker}"
+        key = worker_key(participant, worker)
         d = self.workers.pop(key, None) or {"last_seen": 0.0, "groups": 0, "recent": deque(maxlen=100_000)}
         self.workers[key] = d  # most recent last
         if len(self.workers) > self.max_workers:

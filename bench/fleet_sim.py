@@ -1,0 +1,491 @@
+"""A fleet of simulated rollout workers and a simulated trainer against the real proxy (proxy.py) and a real
+S3 server (moto), all on 127.0.0.1, pacing on and off (docs/fleet.md).
+
+    .venv/bin/python bench/fleet_sim.py                                   # 10, 100, 1000 workers, pacing on and off
+    .venv/bin/python bench/fleet_sim.py --workers 100 --pace on --steps 20
+    .venv/bin/python bench/fleet_sim.py --measure runs/<run>              # the time distributions, from a local run
+
+No model: a worker's round takes a time drawn from what the local run measured (bench/fleet_times.json:
+rollout/gen_s of each round, the tokens per completion, the trainer's work per step, each at its point of the
+run), times its own speed (lognormal: a fleet of different GPUs), times how hard its prompts are, times
+--time-scale. Otherwise each worker does what rollout.py does over HTTP: long-polls /v1/adapters/latest,
+asks for prompts (a paced lease: POST /v1/prompts/lease with wait_s), fetches the adapter it is told to
+generate with from the bucket (meta.json and the two files, real GETs), "generates", and posts its groups one
+by one (8 completions each, real token ids and logprobs, the length drawn), honouring 429. Workers join late,
+leave, crash mid-round (the round is lost, the worker comes back with the same id later) and some sit behind
+a slow network (every request delayed). The trainer does what train.py does: leases a batch (with
+groups_left), "trains" for the drawn step time, publishes a small real adapter version to the bucket (files,
+meta.json, latest.json: the proxy verifies them at registration), registers it, acks; the last version as
+final. A configuration ends at the trainer's last step, or after --timeout-s.
+
+Per configuration it prints the trainer's utilisation (busy / (busy + waiting for a batch), from its first
+batch on), the staleness of what it leased, tokens generated but never leased (stale, refused, left over, or
+generated after the last step; a crashed worker's lost round is counted apart), how evenly prompts are served
+(the share of the prompts handed out that were trained: all, the hardest quarter, the easiest) and workers
+(rounds per worker, the share that never got one, the p99 wait for a grant), the proxy's CPU and the p99 of
+its answers (group submission, and /health probed every 100 ms: the event loop's lag), and bucket requests
+per second (from the S3 server's request log). Writes everything as JSON to --out.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import math
+import os
+import random
+import re
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+import httpx
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+TIMES = Path(__file__).with_name("fleet_times.json")
+
+
+@dataclass
+class Args:
+    workers: list[int] = field(default_factory=lambda: [10, 100, 1000])
+    """fleet sizes, one configuration each (and each pacing mode)"""
+    pace: Literal["on", "off", "both"] = "both"
+    """the proxy's pacing (off: --no-pace, every prompt lease at once, as before pacing)"""
+    steps: int = 30
+    """trainer steps per configuration"""
+    batch_per_worker: float = 0.8
+    """the trainer's batch is this many groups per worker (at least 8): the fleet offers about ten times what
+    the trainer takes at every size (a worker's round is 8 groups, about one trainer step long)"""
+    group_size: int = 8
+    prompts_per_round: int = 8
+    max_staleness: int = 1
+    """the proxy's --max-staleness (the local run's 1)"""
+    time_scale: float = 0.5
+    """every drawn duration (round, step, slow network) times this: shorter runs, and every rate that much higher"""
+    speed_sigma: float = 0.5
+    """workers' speeds are lognormal with this sigma (0.5: a quarter of them over 1.4x slower or faster)"""
+    prompt_sigma: float = 0.3
+    """prompts' difficulty (a round takes as long as its hardest prompt), lognormal"""
+    join: float = 0.2
+    """share of the workers that join late (at a random time in the first half of the run)"""
+    leave: float = 0.1
+    """share that leave for good at a random time (after sending their round)"""
+    crash: float = 0.02
+    """chance a round ends in a crash: the round is lost, the worker is back after two round times"""
+    slow_net: float = 0.1
+    """share of the workers behind a slow network: every request 0.2-1 s late (times --time-scale)"""
+    timeout_s: float = 600.0
+    """a configuration stops after this many seconds, done or not"""
+    dataset: int = 7473
+    """prompts in the simulated dataset (GSM8K's train split)"""
+    seed: int = 0
+    out: str = "runs/fleet_sim.json"
+    measure: str | None = None
+    """instead: read a local run's metrics (runs/<run>) and write the time distributions to bench/fleet_times.json"""
+
+
+# ---- the time distributions measured here -----------------------------------------------------------------
+
+def measure(run_dir: str) -> None:
+    """Rounds (gen_s, tokens per completion) and steps (the trainer's work: step_s - rollout_wait_s), each with
+    where in the run it was (0..1 by version), from a local run's saved metrics."""
+    import report
+    train, rollouts, _ = report.load_dir(run_dir)
+    last = max(r["version"] for r in train)
+    rounds = [[r["version"] / last, r["rollout/gen_s"], r["rollout/tokens_per_s"] * r["rollout/gen_s"] / r["rollout/samples"]]
+              for rows in rollouts.values() for r in rows if "rollout/gen_s" in r]
+    steps = [[r["step"] / len(train), r["perf/step_s"] - r["perf/rollout_wait_s"]] for r in train]
+    sync = [r["perf/weight_sync_s"] for rows in rollouts.values() for r in rows if "perf/weight_sync_s" in r]
+    TIMES.write_text(json.dumps({"from": os.path.basename(os.path.normpath(run_dir)), "rounds": sorted(rounds),
+                                 "steps": sorted(steps), "weight_sync_s": sorted(sync)}, indent=1) + "\n")
+    print(f"{TIMES}: {len(rounds)} rounds (gen_s median {statistics.median(r[1] for r in rounds):.1f} s), {len(steps)} "
+          f"steps (work median {statistics.median(s[1] for s in steps):.1f} s), from {run_dir}")
+
+
+class Draw:
+    """Draws from the measured distributions near a point of the run (the answers shorten as it learns, and
+    both rounds and steps get faster)."""
+
+    def __init__(self, times: dict, rng: random.Random):
+        self.rounds, self.steps, self.rng = times["rounds"], times["steps"], rng
+        self.sync = times["weight_sync_s"] or [0.1]
+
+    def _near(self, rows: list, at: float) -> list:
+        i = bisect.bisect_left(rows, [at])
+        return rows[max(0, i - 4):i + 4] or rows
+
+    def round(self, at: float) -> tuple[float, float]:
+        """(seconds for a round of 8 prompts, tokens per completion)"""
+        _, s, tok = self.rng.choice(self._near(self.rounds, at))
+        return s, tok
+
+    def step(self, at: float) -> float:
+        return self.rng.choice(self._near(self.steps, at))[1]
+
+
+# ---- the processes ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"{proc.args[:3]} exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not come up")
+
+
+def cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+# ---- one configuration -----------------------------------------------------------------------------------------
+
+class Fleet:
+    def __init__(self, a: Args, n: int, pace: bool, url: str, token: str, s3: str, bucket: common.Bucket, adapter: Path):
+        self.a, self.n, self.pace, self.url, self.s3, self.bucket, self.adapter = a, n, pace, url, s3, bucket, adapter
+        self.rng = random.Random(f"{a.seed}:{n}")  # the same fleet for pacing on and off
+        self.draw = Draw(json.loads(TIMES.read_text()), self.rng)
+        self.batch = max(8, round(a.batch_per_worker * n))
+        self.headers = {"X-Proxy-Token": token, "Content-Type": "application/json"}
+        self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
+        self.latest, self.done = 0, asyncio.Event()
+        self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
+                  "rounds": {}, "grant_wait": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_busy": 0.0,
+                  "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
+
+    def fail(self, what: str) -> None:
+        if len(self.m["errors"]) < 10:
+            self.m["errors"].append(what)
+
+    async def call(self, method: str, path: str, delay: float = 0.0, **kw) -> tuple[int, bytes]:
+        if delay:
+            await asyncio.sleep(delay / 2)
+        async with self.http.request(method, path, **kw) as r:
+            status, body = r.status, await r.read()
+        if delay:
+            await asyncio.sleep(delay / 2)
+        return status, body
+
+    # ---- a worker ----------------------------------------------------------------------------------------------
+    async def worker(self, i: int) -> None:
+        a = self.a
+        rng = random.Random(f"{a.seed}:{self.n}:{i}")
+        wid, speed = f"sim-{i}", math.exp(rng.gauss(0, a.speed_sigma))
+        net = rng.uniform(0.2, 1.0) * a.time_scale if rng.random() < a.slow_net else 0.0
+        joins = rng.random() < a.join
+        leaves_at = time.monotonic() + rng.uniform(0.1, 1.0) * self.expected_s if rng.random() < a.leave else math.inf
+        if joins:
+            self.m["join"] += 1
+            await asyncio.sleep(rng.uniform(0.0, 0.5) * self.expected_s)
+        held, seen = [0], [0]  # the version it generates with; the newest its long-poll has seen
+        sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
+        try:
+            while not self.done.is_set():
+                if time.monotonic() > leaves_at:
+                    self.m["leave"] += 1
+                    return
+                t0 = time.monotonic()
+                body = {"dataset": "sim", "size": a.dataset, "n": a.prompts_per_round, "worker_id": wid, "wait_s": 5.0}
+                status, raw = await self.call("POST", "/v1/prompts/lease", net, json=body)
+                if status != 200:
+                    self.fail(f"prompt lease {status}: {raw[:200]}")
+                    await asyncio.sleep(1)
+                    continue
+                got = json.loads(raw)
+                if got.get("done"):
+                    return
+                if not got["indices"]:
+                    continue
+                self.m["grant_wait"].append(time.monotonic() - t0)
+                idx = got["indices"]
+                for p in idx:
+                    self.hard.setdefault(p, math.exp(rng.gauss(0, a.prompt_sigma)))
+                    self.m["handed"][p] = self.m["handed"].get(p, 0) + 1
+                want = max(got.get("version", 0), seen[0])  # the newest, as rollout.py takes between rounds
+                if want > held[0]:  # (a grant's version at least: the one it counts on) from the bucket
+                    await self.fetch(want, held, net)
+                version = held[0]
+                at = self.latest / max(1, a.steps)
+                round_s, tokens = self.draw.round(at)
+                round_s *= speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8) * a.time_scale
+                if rng.random() < a.crash:  # dies mid-round: the round is lost; relaunched later, same id
+                    await asyncio.sleep(rng.uniform(0, round_s))
+                    self.m["crashes"] += 1
+                    self.m["lost_tokens"] += round(tokens * a.group_size * len(idx))
+                    await asyncio.sleep(2 * round_s)
+                    continue
+                await asyncio.sleep(round_s)
+                self.m["rounds"][wid] = self.m["rounds"].get(wid, 0) + 1
+                for p in idx:
+                    await self.submit(wid, p, version, tokens, rng, net)
+        finally:
+            sync.cancel()
+
+    async def adapter_sync(self, wid: str, seen: list[int], net: float) -> None:
+        """The worker's long-poll of the newest version (it downloads it before its next round)."""
+        while not self.done.is_set():
+            try:
+                status, raw = await self.call("GET", f"/v1/adapters/latest?after={seen[0]}&wait_s=30", net)
+            except aiohttp.ClientError as e:
+                self.fail(f"{wid} adapter poll: {e!r}")
+                await asyncio.sleep(1)
+                continue
+            if status == 200:
+                seen[0] = max(seen[0], json.loads(raw)["version"])
+
+    async def fetch(self, version: int, held: list[int], net: float) -> None:
+        """meta.json and the two adapter files of `version`, as rollout.py's sync thread gets them: the proxy's
+        listing (GET /v1/adapters/{v}/files), then each file from the bucket by its presigned URL (real GETs)."""
+        status, raw = await self.call("GET", f"/v1/adapters/{version}/files", net)
+        if status != 200:
+            self.fail(f"files of v{version}: {status} {raw[:200]}")
+            return
+        for name, f in json.loads(raw)["files"].items():
+            async with (self.http_s3.get(f["url"]) if f["url"].startswith("http") else self.http.get(f["url"])) as r:
+                await r.read()
+                self.m["bucket_gets"] += 1
+                if r.status != 200:
+                    self.fail(f"GET {name} of v{version}: {r.status}")
+        held[0] = max(held[0], version)
+
+    async def submit(self, wid: str, prompt: int, version: int, tokens: float, rng: random.Random, net: float) -> None:
+        G, T = self.a.group_size, max(1, round(tokens * self.hard[prompt]))
+        gid = uuid.uuid4().hex
+        g = {"group_id": gid, "worker_id": wid, "policy_version": version, "prompt_ids": [rng.randrange(49152) for _ in range(40)],
+             "completions": [{"token_ids": [rng.randrange(49152) for _ in range(T)],
+                              "logprobs": [round(-rng.random() * 3, 4) for _ in range(T)],
+                              "reward": float(rng.random() < 0.5), "finish_reason": "stop"} for _ in range(G)],
+             "meta": {"task": "sim", "prompt_index": prompt}}
+        body = json.dumps(g, separators=(",", ":"))
+        self.m["generated"][gid] = (G * T, prompt)
+        while True:
+            t0 = time.monotonic()
+            status, raw = await self.call("POST", "/v1/groups", net, data=body)
+            self.m["submit"].append(time.monotonic() - t0 - net)
+            if status == 429:
+                self.m["refused"] += 1
+                if self.done.is_set():
+                    return
+                await asyncio.sleep(1.0)
+                continue
+            if status != 200:
+                self.fail(f"submit {status}: {raw[:200]}")
+            elif json.loads(raw)["status"] == "stale":
+                self.m["stale"] += 1
+            return
+
+    # ---- the trainer -------------------------------------------------------------------------------------------
+    async def trainer(self) -> None:
+        a, first = self.a, None
+        for step in range(1, a.steps + 1):
+            mark = time.monotonic()  # waiting for a batch is counted as it happens (a timed-out run waits last)
+            while True:
+                body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (a.steps - step + 1) * self.batch}
+                status, raw = await self.call("POST", "/v1/batches/lease", json=body)
+                if status != 200:
+                    self.fail(f"lease {status}: {raw[:200]}")
+                    await asyncio.sleep(1)
+                    continue
+                got, now = json.loads(raw), time.monotonic()
+                if first is not None:  # from its first batch on
+                    self.m["trainer_wait"] += now - mark
+                mark = now
+                if got["batch_id"]:
+                    break
+            t1 = time.monotonic()
+            first = first or t1
+            for g in got["groups"]:
+                s = got["latest_version"] - g["policy_version"]
+                self.m["staleness"][s] = self.m["staleness"].get(s, 0) + 1
+                self.m["leased"][g["group_id"]] = True
+                p = g["meta"]["prompt_index"]
+                self.m["trained"][p] = self.m["trained"].get(p, 0) + 1
+            await asyncio.sleep(self.draw.step(step / a.steps) * a.time_scale)
+            v = self.latest + 1
+            await asyncio.to_thread(common.publish_adapter, self.bucket, self.adapter, v, step, "sim")
+            status, raw = await self.call("POST", "/v1/adapters", json={"version": v, "step": step, "published_at": time.time(),
+                                                                         "final": step == a.steps})
+            if status != 200:
+                self.fail(f"register v{v}: {status} {raw[:200]}")
+            self.latest = v
+            status, raw = await self.call("POST", f"/v1/batches/{got['batch_id']}/ack")
+            if status != 200:
+                self.fail(f"ack: {status} {raw[:200]}")
+            self.m["trainer_busy"] += time.monotonic() - t1
+        self.done.set()
+
+    async def probe(self) -> None:
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            await self.call("GET", "/health")
+            self.m["health"].append(time.monotonic() - t0)
+            await asyncio.sleep(0.1)
+
+    async def run(self) -> dict:
+        # the expected length of the run (joins and leaves are spread over it): steps x the median step
+        self.expected_s = self.a.steps * statistics.median(s[1] for s in self.draw.steps) * self.a.time_scale
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(self.url, headers=self.headers, connector=conn, timeout=timeout) as http:
+            self.http = http
+            async with aiohttp.ClientSession(timeout=timeout) as s3:
+                self.http_s3 = s3
+                t0 = time.monotonic()
+                tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
+                tasks += [asyncio.create_task(self.probe())]
+                try:
+                    await asyncio.wait_for(self.trainer(), self.a.timeout_s)
+                    finished = True
+                except asyncio.TimeoutError:
+                    finished = False
+                self.done.set()
+                await asyncio.wait(tasks, timeout=30)
+                for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        self.fail(f"a task failed: {t.exception()!r}")  # a bug here, not the proxy's
+                    t.cancel()
+                elapsed = time.monotonic() - t0
+                async with http.get("/v1/stats") as r:
+                    stats = await r.json()
+        return {"finished": finished, "elapsed": elapsed, "stats": stats}
+
+
+def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
+    m = f.m
+    gen = sum(t for t, _ in m["generated"].values())
+    leased = sum(m["generated"][g][0] for g in m["leased"] if g in m["generated"])
+    hist = {str(k): v for k, v in sorted(m["staleness"].items())}
+    handed = m["handed"]
+    by_hard = sorted(handed, key=lambda p: f.hard[p])
+    q = max(1, len(by_hard) // 4)
+    share = lambda ps: sum(min(1, m["trained"].get(p, 0)) for p in ps) / max(1, len(ps))  # noqa: E731
+    rounds = list(m["rounds"].values()) + [0] * (f.n - len(m["rounds"]))
+    busy, wait = m["trainer_busy"], m["trainer_wait"]
+    st = run["stats"]
+    return {"workers": f.n, "pace": f.pace, "batch": f.batch, "finished": run["finished"], "elapsed_s": round(run["elapsed"], 1),
+            "steps": f.latest, "utilisation": round(busy / (busy + wait), 3) if busy + wait else None,
+            "staleness": hist, "staleness_max": max(m["staleness"], default=None),
+            "tokens_generated": gen, "tokens_leased": leased,
+            "never_leased": round(1 - leased / gen, 4) if gen else None, "lost_in_crashes_tokens": m["lost_tokens"],
+            "groups_stale": m["stale"], "answers_429": m["refused"], "proxy_dropped_stale": st.get("groups_dropped_stale"),
+            "prompts_trained": round(share(handed), 3), "hardest_quarter_trained": round(share(by_hard[-q:]), 3),
+            "easiest_quarter_trained": round(share(by_hard[:q]), 3),
+            "rounds_per_worker": {"min": min(rounds), "median": statistics.median(rounds), "max": max(rounds)},
+            "workers_without_a_round": sum(r == 0 for r in rounds),
+            "grant_wait_p50_s": pct(m["grant_wait"], .5), "grant_wait_p99_s": pct(m["grant_wait"], .99),
+            "proxy_cpu": round(cpu / run["elapsed"], 3), "submit_p99_ms": round(1000 * (pct(m["submit"], .99) or 0), 1),
+            "health_p99_ms": round(1000 * (pct(m["health"], .99) or 0), 1),
+            "bucket_rps": round(s3_requests["all"] / run["elapsed"], 1),
+            "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
+            "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
+            "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
+            "pacing": st.get("pacing"), "errors": m["errors"]}
+
+
+def s3_counts(log: Path, start: int) -> dict:
+    """Requests in the S3 server's log since byte `start` (werkzeug logs one line per request)."""
+    with open(log, "rb") as fh:
+        fh.seek(start)
+        text = fh.read().decode(errors="replace")
+    methods = re.findall(r'"(GET|PUT|POST|HEAD|DELETE) /', text)
+    return {"all": len(methods), "PUT": methods.count("PUT"), "GET": methods.count("GET")}
+
+
+def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: Path) -> dict:
+    port, token = free_port(), secrets.token_urlsafe(16)
+    run = f"fleet-{n}-{'on' if pace else 'off'}-{secrets.token_hex(3)}"
+    env = {**os.environ, "RUN_NAME": run, "PROXY_TOKEN": token}
+    bucket = common.Bucket(bucket="bench", run=run)
+    adapter = tmp / "adapter"
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"w" * 4096)
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    batch = max(8, round(a.batch_per_worker * n))
+    flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
+             "--max-buffer", str(max(512, 2 * batch)), "--max-connections", str(4 * n + 64), *([] if pace else ["--no-pace"])]
+    proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), *flags], env=env,
+                             stdout=open(tmp / f"proxy-{n}-{pace}.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_up(f"http://127.0.0.1:{port}/health", proxy)
+        f = Fleet(a, n, pace, f"http://127.0.0.1:{port}", token, f"http://127.0.0.1:{s3_port}", bucket, adapter)
+        start, cpu0 = s3_log.stat().st_size, cpu_s(proxy.pid)
+        print(f"== {n} workers, pacing {'on' if pace else 'off'}: batch {f.batch}, {a.steps} steps", flush=True)
+        result = asyncio.run(f.run())
+        return summarize(f, result, cpu_s(proxy.pid) - cpu0, s3_counts(s3_log, start))
+    finally:
+        proxy.kill()
+        proxy.wait()
+
+
+def line(r: dict) -> str:
+    h = r["staleness"]
+    return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation'] or 0:.3f}  "
+            f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
+            f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
+            f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "
+            f"rounds/worker {r['rounds_per_worker']} none {r['workers_without_a_round']}  "
+            f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  proxy cpu {100 * r['proxy_cpu']:.0f}%  "
+            f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms  "
+            f"bucket {r['bucket_rps']:.0f} req/s  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
+
+
+def main(a: Args) -> None:
+    if a.measure:
+        return measure(a.measure)
+    if not TIMES.exists():
+        raise SystemExit(f"{TIMES} is missing: make it from a local run with --measure runs/<run>")
+    tmp = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
+    s3_port = free_port()
+    os.environ.update({"S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "BUCKET": "bench"})
+    s3_log = tmp / "s3.log"
+    s3 = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+                          stdout=open(s3_log, "w"), stderr=subprocess.STDOUT)
+    results = []
+    try:
+        wait_up(os.environ["S3_ENDPOINT_URL"], s3)
+        httpx.put(f"{os.environ['S3_ENDPOINT_URL']}/bench")
+        for n in a.workers:
+            for pace in {"on": [True], "off": [False], "both": [True, False]}[a.pace]:
+                results.append(configuration(a, n, pace, tmp, s3_port, s3_log))
+                print(line(results[-1]), flush=True)
+    finally:
+        s3.kill()
+        s3.wait()
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        Path(a.out).write_text(json.dumps({"args": vars(a), "times": json.loads(TIMES.read_text())["from"],
+                                           "results": results}, indent=1, default=str) + "\n")
+        print(f"results: {a.out} (logs in {tmp})")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

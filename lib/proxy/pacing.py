@@ -1,0 +1,319 @@
+"""Pacing: the proxy hands a worker prompts (a grant) only when the round it is about to generate can still
+be trained within max_staleness, and within what the trainer will still lease; otherwise the worker waits
+(a long-poll) instead of generating a round that would be dropped. proxy.py answers POST /v1/prompts/lease
+with a grant from here; the Book holds one Pacer, so replay (ledger.py) follows the same rules, and a grant
+outstanding when the proxy restarts still holds its place after the restart.
+
+The rule, in groups leased from now on. The trainer leases `batch` groups at a time, oldest first, and one
+version follows each batch (publish_every 1). So the j-th batch leased from now (j = 0, 1, ...) is leased when
+the latest version is `base + j`, base = latest + 1 while the trainer holds a batch it leased since latest was
+registered (the next version comes before its next lease), else latest. A group of version v is then trainable
+only among the first
+
+    limit(v) = (max_staleness - base + v + 1) * batch
+
+groups leased from now on. What will be leased before a new grant's groups: the buffer, then the open grants
+in the order they are expected to arrive (each worker's measured round time after its grant). A grant of k
+groups at the latest version, expected at time a, is admitted when
+  - its own groups fit: the groups expected before it + k <= limit(latest),
+  - it pushes no open grant expected after it out of that grant's own window (their slack >= k),
+  - and everything in flight fits in the trainer's remaining demand (groups_left on its lease requests;
+    unknown: no bound). After the trainer's final version nothing is granted.
+k is the most that fits, up to what was asked (a partial grant); 0: wait. Arrival order is predicted with a
+margin of `jitter` x the worker's round time both ways (a grant expected within it counts as ahead of the new
+one and as pushed by it); a worker whose round time is not known yet counts everything in flight as both.
+
+The trainer's speed does not enter the rule: versions come per batch, not per second, so where a group lands
+depends only on what arrives before it. Step time and round times say only when to expect things (the
+arrival order, the wait a refused worker is told, when a grant is given up).
+
+What it cannot know, and how it degrades: a round time is a prediction. A worker faster than predicted may
+overtake a grant and push it out of its window; a worker much slower than the others is admitted only where
+its groups still fit, so while the rest of the fleet keeps the trainer busy it waits. A grant whose worker
+never delivers (a crash) holds its place until its deadline (grant_s, or 3 round times of its worker if
+longer), or until the same worker is granted again: a worker asks for its next
+grant only after sending its round, so a new request closes the worker's earlier grant. A trainer that stops
+leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
+last guard (a group that arrives too stale anyway is dropped and counted).
+
+Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
+expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
+lease records). Live only, on this process's monotonic clock: when each grant was made, is expected and runs
+out; at a start every open grant is taken as just made (the lease rule: no clock of another process is
+compared). A worker that does not ask for a grant (no wait_s: an older rollout.py) gets its prompts at once,
+unrecorded, as before; the staleness filter guards its rounds.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+EWMA = 0.3  # weight of the newest measurement in a round or step time
+
+
+@dataclass
+class Grant:
+    key: str            # participant/worker_id (the run's own workers: worker_id), as participants.Senders keys them
+    n: int              # groups granted
+    left: int           # groups not arrived yet
+    version: int        # the latest version when granted: the worker generates with it or a newer one
+    round_s: float | None  # the worker's round time this grant was expected to take (None: not known)
+    granted: float = 0.0   # this process's monotonic time of the grant (a start: the moment it took over)
+    lo: float = 0.0        # its groups are expected between lo and hi (round time -+ jitter; unknown: hi = inf)
+    hi: float = 0.0
+    deadline: float = 0.0  # after this it holds no place
+
+    def when(self, now: float) -> tuple[float, float]:
+        """When its groups may come, as seen at `now`: a late grant any moment (before any grant made now:
+        protecting it until its deadline would hold every other worker up behind one that may have crashed)."""
+        return (self.lo, self.hi) if now <= self.hi else (now, now)
+
+    def record(self) -> dict:
+        return {"t": "grant", "key": self.key, "n": self.n, "version": self.version, "round_s": self.round_s}
+
+
+def window(max_staleness: int, base: int, version: int, batch: int) -> int:
+    """How many of the groups leased from now on may come before the last one of version `version` does."""
+    return (max_staleness - base + version + 1) * batch
+
+
+def room(n: int, version: int, lo: float, hi: float, buffered: int, in_flight: list[tuple[float, float, int, int]],
+         base: int, batch: int, max_staleness: int, demand: int | None) -> int:
+    """The most groups (<= n) a grant at `version`, expected between lo and hi, may have (module docstring).
+    in_flight: the open grants as (lo, hi, version, groups left), in the order they are expected."""
+    total = buffered + sum(left for _, _, _, left in in_flight)
+    best = n if demand is None else min(n, demand - total)
+    ahead = buffered + sum(left for g_lo, _, _, left in in_flight if g_lo < hi)  # it may arrive before the new one
+    best = min(best, window(max_staleness, base, version, batch) - ahead)
+    end = buffered
+    for _, g_hi, v, left in in_flight:
+        end += left
+        if g_hi > lo:  # it may arrive after the new grant: pushed back by it
+            slack = window(max_staleness, base, v, batch) - end
+            if slack >= 0:  # one already out of its window is lost either way; it does not block the rest
+                best = min(best, slack)
+    return max(0, best)
+
+
+class Pacer:
+    """Open grants, the trainer's demand and whether it holds a batch, measured round and step times."""
+
+    def __init__(self, max_staleness: int, max_workers: int = 4096):
+        self.max_staleness, self.max_workers = max_staleness, max_workers
+        self.grants: dict[str, Grant] = {}        # key -> its open grant (a worker has at most one)
+        self.round_s: OrderedDict[str, float] = OrderedDict()  # key -> measured round time (least recently used first)
+        self.demand: int | None = None            # groups the trainer will still lease after what it holds (None: unknown)
+        self.training = False                     # it holds a batch leased since the latest version was registered
+        self.batch = 0                            # groups per lease (0: no lease request seen yet)
+        self.counts = dict.fromkeys(("grants", "groups_granted", "groups_abandoned"), 0)  # what the journal implies
+        # live only (this process's clock)
+        self.grant_s, self.jitter = 30.0, 0.5     # set by the proxy from its options
+        self.step_s: float | None = None          # lease -> the next version's registration
+        self.leased_at: float | None = None
+        self.live = dict.fromkeys(("waits", "groups_expired"), 0)
+
+    # ---- the trainer ------------------------------------------------------------------------------------
+    def requested(self, num_groups: int, groups_left: int | None) -> bool:
+        """A lease request: the trainer waits for a batch, so no version is on its way from a batch it holds
+        (a trainer restarted while holding one never registers it); it will still lease groups_left. True when
+        that changes the demand (a trainer's first request, or a restarted one's: the proxy journals it)."""
+        self.training, self.batch = False, num_groups
+        if groups_left is None or groups_left == self.demand:
+            return False
+        self.demand = groups_left
+        return True
+
+    def leased(self, n: int, left: int | None = None, at: float | None = None) -> None:
+        """A batch of n groups leased (live, or replayed: `left` as journaled, the demand after it)."""
+        self.training, self.batch = True, n  # a lease is all the groups asked for: the trainer's batch
+        if left is not None:
+            self.demand = left
+        elif self.demand is not None:
+            self.demand = max(0, self.demand - n)
+        if at is not None:
+            self.leased_at = at
+
+    def unleased(self, n: int) -> None:
+        """The lease's journal write failed: as if it had not happened."""
+        self.training = False
+        if self.demand is not None:
+            self.demand += n
+
+    def registered(self, at: float | None = None) -> None:
+        self.training = False
+        if at is not None and self.leased_at is not None:
+            self.step_s = ewma(self.step_s, at - self.leased_at)
+            self.leased_at = None
+
+    def left_after(self, n: int) -> int | None:
+        """The demand to journal with a lease of n groups."""
+        return None if self.demand is None else max(0, self.demand - n)
+
+    # ---- the workers ------------------------------------------------------------------------------------
+    def expected_round(self, key: str) -> float | None:
+        """The worker's measured round time; for a new worker the fleet's median; None if none is known."""
+        if key in self.round_s:
+            return self.round_s[key]
+        return statistics.median(self.round_s.values()) if self.round_s else None
+
+    def in_flight(self, now: float) -> list[tuple[float, float, int, int, str]]:
+        """The open grants as (lo, hi, version, groups left, key), in the order they are expected (room's)."""
+        out = [(*g.when(now), g.version, g.left, g.key) for g in self.grants.values()]
+        return sorted(out, key=lambda x: (x[0] + min(x[1], x[0] + 3600)) / 2)
+
+    def room(self, key: str, n: int, latest: int, buffered: int, now: float, in_flight: list | None = None,
+             pending_version: int = 0) -> int:
+        """How many of the n prompts `key` asks for it may have now (0: none, wait)."""
+        if self.demand == 0:
+            return 0
+        r = self.expected_round(key)
+        lo, hi = (now, math.inf) if r is None else (now + r * (1 - self.jitter), now + r * (1 + self.jitter))
+        base = max(latest + self.training, pending_version)  # a version being registered comes before the next lease
+        flight = [g[:4] for g in (self.in_flight(now) if in_flight is None else in_flight) if g[4] != key]  # its own: closed by this
+        return room(n, latest, lo, hi, buffered, flight, base, self.batch or n, self.max_staleness, self.demand)
+
+    def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None) -> Grant:
+        """Record a grant (closing the worker's earlier one); returns it (its record() is what is journaled).
+        round_s: as journaled (replay); live, the worker's expected round time."""
+        self.close(key)
+        r = round_s if round_s is not None else self.expected_round(key)
+        g = Grant(key, n, n, version, r)
+        self._time(g, now)
+        self.grants[key] = g
+        self.counts["grants"] += 1
+        self.counts["groups_granted"] += n
+        return g
+
+    def ungrant(self, g: Grant) -> None:
+        """The grant's journal write failed: it holds no place."""
+        if self.grants.get(g.key) is g:
+            del self.grants[g.key]
+            self.counts["grants"] -= 1
+            self.counts["groups_granted"] -= g.n
+
+    def close(self, key: str) -> None:
+        if (old := self.grants.pop(key, None)) is not None:
+            self.counts["groups_abandoned"] += old.left
+
+    def arrived(self, key: str, now: float | None = None) -> None:
+        """One group of `key` arrived (accepted, or refused as stale). The last of a grant measures the
+        worker's round time (live: `now` on this process's clock)."""
+        g = self.grants.get(key)
+        if g is None:
+            return
+        g.left -= 1
+        if g.left <= 0:
+            del self.grants[key]
+            if now is not None:
+                self.round_s[key] = ewma(self.round_s.pop(key, None), now - g.granted)
+                while len(self.round_s) > self.max_workers:
+                    self.round_s.popitem(last=False)
+
+    def expire(self, now: float) -> list[Grant]:
+        """Grants past their deadline hold no place any more; returns them."""
+        gone = [g for g in self.grants.values() if g.deadline <= now]
+        for g in gone:
+            del self.grants[g.key]
+            self.live["groups_expired"] += g.left
+        return gone
+
+    def retry_s(self, now: float) -> float:
+        """What a worker refused a grant is told to wait: until the next version is expected (a batch's step
+        time after the trainer leased it), else a second."""
+        if self.training and self.step_s is not None and self.leased_at is not None:
+            return round(min(30.0, max(0.5, self.leased_at + self.step_s - now)), 2)
+        return 1.0
+
+    def restart(self, now: float) -> None:
+        """A start took this state over: every open grant as if made now (no clock of another process is compared)."""
+        for g in self.grants.values():
+            self._time(g, now)
+
+    def _time(self, g: Grant, now: float) -> None:
+        g.granted = now
+        r = g.round_s
+        g.lo, g.hi = (now, math.inf) if r is None else (now + r * (1 - self.jitter), now + r * (1 + self.jitter))
+        g.deadline = now + (self.grant_s if r is None else 3 * r + self.grant_s)
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def book_state(self) -> dict:
+        """The part of state() the live proxy and a replay of its journal agree on at any moment (Book.state):
+        whether the trainer holds a batch and its batch size also follow its lease requests, not journaled."""
+        d = self.state()
+        return {k: d[k] for k in ("grants", "demand", "counts")}
+
+    def state(self) -> dict:
+        """What the journal implies, as plain JSON values (a snapshot's; the live clock's part is not in it)."""
+        return {"grants": [[g.key, g.n, g.left, g.version, g.round_s] for g in self.grants.values()],
+                "round_s": [[k, v] for k, v in self.round_s.items()], "demand": self.demand,
+                "training": self.training, "batch": self.batch, "counts": dict(self.counts)}
+
+    @classmethod
+    def from_state(cls, d: dict | None, max_staleness: int, max_workers: int = 4096) -> Pacer:
+        p = cls(max_staleness, max_workers)
+        if d:  # a snapshot from before pacing has none
+            p.grants = {k: Grant(k, n, left, v, r) for k, n, left, v, r in d["grants"]}
+            p.round_s = OrderedDict((k, v) for k, v in d["round_s"])
+            p.demand, p.training, p.batch = d["demand"], d["training"], d["batch"]
+            p.counts.update(d["counts"])
+        return p
+
+    def stats(self) -> dict:
+        return {"open_grants": len(self.grants), "groups_in_flight": sum(g.left for g in self.grants.values()),
+                "demand": self.demand, "trainer_holds_batch": self.training, "batch": self.batch,
+                "step_s": None if self.step_s is None else round(self.step_s, 3),
+                "round_s_median": None if not self.round_s else round(statistics.median(self.round_s.values()), 3),
+                **self.counts, **self.live}
+
+
+def ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+class Waiting:
+    """The live proxy's paced prompt requests waiting for a grant, in the order they came (never journaled: a
+    restart drops the connections, and the workers ask again)."""
+
+    MISSES = 32  # requests that do not fit, tried per pass: one slow worker does not hold up those behind it
+
+    def __init__(self):
+        self.asking: dict[int, tuple[str, int, asyncio.Future]] = {}
+
+    def __len__(self) -> int:
+        return len(self.asking)
+
+    async def wait(self, key: str, n: int, wait_s: float, pace: Callable[[], None]) -> Grant | None:
+        """A grant of at most n prompts for worker `key`, waiting up to wait_s for room (None: none, or the run
+        is over). `pace`: the proxy's call of pace() with its state."""
+        fut = asyncio.get_running_loop().create_future()
+        self.asking[id(fut)] = (key, n, fut)
+        pace()
+        try:
+            await asyncio.wait([fut], timeout=wait_s)  # does not cancel it: a grant made at the deadline stands
+        finally:
+            self.asking.pop(id(fut), None)
+        if fut.done():
+            return fut.result()
+        fut.cancel()
+        return None
+
+    def pace(self, pacer: Pacer, latest: int, buffered: int, done: bool, pending_version: int, now: float) -> None:
+        """Give the waiting workers the grants there is room for, in the order they asked; after MISSES that
+        do not fit, the rest wait for the next pass. The run over (done): every one of them gets None."""
+        in_flight, misses = pacer.in_flight(now), 0
+        for key, n, fut in list(self.asking.values()):
+            if fut.done():
+                continue
+            if done:
+                fut.set_result(None)
+                continue
+            k = pacer.room(key, n, latest, buffered, now, in_flight, pending_version)
+            if k > 0:
+                fut.set_result(pacer.grant(key, k, latest, now))
+                in_flight = pacer.in_flight(now)
+            elif (misses := misses + 1) >= self.MISSES:
+                break

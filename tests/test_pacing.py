@@ -1,0 +1,228 @@
+"""Pacing (lib/proxy/pacing.py) through the real proxy: a worker that asks for prompts with wait_s gets them
+only when the round it generates can still be trained within max_staleness and within what the trainer will
+still lease; otherwise it waits. Under joins, leaves, a crashed worker, a trainer restart and a proxy restart,
+and never after the trainer's last batch."""
+import math
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import common
+import journal
+from ledger import Ledger
+from pacing import Grant, room
+from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
+
+G = 4  # spawn's --group-size
+
+
+def ask(p, worker: str, n: int = 4, wait_s: float = 0.0) -> dict:
+    r = p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": n, "worker_id": worker, "wait_s": wait_s})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def deliver(p, worker: str, version: int, k: int) -> list[str]:
+    """k groups of `worker` generated with `version`: the answers' statuses."""
+    out = []
+    for _ in range(k):
+        g = {"group_id": uuid.uuid4().hex, "worker_id": worker, "policy_version": version, "prompt_ids": [1, 2, 3],
+             "completions": [{"token_ids": [5, 6], "logprobs": [-0.5, -1.0], "reward": float(i % 2),
+                              "finish_reason": "stop"} for i in range(G)], "meta": {"task": "t"}}
+        r = p.http.post("/v1/groups", json=g)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["status"])
+    return out
+
+
+def lease(p, n: int, left: int | None, wait_s: float = 0.0) -> dict:
+    body = {"num_groups": n, "wait_s": wait_s, **({} if left is None else {"groups_left": left})}
+    r = p.http.post("/v1/batches/lease", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def register(bucket, p, version: int, final: bool = False) -> None:
+    """A real version: adapter files in the bucket, then registered (final: the trainer is done)."""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "adapter_model.safetensors").write_bytes(b"x" * 100 + bytes([version % 256]))
+        Path(d, "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+        common.publish_adapter(bucket, d, version, version, "m")
+    r = p.http.post("/v1/adapters", json={"version": version, "step": version, "published_at": time.time(), "final": final})
+    assert r.status_code == 200, r.text
+
+
+def test_the_window_by_hand():
+    """room() on numbers worked out by hand: batches of 4, max_staleness 1. A grant is (lo, hi, version, groups
+    left): when its groups may come. The new one is expected between 0.7 and 1.3 unless said otherwise."""
+    # the trainer waits (base 0): a group of version 0 must be among the first (1 - 0 + 0 + 1) * 4 = 8 leased
+    assert room(4, 0, 0.7, 1.3, 0, [], 0, 4, 1, None) == 4
+    assert room(8, 0, 0.7, 1.3, 2, [], 0, 4, 1, None) == 6                 # 2 buffered ahead of it
+    assert room(4, 0, 0.7, 1.3, 0, [(0.3, 0.5, 0, 4)], 0, 4, 1, None) == 4  # a grant ahead of it: 4 + 4 <= 8
+    assert room(4, 0, 0.7, 1.3, 4, [(0.3, 0.5, 0, 4)], 0, 4, 1, None) == 0  # full
+    # it holds a batch (base 1): version 0 only in the first 4
+    assert room(4, 0, 0.7, 1.3, 0, [], 1, 4, 1, None) == 4
+    assert room(4, 0, 0.7, 1.3, 1, [], 1, 4, 1, None) == 3
+    # a new grant that may come before an open one pushes it back: allowed only within that one's slack
+    assert room(4, 1, 0.19, 0.21, 0, [(1.9, 2.1, 0, 3)], 1, 4, 1, None) == 1  # version 0 ends at 3 of its 4
+    assert room(4, 1, 4.9, 5.1, 0, [(1.9, 2.1, 0, 3)], 1, 4, 1, None) == 4    # after it: pushes nothing, 3 + 4 <= 8
+    assert room(4, 1, 2.0, math.inf, 0, [(4.9, 5.1, 0, 3)], 1, 4, 1, None) == 1  # its timing unknown: both ways
+    assert room(4, 1, 0.19, 0.21, 0, [(1.9, 2.1, 0, 5)], 1, 4, 1, None) == 4  # one out of its window already: no bound
+    # the trainer's demand bounds everything in flight
+    assert room(4, 0, 0.7, 1.3, 2, [(0.3, 0.5, 0, 1)], 0, 4, 3, 5) == 2
+    # a late grant may come any moment: before anything granted now
+    late = Grant("w", 4, 4, 0, 1.0, 0.0, 0.5, 1.5, 9.0)
+    assert late.when(1.0) == (0.5, 1.5) and late.when(2.0) == (2.0, 2.0)
+
+
+def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):
+    p = spawn("--max-staleness", "1")
+    assert lease(p, 4, left=12)["batch_id"] is None      # the trainer: batches of 4, three to go
+    assert len(ask(p, "w1")["indices"]) == 4              # two rounds of version 0 fit in the window of 8
+    assert deliver(p, "w1", 0, 4) == ["accepted"] * 4     # (a round that came back: a round time is known)
+    assert len(ask(p, "w2")["indices"]) == 4
+    t0 = time.monotonic()
+    assert ask(p, "w3", wait_s=0.5) == {"indices": [], "epochs": [], "version": 0, "done": False, "retry_s": 1.0}
+    assert time.monotonic() - t0 >= 0.45                  # it waited on the proxy, not on us
+    first = lease(p, 4, left=12)
+    assert first["batch_id"] and len(first["groups"]) == 4
+    assert ask(p, "w3")["indices"] == []                  # the trainer holds a batch: version 0 fits 4, w2 has them
+
+    # a worker waiting when the next version comes is granted at once, with that version
+    waiting = Worker(lambda: (ask(p, "w3", wait_s=30), time.monotonic()))
+    waiting.start()
+    wait_for(lambda: p.stats()["waiting_for_grants"] == 1, 30, msg="w3 to wait for a grant")
+    register(bucket, p, 1)
+    t_reg = time.monotonic()
+    got, t_got = waiting.join(30)
+    assert len(got["indices"]) == 4 and got["version"] == 1 and t_got - t_reg < 5
+    assert p.http.post(f"/v1/batches/{first['batch_id']}/ack").status_code == 200
+
+    # demand: 8 groups to go, and w2's 4 and w3's 4 are in flight: nothing more, whatever the window says
+    assert ask(p, "w4")["indices"] == []
+    assert deliver(p, "w2", 0, 4) == ["accepted"] * 4 and deliver(p, "w3", 1, 4) == ["accepted"] * 4
+    b2 = lease(p, 4, left=8)
+    register(bucket, p, 2)
+    assert ask(p, "w4")["indices"] == []
+    b3 = lease(p, 4, left=4)                              # the last batch
+    assert b2["batch_id"] and b3["batch_id"]
+    assert ask(p, "w4", wait_s=0.3)["indices"] == []
+    later = Worker(lambda: ask(p, "w4", wait_s=30))
+    later.start()
+    wait_for(lambda: p.stats()["waiting_for_grants"] == 1, 30, msg="w4 to wait for a grant")
+    register(bucket, p, 3, final=True)
+    assert later.join(30)["done"] is True                 # told at once that the run is over
+    st = p.stats()
+    assert st["groups_dropped_stale"] == 0 and st["buffer_size"] == 0
+    assert st["pacing"]["groups_granted"] == st["groups_leased"] == 12   # every round granted was trained
+    assert ask(p, "w5")["done"] is True
+
+
+def test_a_trainer_restarted_while_holding_a_batch_does_not_stall_the_workers(bucket, spawn):
+    """At max_staleness 0 nothing may start while the trainer trains (the round would arrive one version old);
+    a trainer that died holding its batch never registers the next version: its successor's lease request
+    says it is waiting, and the workers are granted again."""
+    p = spawn("--max-staleness", "0", "--lease-s", "300")
+    lease(p, 4, left=40)
+    assert len(ask(p, "w1")["indices"]) == 4 and ask(p, "w2")["indices"] == []
+    deliver(p, "w1", 0, 4)
+    assert lease(p, 4, left=40)["batch_id"]               # ... and dies with it
+    assert ask(p, "w1", wait_s=0.3)["indices"] == []      # it trains: nothing of version 0 could be used after it
+    assert lease(p, 4, left=40)["batch_id"] is None       # the restarted trainer asks for a batch
+    assert len(ask(p, "w1")["indices"]) == 4              # version 0 is again what the next batch is trained from
+    assert p.stats()["groups_dropped_stale"] == 0
+
+
+def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):
+    p = spawn("--max-staleness", "1")
+    lease(p, 4, left=8)
+    assert len(ask(p, "w1")["indices"]) == 4 and len(ask(p, "w2")["indices"]) == 4   # the demand: 8 in flight
+    deliver(p, "w1", 0, 2)                                # half of w1's round is in
+    before = p.http.get("/v1/state").json()["pacing"]
+    assert before["grants"] == [["w1", 4, 2, 0, None], ["w2", 4, 4, 0, None]]
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    q = spawn("--max-staleness", "1")
+    assert q.http.get("/v1/state").json()["pacing"] == before
+    assert ask(q, "w3")["indices"] == []                  # the 6 groups still out hold their places
+    assert deliver(q, "w1", 0, 2) + deliver(q, "w2", 0, 4) == ["accepted"] * 6
+    assert lease(q, 4, left=8)["batch_id"] and lease(q, 4, left=4)["batch_id"]
+    st = q.stats()
+    assert st["pacing"]["open_grants"] == 0 and st["groups_dropped_stale"] == 0
+
+    # what the live proxy holds is what a replay of its journal holds
+    live = q.http.get("/v1/state").json()["pacing"]
+    os.kill(q.proc.pid, signal.SIGKILL)
+    q.proc.wait()
+    replay = Ledger(max_staleness=1, lease_s=300.0)
+    for key, blob in journal.read_objects(bucket, journal.log_keys(bucket)):
+        replay.apply_object(key, blob)
+    assert replay.pacing.book_state() == live and live["counts"]["groups_granted"] == 8
+
+
+def test_joins_leaves_a_crash_and_a_trainer_restart_lose_no_round(bucket, spawn, seed):
+    """Workers of different speeds, one joining late, one leaving, one crashing with a grant; the trainer
+    restarted mid-run. Nothing deadlocks, every round delivered is trained (none refused as stale, none left
+    over), and nothing is granted past the trainer's last batch."""
+    rng = random.Random(seed)
+    steps, B = 10, 4
+    p = spawn("--max-staleness", "1", "--grant-s", "2", "--lease-s", "300")
+    latest, done, answers, delivered = [0], threading.Event(), [], [0]
+    lock = threading.Lock()
+
+    def worker(name: str, speed: float, start_after: float, rounds: int, crash: bool) -> None:
+        time.sleep(start_after)
+        r = random.Random(f"{seed}:{name}")
+        for i in range(rounds):
+            while not done.is_set():
+                got = ask(p, name, n=r.choice([2, 4]), wait_s=1.0)
+                if got["done"]:
+                    return
+                if got["indices"]:
+                    break
+            else:
+                return
+            if crash:  # took its grant and died: the grant must give its place up (--grant-s 2)
+                return
+            time.sleep(speed * r.uniform(0.5, 1.5))
+            statuses = deliver(p, name, got["version"], len(got["indices"]))
+            with lock:
+                answers.extend(statuses)
+                delivered[0] += len(statuses)
+
+    def trainer() -> None:
+        step = 1
+        while step <= steps:
+            got = lease(p, B, left=(steps - step + 1) * B, wait_s=2.0)
+            if not got["batch_id"]:
+                continue
+            if step == steps // 2 and not restarted:  # dies holding it; its successor redoes this step
+                restarted.append(got["batch_id"])
+                continue
+            assert all(got["latest_version"] - g["policy_version"] <= 1 for g in got["groups"])
+            time.sleep(rng.uniform(0.1, 0.4))
+            register(bucket, p, latest[0] + 1, final=step == steps)
+            latest[0] += 1
+            assert p.http.post(f"/v1/batches/{got['batch_id']}/ack").status_code == 200
+            step += 1
+        done.set()
+
+    restarted: list[str] = []
+    threads = [Worker(worker, "fast", 0.1, 0.0, 100, False), Worker(worker, "slow", 0.5, 0.0, 100, False),
+               Worker(worker, "late", 0.2, 1.5, 100, False), Worker(worker, "leaves", 0.2, 0.0, 2, False),
+               Worker(worker, "crashes", 0.2, 0.3, 1, True), Worker(trainer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    st = p.stats()
+    assert restarted and p.http.get("/v1/adapters/latest").json()["done"]
+    assert set(answers) == {"accepted"}, st                       # no round arrived too stale
+    # every group delivered was leased (the dead trainer's batch included), none is left over
+    assert st["groups_leased"] == delivered[0] == (steps + 1) * B and st["buffer_size"] == 0
+    assert st["pacing"]["open_grants"] == 0 and st["groups_dropped_stale"] == 0
