@@ -361,8 +361,10 @@ def main(args: Args) -> None:
             routed.serve(chat, version, wait_s=0.5)
             continue
         try:
-            idx = client.post("/v1/prompts/lease", {"dataset": task.name, "size": len(task.prompts),
-                                                    "n": args.prompts_per_round})["indices"]
+            got = client.post("/v1/prompts/lease", {"dataset": task.name, "size": len(task.prompts),
+                                                    "n": args.prompts_per_round})
+            # each group names the prompt lease it answers: a participant's groups are taken only so (docs/trust.md)
+            idx, lease = got["indices"], ({"lease_id": got["lease_id"]} if "lease_id" in got else {})
         except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             continue
         prompts = [encode_prompt(tok, task.prompts[i]) for i in idx]
@@ -389,7 +391,7 @@ def main(args: Args) -> None:
                 parts.append(comp)
                 rewards.append(r)
             group = {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": version,
-                     "prompt_ids": p, "completions": comps,
+                     **({**lease, "prompt_index": i} if lease else {}), "prompt_ids": p, "completions": comps,
                      "meta": {"task": task.name, "prompt_index": i, "temperature": args.temperature,
                               "backend": args.backend, "reward_components": {k: sum(d[k] for d in parts) / len(parts)
                                                                      for k in parts[0]},
