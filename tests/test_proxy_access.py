@@ -257,6 +257,10 @@ def test_a_rollout_worker_with_only_a_url_and_a_worker_token_joins_the_run(tiny_
     assert any(v >= 1 for r in rows for v in r["sample/policy_versions"]), "no group from a fetched adapter"
     stats = p.stats()
     assert stats["participants"]["guest"]["groups"] >= 8 and set(stats["workers"]) == {"guest/laptop"}
+    # its groups were audited (docs/trust.md) and none failed: an honest worker is not flagged by numerical noise
+    audited = [r for r in rows if "audit/groups" in r]
+    assert sum(r["audit/groups"] for r in audited) >= 8 and not any(r["audit/failed"] for r in audited), audited
+    assert stats["participants"]["guest"]["checks"]["failed"] == 0 and not stats["quarantined"]
     run_dir = next((tmp_path / "spool").iterdir())
     assert run_dir.name.startswith("run-") and run_name not in run_dir.name
     local = [json.loads(x) for x in (run_dir / "laptop" / "metrics.jsonl").read_text().splitlines()]
