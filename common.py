@@ -400,6 +400,10 @@ class TrajectoryGroup(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     policy_version: int = Field(ge=0, le=10**9)
     """the adapter version that sampled the group's oldest token (all of them, for a single-version group)"""
+    lease_id: str | None = Field(default=None, min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    """the prompt lease this group answers (POST /v1/prompts/lease's lease_id); a participant's group must name one"""
+    prompt_index: int | None = Field(default=None, ge=0, lt=1 << 22)
+    """which of that lease's prompt indices it answers (given with lease_id, and only with it)"""
     prompt_ids: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
     completions: list[Completion] = Field(min_length=1, max_length=1024)
     meta: dict[str, Any] = Field(default_factory=dict)
@@ -414,6 +418,12 @@ class TrajectoryGroup(BaseModel):
         if len(s) > 16384:
             raise ValueError(f"meta is {len(s)} bytes, limit 16384")
         return v
+
+    @model_validator(mode="after")
+    def _lease_named_whole(self) -> "TrajectoryGroup":
+        if (self.lease_id is None) != (self.prompt_index is None):
+            raise ValueError("lease_id and prompt_index go together: the lease a group answers and which of its prompts")
+        return self
 
     @model_validator(mode="after")
     def _oldest_version(self) -> "TrajectoryGroup":

@@ -13,6 +13,7 @@ the code behind `hf jobs uv run`), and `--dry-run` prints the equivalent `hf job
     bash launch_jobs.sh --cancel my-run             # stop the supervisor and every job of the run
     bash launch_jobs.sh --run my-run --token-create alice --role worker   # a contributor's token (printed once)
     bash launch_jobs.sh --run my-run --token-revoke alice                 # their next request gets 401
+    bash launch_jobs.sh --run my-run --token-reinstate alice              # lift a quarantine (docs/trust.md)
 
 Needs huggingface_hub >= 1.24 (`expose`, `name`, `list_jobs(labels=)`, `status.expose_urls`), tyro,
 boto3, httpx, pydantic and tenacity (or uv, which reads this header), and a login (`hf auth login`
@@ -123,6 +124,8 @@ class Args:
     """NAME: set a participant's rate limit to --max-rps"""
     token_list: bool = False
     """list the run's participants"""
+    token_reinstate: str | None = None
+    """NAME: lift a participant's quarantine (docs/trust.md): its token works again, its failed checks start over"""
     role: Literal["inference", "worker", "trainer", "admin"] = "worker"
     """with --token-create: inference (ask the policy only), worker (prompts, groups, adapters), trainer (also
     batches, registrations), admin"""
@@ -179,8 +182,9 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
                              "--worker-id", f"{args.run}-w{i}", "--seed", str(i), *args.rollout_arg],
                             args.rollout_flavor, caller_secrets, env, args.timeout,
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
-    jobs.append(JobSpec("trainer", "train.py", list(shipped("train.py")), ["--model", args.model, "--max-steps", str(args.steps),
-                                                              *args.train_arg],
+    # --task: the trainer re-scores and checks participants' groups against the task (docs/trust.md)
+    jobs.append(JobSpec("trainer", "train.py", list(shipped("train.py")), ["--model", args.model, "--task", task,
+                                                              "--max-steps", str(args.steps), *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
                         {**env, "TRAINER_ID": f"{args.run}-trainer"}, args.timeout))
@@ -541,6 +545,8 @@ def tokens(args: Args) -> None:
         method, path, body = "DELETE", f"/v1/tokens/{args.token_revoke}", None
     elif args.token_limit:
         method, path, body = "PATCH", f"/v1/tokens/{args.token_limit}", {"max_rps": args.max_rps}
+    elif args.token_reinstate:
+        method, path, body = "POST", f"/v1/participants/{args.token_reinstate}/reinstate", None
     else:
         method, path, body = "GET", "/v1/tokens", None
     try:
@@ -559,9 +565,14 @@ def tokens(args: Args) -> None:
         print(f"participant {got['name']} revoked: its next request gets 401; its accepted groups stay in the run")
     elif args.token_limit:
         print(f"participant {got['name']}: {limit(got)} from its next request on")
+    elif args.token_reinstate:
+        print(f"participant {got['participant']} reinstated: its token works again, its failed checks start over "
+              f"({got['checked']} of its groups checked so far)")
     else:
         for p in got["tokens"]:
-            print(f"{p['name']:20s} {p['role']:8s} {limit(p):22s} {'revoked' if p['revoked_at'] else 'active'}")
+            state = ("revoked" if p["revoked_at"] else f"quarantined: {p['quarantined']}" if p.get("quarantined")
+                     else "active")
+            print(f"{p['name']:20s} {p['role']:8s} {limit(p):22s} {state}")
 
 
 def print_command(args: Args) -> None:
@@ -621,7 +632,7 @@ def main(argv: list[str] | None = None) -> None:
         return cancel(args)
     if args.watch:
         return watch(args)
-    if args.token_create or args.token_revoke or args.token_limit or args.token_list:
+    if args.token_create or args.token_revoke or args.token_limit or args.token_list or args.token_reinstate:
         return tokens(args)
     check_args(args)
     if args.print_command:

@@ -42,6 +42,7 @@ without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N roll
 participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):
          bash launch_jobs.sh --token-create NAME [--role inference|worker|trainer|admin] [--max-rps R]
          bash launch_jobs.sh --token-revoke NAME | --token-limit NAME --max-rps R | --token-list
+         bash launch_jobs.sh --token-reinstate NAME   (lift a quarantine: docs/trust.md)
 EOF
 }
 # --- Hugging Face Jobs (no --local): launch_hf.py submits through huggingface_hub's own API -----

@@ -22,7 +22,9 @@ few seconds, and a start reads the newest one and the commits after it (snapshot
 any moment is fine and a restart takes as long after a day as after a minute. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
 server's own limits are serving.py; checking published versions and handing their files to workers
 without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
-(per participant and worker) is participants.py.
+(per participant and worker) is participants.py. What a participant's group is checked for on arrival (the
+prompt lease it answers, a replay of another group) is receipts.py; who failed checks, here or in the
+trainer's audit, and who is quarantined for it, is quarantine.py (docs/trust.md).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import os
 import sys
 import time
 import uuid
+from collections import Counter
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal
@@ -49,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from common import Bucket, BucketError, ConflictError, TrajectoryGroup
 import access
 import journal
-from access import ADMIN, scope
+from access import ADMIN, NamePath, scope
 from metrics import Metrics, peak_rss_mb
 from adapter_files import FILES, Downloads, check_published
 from book import Book, Entry, Held
@@ -57,6 +60,7 @@ from ledger import HEAD
 from pacing import Grant, Waiting
 from participants import Senders, worker_key
 from prompts import Cursors, PromptError
+from receipts import fingerprint
 from serving import Limits, serve
 from snapshots import Keeper
 import routing
@@ -119,6 +123,9 @@ class Args:
     """pacing's margin on the predicted arrival order, as a share of the worker's round time"""
     route: routing.Limits = field(default_factory=routing.Limits)
     """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
+    quarantine_after: int = 3
+    """a participant whose groups failed this many checks (here, or in the trainer's audit) is suspended until
+    the run's owner reinstates it (docs/trust.md)"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
@@ -176,8 +183,9 @@ async def wait_until(ready, wait_s: float) -> bool:
     return True
 
 def stats() -> dict:
-    tokens = POLICY.tokens
-    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None}
+    tokens, trust = POLICY.tokens, S.book.quarantine
+    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None,
+                 **({"checks": trust.public(n)} if n != ADMIN else {})}
              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
@@ -186,6 +194,8 @@ def stats() -> dict:
             "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
             "cursors": S.cursors.table, "pacing": S.book.pacing.stats(), "waiting_for_grants": len(WAITING),
             "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            "quarantined": {n: trust.reason(n) for n in trust.people if trust.held(n)},
+            "quarantine_after": ARGS.quarantine_after, "open_prompt_leases": len(S.book.receipts.leases),
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 # ---- start: the state read back from the bucket (snapshots.py) ----------------------------------
@@ -227,6 +237,7 @@ class StateCollector:
                      ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
             yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
         yield from S.senders.collect()
+        yield from S.book.quarantine.collect()
 
 REGISTRY.register(StateCollector())
 
@@ -250,6 +261,7 @@ async def lifespan(app: FastAPI):
     global BUCKET, METRICS, JOURNAL, DOWNLOADS, KEEPER
     POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), _observe
     POLICY.tokens = access.Tokens(None, ARGS.token)
+    POLICY.suspended = lambda name: S.book.quarantine.reason(name)  # a quarantined participant's token is refused
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     S.book = Book(ARGS.max_staleness, ARGS.lease_s)
     pacing_options(S.book)
@@ -331,15 +343,32 @@ class SubmitResponse(BaseModel):
 # 33 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
 _GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
 
-async def journaled(gid: str, rec: bytes | dict, then=lambda: None):
-    """Write a record about group `gid`, then return then() at once: before anything else runs, so that a
-    second submission of the group, waiting for this write, finds what it did."""
-    S.pending[gid] = fut = JOURNAL.append(rec)
+async def journaled(gid: str, rec: bytes | dict | list, then=lambda: None):
+    """Write a record (or several, in one commit) about group `gid`, then return then() at once: before anything
+    else runs, so that a second submission of the group, waiting for this write, finds what it did."""
+    S.pending[gid] = fut = [JOURNAL.append(r) for r in (rec if isinstance(rec, list) else [rec])][-1]
     try:
         await fut
         return then()
     finally:
         del S.pending[gid]
+
+QUARANTINED = "this participant is now quarantined (its token refused, its groups held out) until the run's owner reinstates it"
+
+async def record_checks(checked: dict[str, int], failures: list[tuple[str, str, str, str]]) -> set[str]:
+    """Journal, in one commit, how many groups of each participant were audited and which failed a check
+    ((participant, group_id, check, why)), then apply them (book.fail). Each failure carries this proxy's
+    --quarantine-after, so replay suspends exactly where this did. Returns the participants now suspended."""
+    at = round(time.time(), 3)
+    recs = ([{"t": "checked", "counts": checked}] if checked else []) + [
+        {"t": "failed", "participant": p, "group_id": g, "check": c, "detail": why[:1000], "limit": ARGS.quarantine_after,
+         "at": at} for p, g, c, why in failures]
+    if not recs:
+        return set()
+    await [JOURNAL.append(r) for r in recs][-1]  # one commit: the last resolves when they all are in
+    S.book.quarantine.checked(checked)
+    return {r["participant"] for r in recs[bool(checked):]
+            if S.book.fail(r["participant"], r["group_id"], r["check"], r["detail"], r["limit"], r["at"])}
 
 @app.post("/v1/groups", response_model=SubmitResponse, openapi_extra={**_GROUP_BODY, **scope("worker", large_body=True)})
 async def submit_group(request: Request) -> SubmitResponse:
@@ -357,6 +386,9 @@ async def submit_group(request: Request) -> SubmitResponse:
             raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
     gid, who = group.group_id, request.scope["principal"]
     participant = None if who.name == ADMIN else who.name
+    if participant and group.lease_id is None:  # the run's own jobs may omit it (workers from before leases had ids)
+        raise HTTPException(422, "lease_id, prompt_index: a participant's group must name the prompt lease it answers "
+                                 "(the lease_id of POST /v1/prompts/lease) and which of its prompt indices")
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
     book = S.book
@@ -382,6 +414,14 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.senders.touch(participant, group.worker_id, time.time())
         arrived(participant, group.worker_id)
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
+    # receipts.py: the prompt lease it answers is the sender's, and not used up; its completions are not another's
+    lease_id, index, fp = group.lease_id, group.prompt_index, fingerprint(group)
+    if verdict := book.receipts.judge(participant, lease_id, index, fp, gid):
+        check, why = verdict
+        counted = participant is not None and check != "forgotten"  # the admin token is not audited
+        held = await record_checks({}, [(participant, gid, check, why)]) if counted else set()
+        raise HTTPException(409, f"{check}: {why}" + ("; counted against this participant" if counted else "")
+                                 + (f"; {QUARANTINED}" if held else ""))
     if len(book.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
         S.rejected_full += 1
         raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
@@ -391,12 +431,27 @@ async def submit_group(request: Request) -> SubmitResponse:
     m = HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
     keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
     raw = body.rstrip() if keep else group.model_dump_json(exclude_none=True).encode()
-    if participant:  # the sender, as its token says (a client cannot send this field: unknown fields are refused)
-        raw = raw[:-1] + b',"participant":"' + participant.encode() + b'"}'
-    entry = Entry(gid, group.policy_version, raw)
-    buffered = await journaled(gid, raw, lambda: book.accept(entry))
+    if participant:  # the lease's dataset (for the trainer's audit) and the sender, as its token says (a client
+        # cannot send these fields: unknown fields are refused)
+        raw = (raw[:-1] + b',"prompt_dataset":"' + book.receipts.dataset(lease_id).encode()
+               + b'","participant":"' + participant.encode() + b'"}')
+    entry = Entry(gid, group.policy_version, raw, participant)
+    receipt = {"t": "receipt", "group_id": gid, "fp": fp, **({"lease_id": lease_id, "index": index} if lease_id else {})}
+    book.receipts.take(gid, lease_id, index)  # now, so that a second answer to this prompt is refused meanwhile
+
+    def buffer() -> bool:
+        ok = book.accept(entry)
+        book.remember(gid, fp)
+        return ok
+    try:
+        buffered = await journaled(gid, [raw, receipt], buffer)
+    except journal.JournalWriteError:
+        book.receipts.untake(gid, lease_id, index)
+        raise
     S.senders.touch(participant, group.worker_id, time.time(), groups=1)
     arrived(participant, group.worker_id)
+    if not buffered and book.quarantine.held(participant):  # suspended while its line was being written
+        raise HTTPException(403, f"participant {participant!r} is quarantined: {book.quarantine.reason(participant)}")
     if not buffered:  # a version registered while this group was being written made it stale
         return SubmitResponse(status="stale", duplicate=False, buffer_size=len(book.buffer))
     async with S.cond:
@@ -414,6 +469,8 @@ class LeaseRequest(Strict):
     """the groups the trainer will still lease, this batch's included (pacing grants no round beyond them)"""
 
 class LeasedGroup(TrajectoryGroup):
+    prompt_dataset: str | None = None
+    """the dataset of the prompt lease it answers, as this proxy leased it (a participant's groups)"""
     participant: str | None = None
     """who submitted it (absent: the run's own jobs, on the admin token)"""
 
@@ -507,6 +564,42 @@ async def ack_batch(batch_id: str = BatchId) -> dict:
         S.deadlines[batch_id] = deadline
         raise
     return {"acked": groups}
+
+class AuditFailure(Strict):
+    group_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    check: Literal["reward", "prompt", "logprobs"]
+    detail: str = Field(min_length=1, max_length=2000)
+
+class AuditReport(Strict):
+    checked: list[str] = Field(default_factory=list, max_length=1024)
+    """every group of the batch the trainer audited, passed or failed"""
+    failures: list[AuditFailure] = Field(default_factory=list, max_length=1024)
+
+@app.post("/v1/batches/{batch_id}/audit", openapi_extra=scope("trainer"))
+async def audit_batch(req: AuditReport, batch_id: str = BatchId) -> dict:
+    """The trainer's audit of an open batch (lib/train/audit.py): the groups it checked, and those that failed
+    (reward re-scored, prompt tokens, behaviour logprobs). Each failure counts against the participant that sent
+    the group as this proxy recorded it; past --quarantine-after it is suspended. Answers each one's standing."""
+    who = {it.gid: it.who for it in open_lease(batch_id).items}
+    if missing := [g for g in [*req.checked, *(f.group_id for f in req.failures)] if g not in who]:
+        raise HTTPException(422, f"not groups of batch {batch_id}: {missing[:4]}")
+    if ours := [f.group_id for f in req.failures if who[f.group_id] is None]:
+        raise HTTPException(422, f"groups {ours[:4]} came with the admin token: the run's own groups are not audited")
+    checked = Counter(who[g] for g in dict.fromkeys(req.checked) if who[g] is not None)
+    await record_checks(dict(checked), [(who[f.group_id], f.group_id, f.check, f.detail) for f in req.failures])
+    named = {*checked, *(who[f.group_id] for f in req.failures)}
+    return {"participants": {n: S.book.quarantine.public(n) for n in sorted(named)}}
+
+@app.post("/v1/participants/{name}/reinstate", openapi_extra=scope("admin"))
+async def reinstate(name: NamePath) -> dict:
+    """Lift a participant's quarantine (its token works again, its count of failed checks starts over)."""
+    if not S.book.quarantine.held(name):
+        known = name in POLICY.tokens.by_name
+        raise HTTPException(409 if known else 404, f"participant {name!r} is not quarantined" if known else f"no participant {name!r}")
+    rec = {"t": "reinstate", "participant": name, "at": round(time.time(), 3)}
+    await JOURNAL.append(rec)
+    S.book.reinstate(name, rec["at"])
+    return {"participant": name, **S.book.quarantine.public(name)}
 
 @app.post("/v1/batches/{batch_id}/renew", openapi_extra=scope("trainer"))
 async def renew_batch(batch_id: str = BatchId) -> dict:
@@ -629,13 +722,14 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     try:
         for fut in writes:
             await fut
+        answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
+                  await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
+        answer = await bind_prompts(answer, req.dataset, request.scope["principal"].name)  # trust: whom they went to
     except journal.JournalWriteError:
         if grant is not None:  # the grant holds no place: nobody got its prompts
             S.book.pacing.ungrant(grant)
             pace()
         raise
-    answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
-              await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
     return answer if grant is None else {**answer, "version": grant.version, "done": False}
 
 # ---- pacing: paced prompt requests wait for their grant in WAITING (pacing.Waiting) ----
@@ -652,6 +746,16 @@ def arrived(participant: str | None, worker: str) -> None:
 def pace() -> None:
     """Hand out the grants there is room for now (called when something pacing depends on changes)."""
     WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
+
+async def bind_prompts(got: dict, dataset: str, name: str) -> dict:
+    """(Trust, docs/trust.md) A lease_id for these indices, journaled with whom they went to: a group must name
+    it, and only that participant may answer them, once each (receipts.py)."""
+    who, latest = None if name == ADMIN else name, S.latest
+    rec = {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"], "latest": latest,
+           **({"participant": who} if who else {})}
+    await JOURNAL.append(rec)
+    S.book.receipts.bind(rec["lease_id"], who, dataset, got["indices"], latest)
+    return {"lease_id": rec["lease_id"], **got}
 
 @app.get("/v1/whoami", openapi_extra=scope("worker"))
 async def whoami(request: Request) -> dict:

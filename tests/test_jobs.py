@@ -169,7 +169,7 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
         "rollout-1": (["/data/rollout.py", *shipped("rollout.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
-        "trainer": (["/data/train.py", *shipped("train.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--max-steps", "50",
+        "trainer": (["/data/train.py", *shipped("train.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--task", "gsm8k", "--max-steps", "50",
                      "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "TRAINER_ID": "gsm-1-trainer"}),
         "supervisor": (["/data/launch_hf.py", *shipped("launch_hf.py"), "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",

@@ -7,6 +7,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -14,28 +15,54 @@ import journal
 from ledger import BATCHES, Ledger
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
-from test_proxy_access import as_, create
+from test_proxy_access import as_, create, leased, own
 
-FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7")
+FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7", "--quarantine-after", "2")
 LIMITS = {"max_staleness": 2, "lease_s": 1.0}
 
 
 def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
-    """Random traffic of every kind the journal records, from the admin token and a participant's, with a
+    """Random traffic of every kind the journal records, from the admin token and two participants', with a
     second submitter alongside (commits of several records): new groups, stale ones, resubmissions, leases
-    acked, renewed, or abandoned to expire, versions, prompt leases. `book` carries over between calls."""
+    acked, renewed, or abandoned to expire, versions, prompt leases; and the trust records: groups bound to
+    prompt leases, lies of every kind the proxy catches (unleased, reused, replayed), the trainer's audit
+    reports, a participant quarantined and reinstated. `book` carries over between calls."""
     alice = as_(p, book.setdefault("alice", None) or create(p, "alice"))
-    book["alice"] = alice.headers["x-proxy-token"]
+    mallory = as_(p, book.setdefault("mallory", None) or create(p, "mallory"))
+    book["alice"], book["mallory"] = alice.headers["x-proxy-token"], mallory.headers["x-proxy-token"]
     # the main sequence draws from `rng` alone and resubmits only its own groups, so a seed replays it; the
     # submitter alongside has its own generator (seeded from rng) and its own list
     sent, stop, side_rng = book.setdefault("sent", []), threading.Event(), random.Random(rng.randrange(2**32))
+    theirs = book.setdefault("theirs", [])  # participants' accepted groups: what mallory replays
 
     def submit(client, version: int, r: random.Random, into: list) -> str:
-        g = group(version=version, worker=r.choice(["w1", "w2", "w3"]))
+        """A group (bound to a prompt lease of its sender's; the admin's, half the time), kept in `into` to be sent
+        again by the same sender (mallory's are not: held out, they may not be in the duplicate window)."""
+        lease = {} if client is p.http and r.random() < 0.5 else leased(client, dataset="bound")[0]
+        g = own(group(version=version, worker=r.choice(["w1", "w2", "w3"]), **lease))
         answer = client.post("/v1/groups", json=g)
         assert answer.status_code == 200, answer.text
-        into.append(g)
+        if client is not mallory:
+            into.append(("admin" if client is p.http else "alice", g))
+        if into is sent and client is not p.http and answer.json()["status"] == "accepted":
+            theirs.append(g)
         return answer.json()["status"]
+
+    def lie(r: random.Random) -> None:
+        """One of mallory's lies the proxy catches on arrival: a 409 naming it (or, quarantined, a 403)."""
+        kind = r.choice(["unleased", "reused", "replayed"])
+        if kind == "replayed" and theirs:
+            g = {**r.choice(theirs), "group_id": uuid.uuid4().hex, **leased(mallory, dataset="bound")[0]}
+        else:
+            g = own(group(version=book["version"], worker="m1", **leased(mallory, dataset="bound")[0]))
+            if kind == "unleased":
+                g["lease_id"] = uuid.uuid4().hex
+            else:
+                assert mallory.post("/v1/groups", json=g).status_code in (200, 403)
+                g = own({**g, "group_id": uuid.uuid4().hex})
+        answer = mallory.post("/v1/groups", json=g)
+        assert answer.status_code in (409, 403) or answer.json()["status"] == "stale", answer.text
+        assert answer.status_code != 409 or answer.json()["detail"].split(":")[0] in (kind, "unleased"), answer.text
 
     def alongside():  # a Worker: an assertion failing in here fails the test at join()
         mine = []
@@ -51,22 +78,40 @@ def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
         assert r.status_code == 200 or (r.status_code == 410 and time.monotonic() - since >= LIMITS["lease_s"]), r.text
         return r.status_code
 
+    def audit(got: dict) -> None:
+        """The trainer's report on a batch: every participant's group checked, some of mallory's failed."""
+        ids = [g["group_id"] for g in got["groups"] if g.get("participant")]
+        bad = [g["group_id"] for g in got["groups"] if g.get("participant") == "mallory" and rng.random() < 0.5]
+        r = p.http.post(f"/v1/batches/{got['batch_id']}/audit", json={
+            "checked": ids, "failures": [{"group_id": g, "check": rng.choice(["reward", "prompt", "logprobs"]),
+                                          "detail": "made up by the test"} for g in bad]})
+        assert r.status_code in (200, 410), r.text  # 410: the lease ran out meanwhile (lease_s 1)
+
     t = Worker(alongside)
     t.start()
     try:
         for _ in range(rounds):
             latest = book["version"]
             for _ in range(rng.randint(1, 3)):
-                client = rng.choice([p.http, alice])
+                client = rng.choice([p.http, alice, mallory])
+                if client is mallory and "mallory" in p.stats()["quarantined"]:
+                    continue
                 assert submit(client, max(0, latest - rng.choice([0, 0, 1])), rng, sent) in ("accepted", "stale")
             if latest > 2 and rng.random() < 0.2:
                 assert submit(p.http, latest - 3, rng, sent) == "stale"
             if sent and rng.random() < 0.4:
-                assert p.http.post("/v1/groups", json=rng.choice(sent)).json()["status"] in ("duplicate", "stale")
+                who, g = rng.choice(sent)
+                assert (alice if who == "alice" else p.http).post("/v1/groups", json=g).json()["status"] in ("duplicate", "stale")
+            if rng.random() < 0.25 and "mallory" not in p.stats()["quarantined"]:
+                lie(rng)
+            if "mallory" in p.stats()["quarantined"] and rng.random() < 0.3:
+                assert p.http.post("/v1/participants/mallory/reinstate").status_code == 200
             if rng.random() < 0.6:
                 since = time.monotonic()
-                b = p.http.post("/v1/batches/lease", json={"num_groups": rng.randint(1, 3)}).json()["batch_id"]
-                what, code = rng.random(), 200
+                got = p.http.post("/v1/batches/lease", json={"num_groups": rng.randint(1, 3)}).json()
+                b, what, code = got["batch_id"], rng.random(), 200
+                if b and rng.random() < 0.5:
+                    audit(got)
                 if b and what < 0.2:
                     since, code = time.monotonic(), settle("renew", b, since)
                 if b and what < 0.75 and code == 200:
@@ -103,7 +148,8 @@ def assert_same(a: Ledger, b: Ledger, read, where: str) -> None:
         assert sa[k] == sb[k], f"{where}: {k} differs: {str(sa[k])[:300]} != {str(sb[k])[:300]}"
     la, lb = a.live(read), b.live(read)
     plain = {"window": lambda w: w.state(), "versions": lambda v: v.state(), "senders": lambda s: s.state(),
-             "acked": lambda r: list(r.items()), "expired": lambda r: list(r.items()), "buffer": lambda d: list(d.items())}
+             "acked": lambda r: list(r.items()), "expired": lambda r: list(r.items()), "buffer": lambda d: list(d.items()),
+             "receipts": lambda r: r.state(), "quarantine": lambda q: q.state()}
     for k in la:
         f = plain.get(k, lambda x: x)
         assert f(la[k]) == f(lb[k]), f"{where}: live {k} differs"
@@ -128,7 +174,7 @@ def test_snapshot_plus_tail_equals_full_replay_at_random_cut_points(bucket, spaw
     full = replayed(blobs, keys)
     assert full.counts["groups_accepted"] == stats["groups_accepted"] > 100 and full.counts["leases_expired"] > 0
     assert full.counts["groups_duplicate"] > 0 and full.counts["groups_dropped_stale"] > 0 and full.expired
-    assert set(full.senders.participants) == {"admin", "alice"}
+    assert set(full.senders.participants) == {"admin", "alice", "mallory"} and full.quarantine.people["mallory"]["checked"]
     for cut in sorted(rng.sample(range(1, len(keys)), 10)):
         head = replayed(blobs, keys[:cut])
         restored = Ledger.from_snapshot(json.loads(json.dumps(head.to_snapshot())), **LIMITS)

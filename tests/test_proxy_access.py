@@ -3,6 +3,7 @@ and (last) a real rollout worker and trainer: what each role may call, that ever
 participant whose token sent it, rate limits and revocation that need no restart and survive one, the
 launcher's token commands, and adapter files fetched through presigned URLs or the proxy."""
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -32,11 +33,35 @@ def create(p, name: str, role: str = "worker", max_rps: float = 0.0) -> str:
     return r.json()["token"]
 
 
+def leased(client: httpx.Client, n: int = 1, dataset: str = "prompts", size: int = 1000) -> list[dict]:
+    """n prompts leased by `client`'s token, each as the fields a group answering it names (docs/trust.md)."""
+    got = client.post("/v1/prompts/lease", json={"dataset": dataset, "size": size, "n": n})
+    assert got.status_code == 200, got.text
+    return [{"lease_id": got.json()["lease_id"], "prompt_index": i} for i in got.json()["indices"]]
+
+
+_NTH = itertools.count(1)
+
+
+def own(g: dict) -> dict:
+    """`g` with completions no other group has (test_proxy.group's are all alike): the proxy refuses a
+    participant's group whose completions, tokens and logprobs, are those of another (a replay)."""
+    k = next(_NTH)
+    for c in g["completions"]:
+        c["logprobs"] = [x - k * 1e-6 for x in c["logprobs"]]
+    return g
+
+
+def own_group(client: httpx.Client, **over) -> dict:
+    """A group as a participant's worker sends one: answering a prompt its token leased, completions its own."""
+    return own(group(**{**leased(client)[0], **over}))
+
+
 def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
     p = spawn()
     publish(bucket, p, 1)
     worker, trainer = as_(p, create(p, "alice")), as_(p, create(p, "lab-1", "trainer"))
-    assert worker.post("/v1/groups", json=group(version=1)).json()["status"] == "accepted"
+    assert worker.post("/v1/groups", json=own_group(worker, version=1)).json()["status"] == "accepted"
     assert worker.post("/v1/prompts/lease", json={"dataset": "d", "size": 10, "n": 2}).status_code == 200
     assert worker.get("/v1/adapters/latest").json()["version"] == 1
     assert worker.get("/v1/adapters/1/files").status_code == 200
@@ -68,17 +93,18 @@ def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
 def test_every_group_records_its_participant(bucket, spawn):
     p = spawn()
     alice, bob = as_(p, create(p, "alice")), as_(p, create(p, "bob"))
-    mine = [group(worker="gpu-0"), group(worker="gpu-1")]
+    mine = [own(group(worker=w, **lease)) for w, lease in zip(["gpu-0", "gpu-1"], leased(alice, 2))]
     for g in mine:
         assert alice.post("/v1/groups", json=g).json()["status"] == "accepted"
-    assert bob.post("/v1/groups", json=group(worker="gpu-0")).json()["status"] == "accepted"
+    assert bob.post("/v1/groups", json=own_group(bob, worker="gpu-0")).json()["status"] == "accepted"
     assert p.http.post("/v1/groups", json=group(worker="w1")).json()["status"] == "accepted"  # the run's own job
     # a participant cannot say who sent a group: the field is the proxy's to write
     forged = alice.post("/v1/groups", json={**group(), "participant": "bob"})
     assert forged.status_code == 422 and "participant" in forged.text
     got = p.http.post("/v1/batches/lease", json={"num_groups": 4}).json()["groups"]
     assert [g.get("participant") for g in got] == ["alice", "alice", "bob", None]
-    assert {k: v for k, v in got[0].items() if k != "participant"} == mine[0]  # otherwise as sent
+    assert {k: v for k, v in got[0].items() if k not in ("participant", "prompt_dataset")} == mine[0]  # otherwise as sent
+    assert got[0]["prompt_dataset"] == "prompts"  # the proxy's record of the lease it answers (for the trainer's audit)
     s = p.stats()
     assert {n: d["groups"] for n, d in s["participants"].items()} == {"admin": 1, "alice": 2, "bob": 1}
     assert {w: d["groups"] for w, d in s["workers"].items()} == {"alice/gpu-0": 1, "alice/gpu-1": 1, "bob/gpu-0": 1, "w1": 1}
@@ -160,7 +186,7 @@ def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
     token = next(line.strip() for line in out.stdout.splitlines() if line.strip().startswith("agrpo_"))
     assert "carol (worker, 50 requests/s)" in out.stdout
     carol = as_(p, token)
-    assert carol.post("/v1/groups", json=group()).json()["status"] == "accepted"
+    assert carol.post("/v1/groups", json=own_group(carol)).json()["status"] == "accepted"
     assert run("--token-limit", "carol", "--max-rps", "0").returncode == 0
     listed = run("--token-list")
     assert "carol" in listed.stdout and "no rate limit" in listed.stdout and "active" in listed.stdout
@@ -231,6 +257,10 @@ def test_a_rollout_worker_with_only_a_url_and_a_worker_token_joins_the_run(tiny_
     assert any(v >= 1 for r in rows for v in r["sample/policy_versions"]), "no group from a fetched adapter"
     stats = p.stats()
     assert stats["participants"]["guest"]["groups"] >= 8 and set(stats["workers"]) == {"guest/laptop"}
+    # its groups were audited (docs/trust.md) and none failed: an honest worker is not flagged by numerical noise
+    audited = [r for r in rows if "audit/groups" in r]
+    assert sum(r["audit/groups"] for r in audited) >= 8 and not any(r["audit/failed"] for r in audited), audited
+    assert stats["participants"]["guest"]["checks"]["failed"] == 0 and not stats["quarantined"]
     run_dir = next((tmp_path / "spool").iterdir())
     assert run_dir.name.startswith("run-") and run_name not in run_dir.name
     local = [json.loads(x) for x in (run_dir / "laptop" / "metrics.jsonl").read_text().splitlines()]

@@ -33,6 +33,10 @@ def test_live_state_equals_its_replay_and_its_restart(bucket, spawn, seed):
     live = settled(p)
     assert live["counts"]["leases_expired"] > 0 and live["counts"]["groups_duplicate"] > 0
     assert live["counts"]["groups_dropped_stale"] > 0 and live["acked"] and live["buffer"]
+    # the trust records too (docs/trust.md): prompt leases bound and used, lies counted, a quarantine and a reinstatement
+    trust = live["quarantine"]["mallory"]
+    assert live["receipts"]["leases"] and live["receipts"]["prints"] and trust["checked"] > 0, live["quarantine"]
+    assert "reinstated_at" in trust and {r["check"] for r in trust["recent"]} & {"unleased", "reused", "replayed"}, trust
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
 

@@ -200,6 +200,8 @@ class Policy:
     """bytes, for routes declared with large_body"""
     small_body: int = 64 << 10
     observe: Callable[[dict, float], None] = lambda scope, seconds: None
+    suspended: Callable[[str], str | None] = lambda name: None
+    """why a participant is quarantined (quarantine.py), or None: its token is then refused like a revoked one"""
 
 
 def presented_token(headers: dict) -> bytes | None:
@@ -250,7 +252,8 @@ class Rules:
 
 def guard(app, policy: Policy):
     """Pure ASGI middleware, in this order: open paths take no body; 401 without a valid token (unknown
-    paths too), 401 for a revoked one, 403 for a role below the route's, 429 over the participant's rate;
+    paths too), 401 for a revoked one, 403 for a quarantined one, 403 for a role below the route's, 429 over the
+    participant's rate;
     413 for a body over the route's cap (declared, or counted while reading). Only then does the app see the request, with its body read and the
     caller in scope["principal"]. Nothing of a refused request's body is read. (A body that does not arrive
     in time is serving.py's to cut off.)"""
@@ -277,6 +280,9 @@ def guard(app, policy: Policy):
                                  {"WWW-Authenticate": "Bearer"})
             elif who.revoked_at is not None:
                 refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body)
+            elif (why := policy.suspended(who.name)) is not None:
+                refuse = refusal(403, f"participant {who.name!r} is quarantined: {why}. The run's owner can reinstate "
+                                      f"it (bash launch_jobs.sh --token-reinstate {who.name})", has_body)
             elif who.role < role:
                 refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
                                       f"{scope['path']}: it needs a {role.name} token", has_body)
@@ -357,7 +363,7 @@ async def create_token(req: TokenRequest) -> dict:
 
 
 async def list_tokens() -> dict:
-    return {"tokens": [p.public() for p in POLICY.tokens.by_name.values()]}
+    return {"tokens": [{**p.public(), "quarantined": POLICY.suspended(p.name)} for p in POLICY.tokens.by_name.values()]}
 
 
 async def limit_token(name: NamePath, req: LimitRequest) -> dict:

@@ -9,6 +9,11 @@ that line is in the journal); the Book never looks inside. What the live proxy k
 its own business: lease deadlines on its monotonic clock, journal writes in flight, a version being
 registered.
 
+Trust (docs/trust.md). Each item also names the participant that sent it (`.who`, None for the admin token).
+The Book holds the receipts of arriving groups (receipts.py: which prompt lease each answered, the
+fingerprints of recent ones) and the quarantine (quarantine.py: failed checks per participant); a suspended
+participant's groups are held out of the buffer, now and whenever they would come back to it.
+
 The duplicate window. A resubmitted group must be answered `duplicate` for as long as it could
 otherwise be trained again. A group whose policy_version is below latest - max_staleness is answered
 `stale` on arrival whether or not it came before, and is never buffered or leased: so the ids worth
@@ -23,12 +28,14 @@ from itertools import islice
 from typing import Any
 
 from pacing import Pacer
+from quarantine import Quarantine
+from receipts import Receipts
 
 BATCHES = 1024  # acked and expired batch ids remembered, each
 COUNTED = ("groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_leased", "groups_acked",
-           "batches_leased", "batches_acked", "leases_expired")  # what the journal implies (429s it does not)
+           "batches_leased", "batches_acked", "leases_expired", "groups_held_out")  # what the journal implies (429s it does not)
 
-Entry = namedtuple("Entry", "gid version raw")   # a group as the live proxy holds it: the line it logged
+Entry = namedtuple("Entry", "gid version raw who", defaults=(None,))  # a group as the live proxy holds it: the line it logged
 Held = namedtuple("Held", "items lease_s ids")   # an open lease: its groups, its duration, the ids it named
 
 
@@ -124,6 +131,8 @@ class Book:
         self.counts = dict.fromkeys(COUNTED, 0)
         self.staleness_hist: dict[int, int] = {}             # staleness at lease -> groups
         self.pacing = Pacer(max_staleness)                   # grants of prompts, the trainer's demand (pacing.py)
+        self.receipts = Receipts()                           # prompt leases answered, fingerprints (receipts.py)
+        self.quarantine = Quarantine()                       # failed checks, suspensions (quarantine.py)
 
     @property
     def latest(self) -> int:
@@ -148,6 +157,9 @@ class Book:
         self.counts["groups_accepted"] += 1
         if self.too_stale(item.version):
             self.counts["groups_dropped_stale"] += 1
+            return False
+        if self.quarantine.held(item.who):  # its sender was suspended while its line was being written
+            self.counts["groups_held_out"] += 1
             return False
         self.window.add(item.gid, item.version)
         self.buffer[item.gid] = item
@@ -212,7 +224,32 @@ class Book:
         self.done = final
         dropped = self.drop_stale()
         self.window.advance(self.latest - self.max_staleness)
+        self.receipts.advance(self.window.floor)
         return dropped
+
+    def receive(self, gid: str, fp: str, lease_id: str | None = None, index: int | None = None) -> None:
+        """The receipt of group `gid`, journaled right after its line: the prompt lease index it used up, and (if
+        it was buffered) its fingerprint. (The live proxy takes the index before the write: receipts.take.)"""
+        self.receipts.take(gid, lease_id, index)
+        self.remember(gid, fp)
+
+    def remember(self, gid: str, fp: str) -> None:
+        if gid in self.window:
+            self.receipts.remember(fp, gid, self.window.ids[gid])
+
+    def fail(self, who: str, gid: str, check: str, detail: str, limit: int, at: float) -> bool:
+        """A group of `who` failed `check`; past `limit` failures `who` is suspended and its buffered groups are
+        held out. True when this suspended it."""
+        if not self.quarantine.fail(who, gid, check, detail, limit, at):
+            return False
+        held = [g for g, it in self.buffer.items() if it.who == who]
+        for g in held:
+            del self.buffer[g]
+        self.counts["groups_held_out"] += len(held)
+        return True
+
+    def reinstate(self, who: str, at: float) -> None:
+        self.quarantine.reinstate(who, at)
 
     # ---- undoing a transition whose journal write failed (the live proxy: nothing changed) -------------
     def unlease(self, bid: str, latest: int) -> None:
@@ -245,6 +282,9 @@ class Book:
 
     def _to_front(self, items: list) -> None:
         for it in reversed(items):
+            if self.quarantine.held(it.who):  # a suspended participant's groups never come back
+                self.counts["groups_held_out"] += 1
+                continue
             self.buffer[it.gid] = it
             self.buffer.move_to_end(it.gid, last=False)
 
@@ -258,7 +298,8 @@ class Book:
                 "expired": [[b, n] for b, n in self.expired.items()],
                 "versions": self.versions.state(), "done": self.done, "counts": dict(self.counts),
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-                "pacing": self.pacing.book_state()}
+                "pacing": self.pacing.book_state(),
+                "receipts": self.receipts.state(), "quarantine": self.quarantine.state()}
 
     @classmethod
     def adopt(cls, live: dict, max_staleness: int, lease_s: float) -> Book:
@@ -268,6 +309,7 @@ class Book:
         book.versions, book.done, book.staleness_hist = live["versions"], live["done"], live["staleness_hist"]
         book.leases = {b: Held(items, s, ids) for b, (items, s, ids) in live["leases"].items()}
         book.holder = {g: b for b, h in book.leases.items() for g in h.ids}
-        book.counts = {k: live["counters"][k] for k in COUNTED}
+        book.counts = {k: live["counters"].get(k, 0) for k in COUNTED}
+        book.receipts, book.quarantine = live["receipts"], live["quarantine"]
         book.pacing = Pacer.from_state(live.get("pacing"), max_staleness)
         return book

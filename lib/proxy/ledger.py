@@ -16,7 +16,8 @@ Memory. Everything here is bounded by the run's settings, not its length: the bu
 (--max-buffer, a group's place named by the commit that holds its line, not its bytes), the window
 (the groups accepted at the last max_staleness + 1 versions), the last BATCHES acked and expired batch
 ids (a retried ack answers 409/410, not 404), registered versions as ranges, the workers table
-(participants.py), the prompt cursors (prompts.py).
+(participants.py), the prompt cursors (prompts.py), the open prompt leases and the window's fingerprints
+(receipts.py), one quarantine entry per participant (quarantine.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from book import BATCHES, Book, Entry, Held, Recent, Versions, Window  # noqa: F
 from pacing import Pacer
 from participants import Senders, worker_key
 from prompts import Cursors
+from quarantine import Quarantine
+from receipts import Receipts
 
 FORMAT = 1      # of to_snapshot()'s dict; a start refuses another (and replays every commit instead)
 
@@ -38,7 +41,7 @@ FORMAT = 1      # of to_snapshot()'s dict; a start refuses another (and replays 
 HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
 TAIL = re.compile(rb',"participant":"([a-z0-9_-]+)"\}\s*$')  # appended by the proxy to a participant's group
 
-Ref = namedtuple("Ref", "gid version key raw")        # a group as the ledger holds it: which commit holds its line
+Ref = namedtuple("Ref", "gid version key raw who")    # a group as the ledger holds it: which commit holds its line
 
 
 def position(key: str) -> tuple[int, int]:
@@ -107,7 +110,7 @@ class Ledger(Book):
             return
         participant, worker = tail[1].decode() if tail else None, m[2].decode()
         self.senders.touch(participant, worker, self.at, groups=1, live=False)
-        self.accept(Ref(gid, version, key, line if self.keep_raw else None))
+        self.accept(Ref(gid, version, key, line if self.keep_raw else None, participant))
         self.pacing.arrived(worker_key(participant, worker))
 
     def event(self, e: dict) -> None:
@@ -140,6 +143,16 @@ class Ledger(Book):
             self.pacing.demand = e["groups_left"]
         elif t == "duplicate":
             self.counts["groups_duplicate"] += 1
+        elif t == "prompts":  # a prompt lease and whom it went to (receipts.py)
+            self.receipts.bind(e["lease_id"], e.get("participant"), e["dataset"], e["indices"], e["latest"])
+        elif t == "receipt":  # what a group accepted in the same commit used up
+            self.receive(e["group_id"], e["fp"], e.get("lease_id"), e.get("index"))
+        elif t == "checked":  # the trainer audited these many groups of each participant (quarantine.py)
+            self.quarantine.checked(e["counts"])
+        elif t == "failed":
+            self.fail(e["participant"], e["group_id"], e["check"], e["detail"], e["limit"], e["at"])
+        elif t == "reinstate":
+            self.reinstate(e["participant"], e["at"])
         elif t == "counters":
             self.trailer = {"counters": dict(e.get("counters", {})), "staleness_hist": dict(e.get("staleness_hist", {}))}
 
@@ -147,7 +160,7 @@ class Ledger(Book):
     def to_snapshot(self) -> dict:
         """The state after commit `covers`, as plain JSON values that share nothing with the ledger (taken on
         the event loop between two commits; encoded and written in a thread while the ledger moves on)."""
-        ref = lambda r: [r.gid, r.version, r.key]  # noqa: E731
+        ref = lambda r: [r.gid, r.version, r.key, r.who]  # noqa: E731
         return {"format": FORMAT, "covers": self.covers, "commits": self.commits, "at": self.at,
                 "buffer": [ref(r) for r in self.buffer.values()],
                 "leases": [[b, [ref(r) for r in h.items], h.lease_s, list(h.ids)] for b, h in self.leases.items()],
@@ -158,7 +171,8 @@ class Ledger(Book):
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()}, "legacy_hist": self.legacy_hist,
                 "pacing": self.pacing.state(),
                 "trailer": json.loads(json.dumps(self.trailer)), "tip": list(self.tip),
-                "fenced": {str(k): v for k, v in self.fenced.items()}}
+                "fenced": {str(k): v for k, v in self.fenced.items()},
+                "receipts": self.receipts.state(), "quarantine": self.quarantine.state()}
 
     @classmethod
     def from_snapshot(cls, d: dict, max_staleness: int, lease_s: float, max_workers: int = 4096,
@@ -166,7 +180,7 @@ class Ledger(Book):
         if d.get("format") != FORMAT:
             raise ValueError(f"snapshot format {d.get('format')!r}, this proxy reads {FORMAT}")
         led = cls(max_staleness, lease_s, max_workers, max_datasets, keep_raw)
-        ref = lambda x: Ref(x[0], x[1], x[2], None)  # noqa: E731
+        ref = lambda x: Ref(x[0], x[1], x[2], None, x[3] if len(x) > 3 else None)  # noqa: E731 - [3]: since trust checks
         led.covers, led.commits, led.at = d["covers"], d["commits"], d["at"]
         led.buffer = OrderedDict((x[0], ref(x)) for x in d["buffer"])
         led.leases = {b: Held([ref(x) for x in refs], lease_s_, ids) for b, refs, lease_s_, ids in d["leases"]}
@@ -181,6 +195,7 @@ class Ledger(Book):
         led.legacy_hist, led.trailer = d["legacy_hist"], d["trailer"]
         led.pacing = Pacer.from_state(d.get("pacing"), max_staleness, max_workers)  # a snapshot from before pacing: none
         led.fenced = {int(k): v for k, v in d.get("fenced", {}).items()}
+        led.receipts, led.quarantine = Receipts.from_state(d.get("receipts")), Quarantine.from_state(d.get("quarantine"))
         if "tip" in d:
             led.tip = tuple(d["tip"])
         elif led.covers:  # a snapshot from before fences: the writer of the commit it covers
@@ -206,7 +221,7 @@ class Ledger(Book):
             for line in blob.splitlines():
                 if line.startswith(b'{"group_id"') and (gid := HEAD.match(line)[1].decode()) in missing:
                     lines[gid] = line
-        entry = lambda r: Entry(r.gid, r.version, r.raw if r.raw is not None else lines.get(r.gid))  # noqa: E731
+        entry = lambda r: Entry(r.gid, r.version, r.raw if r.raw is not None else lines.get(r.gid), r.who)  # noqa: E731
         lost = [gid for gid in missing if gid not in lines]
         snap = self.to_snapshot()
         return {"buffer": OrderedDict((g, entry(r)) for g, r in self.buffer.items() if g not in lost),
@@ -217,6 +232,7 @@ class Ledger(Book):
                 "versions": Versions.from_state(snap["versions"]), "done": self.done, "cursors": snap["cursors"],
                 "senders": Senders.from_state(snap["senders"], self.max_workers), "counters": self.counters(),
                 "pacing": snap["pacing"],
+                "receipts": Receipts.from_state(snap["receipts"]), "quarantine": Quarantine.from_state(snap["quarantine"]),
                 "staleness_hist": ({int(k): v for k, v in self.trailer.get("staleness_hist", {}).items()} if self.legacy_hist
                                    else dict(self.staleness_hist))}
 

@@ -1,0 +1,292 @@
+"""The trainer's audit of what participants send (docs/trust.md). The proxy checks what it can on arrival (a
+group answers a prompt lease of its sender's, once, and is no replay: lib/proxy/receipts.py); what needs the
+task, the tokenizer and the model is checked here, on every batch, before the step trains on it:
+
+  prompt    the group's prompt_ids are the chat-formatted prompt the proxy leased it (its dataset, as the proxy
+            recorded it, is this run's task; its index one of the task's);
+  reward    each completion's reward is the task's own reward of its decoded text (a --audit.reward-share of
+            groups; by default all: decoding and the task's check cost milliseconds);
+  logprobs  the behaviour logprobs are those of the version that sampled each token, recomputed with that
+            version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
+            otherwise): a --audit.logprob-share of groups, one forward each. Groups on-policy to the weights the
+            trainer holds are checked in the step's own forward instead, every one of them (train.train_step
+            hands their deviations to `onpolicy`); a participant that failed any check has every group checked.
+
+Only groups of participants (a `participant` in the leased group: a token other than the run's admin token)
+are audited. A group that fails is left out of the step and reported (`POST /v1/batches/{id}/audit`): the
+proxy counts it against its participant and past --quarantine-after suspends it; the groups of a suspended
+participant still in the batch are left out too. What the audit costs is `perf/audit_s` in the trainer's
+metrics; what it cannot check (that tokens were *sampled*, not chosen) is in docs/trust.md.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from common import AdapterError, BucketError, fetch_adapter, token_versions
+from models import completion_logprobs, encode_prompt, pad_right, peft_calls
+from proxy_client import ProxyClient, ProxyError
+from tasks import load_task
+
+
+@dataclass
+class Options:
+    """The audit of participants' groups (train.py --audit.*)."""
+    enabled: bool = True
+    """audit the groups of participants (tokens other than the run's admin token; the run's own are never audited)"""
+    reward_share: float = 1.0
+    """share of their groups whose rewards are re-scored with the task's reward function"""
+    logprob_share: float = 0.25
+    """share of their groups whose behaviour logprobs are recomputed under the version that sampled them (a
+    forward each; groups on-policy to the trainer's weights are all checked in its own forward, at no cost)"""
+    max_dev_mean: float = 1e-3
+    """a group fails when its mean |sent - recomputed logprob| over its sampled tokens is above this (the hf
+    engine's floor on CPU: 2.4e-6; the vLLM CPU lane's: ~5e-6; a bf16 GPU engine's is larger: set this above it)"""
+    max_dev_token: float = 0.05
+    """... or when one token's is above this (hf on CPU: at most 1.9e-5 measured)"""
+    reward_tol: float = 1e-6
+    """a re-scored reward may differ from the one sent by this much"""
+
+
+def sampled(c: dict) -> list[int]:
+    """1 for each token the policy sampled, 0 for an episode's environment tokens."""
+    return c.get("mask") or [1] * len(c["token_ids"])
+
+
+def versions_sampled(g: dict) -> set[int]:
+    """The adapter versions that sampled a group's tokens (its policy_version, or its completions' runs)."""
+    return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled(c)) if m}
+
+
+class Weights:
+    """The LoRA tensors of recent versions, to recompute logprobs under the very version that sampled them:
+    those this trainer published (the last `keep`, a few MB each), others read from the bucket and checked
+    against their meta.json (a restarted trainer, a version of a trainer before it). Version 0 is the base
+    model: every LoRA tensor zero."""
+
+    def __init__(self, bucket, keep: int = 4):
+        self.bucket, self.keep, self.kept = bucket, keep, OrderedDict()
+
+    @staticmethod
+    def live(model) -> dict[str, torch.Tensor]:
+        """The model's LoRA tensors by their names in adapter_model.safetensors (sharing the parameters' storage)."""
+        with peft_calls():
+            from peft import get_peft_model_state_dict
+            return get_peft_model_state_dict(model)
+
+    def remember(self, version: int, model) -> None:
+        """The weights `model` holds are version `version`'s (just published)."""
+        self._keep(version, {k: t.detach().to("cpu", copy=True) for k, t in self.live(model).items()})
+
+    def _keep(self, version: int, tensors: dict) -> dict:
+        self.kept[version] = tensors
+        self.kept.move_to_end(version)
+        while len(self.kept) > self.keep:
+            self.kept.popitem(last=False)
+        return tensors
+
+    def get(self, version: int, model) -> dict | None:
+        """Version `version`'s tensors, or None when the bucket has no such version that verifies."""
+        if version in self.kept:
+            return self.kept[version]
+        if version == 0:
+            return self._keep(0, {k: torch.zeros_like(t, device="cpu") for k, t in self.live(model).items()})
+        from safetensors.torch import load_file
+        try:
+            with tempfile.TemporaryDirectory() as d:
+                fetch_adapter(self.bucket, version, d)
+                return self._keep(version, load_file(f"{d}/adapter_model.safetensors"))
+        except (AdapterError, BucketError) as e:
+            print(f"audit: version {version} cannot be read back ({e}): its groups' logprobs go unchecked", file=sys.stderr)
+            return None
+
+    @contextmanager
+    def swapped(self, model, tensors: dict):
+        """`model` computing with `tensors` inside the block, its own weights restored bit for bit after."""
+        live = self.live(model)
+        if set(tensors) != set(live):
+            raise AdapterError(f"another LoRA layout ({len(tensors)} tensors, this model has {len(live)})")
+        mine = {k: t.detach().clone() for k, t in live.items()}
+        try:
+            with torch.no_grad():
+                for k, t in live.items():
+                    t.copy_(tensors[k])
+            yield model
+        finally:
+            with torch.no_grad():
+                for k, t in live.items():
+                    t.copy_(mine[k])
+
+
+class Auditor:
+    def __init__(self, opts: Options, task: str, tok, bucket, client: ProxyClient, micro_groups: int,
+                 temperature_of, trains, say=print):
+        """temperature_of(group): the temperature train_step scores it at (None: it cannot); trains(group): whether
+        train_step trains on it (its on-policy tokens are then checked in that forward)."""
+        self.opts, self.task_name, self.tok, self.client, self.say = opts, task, tok, client, say
+        self.micro, self.temperature_of, self.trains = max(1, micro_groups), temperature_of, trains
+        self.weights = Weights(bucket)
+        self.rng = random.SystemRandom()  # which groups are audited: nothing a participant can predict
+        self.suspects: set[str] = set()    # participants with a failed check: every group of theirs is audited
+        self.reports = True                # False: the proxy has no audit route (an older proxy.py)
+        self._task = None
+
+    @property
+    def task(self):
+        if self._task is None:  # loaded at the first participant's group: a run of the admin's own workers needs none
+            self._task = load_task(self.task_name)
+        return self._task
+
+    # ---- the checks ----------------------------------------------------------------------------------
+    def prompt_problem(self, g: dict) -> str | None:
+        ds, i = g.get("prompt_dataset"), g.get("prompt_index")
+        if ds != self.task.name or not isinstance(i, int):
+            return f"it answers a prompt of dataset {ds!r} (lease {g.get('lease_id')}), this run's task is {self.task.name!r}"
+        if not 0 <= i < len(self.task.prompts):
+            return f"prompt index {i} is not one of task {self.task.name}'s {len(self.task.prompts)}"
+        if g["prompt_ids"] != (want := encode_prompt(self.tok, self.task.prompts[i])):
+            return (f"its prompt_ids ({len(g['prompt_ids'])} tokens) are not the chat-formatted prompt {i} it was leased "
+                    f"({len(want)} tokens)")
+        return None
+
+    def reward_problem(self, g: dict) -> str | None:
+        task, i = self.task, g["prompt_index"]
+        for k, c in enumerate(g["completions"]):
+            if hasattr(task, "episode_reward"):  # an environment scores its own episodes
+                r = task.episode_reward(self.tok, c, i)
+            elif 0 in sampled(c):
+                return f"completion {k} has environment tokens, but task {task.name} is single-turn"
+            else:
+                r = task.reward(self.tok.decode(c["token_ids"], skip_special_tokens=True), i)[0]
+            if abs(r - c["reward"]) > self.opts.reward_tol:
+                return f"completion {k} claims reward {c['reward']:g}; the task's reward of its text is {r:g}"
+        return None
+
+    def deviation(self, dev_sum: float, dev_max: float, n: int) -> str | None:
+        mean = dev_sum / max(n, 1)
+        if mean > self.opts.max_dev_mean or dev_max > self.opts.max_dev_token:
+            return (f"its behaviour logprobs differ from those recomputed under the version that sampled them by "
+                    f"{mean:.2e} on average over {n} sampled tokens, {dev_max:.2e} at most (limits "
+                    f"{self.opts.max_dev_mean:g}, {self.opts.max_dev_token:g})")
+        return None
+
+    def recompute(self, model, groups: list[dict], version: int, fresh: bool) -> tuple[dict[str, list], int]:
+        """{group_id: [sum |dev|, max |dev|, tokens]} over each group's sampled tokens, each under the version that
+        sampled it; and how many groups had a version whose weights are gone."""
+        acc = {g["group_id"]: [0.0, 0.0, 0] for g in groups}
+        need: dict[int, list[dict]] = {}
+        for g in groups:
+            for v in versions_sampled(g):
+                need.setdefault(v, []).append(g)
+        lost = set()
+        for v in sorted(need, key=lambda v: (not (fresh and v == version), v)):  # the weights we hold first: no swap
+            if fresh and v == version:
+                self._compare(model, need[v], v, acc)
+                continue
+            tensors = self.weights.get(v, model)
+            if tensors is None:
+                lost |= {g["group_id"] for g in need[v]}
+                continue
+            with self.weights.swapped(model, tensors):
+                self._compare(model, need[v], v, acc)
+        return acc, len(lost)
+
+    def _compare(self, model, groups: list[dict], v: int, acc: dict) -> None:
+        for s in range(0, len(groups), self.micro):
+            mb = [g for g in groups[s:s + self.micro] if self.temperature_of(g) is not None]
+            if not mb:
+                continue
+            comps = [c for g in mb for c in g["completions"]]
+            temps = [self.temperature_of(g) for g in mb for _ in g["completions"]]
+            with torch.no_grad():
+                logp, mask = completion_logprobs(model, [g["prompt_ids"] for g in mb], [c["token_ids"] for c in comps],
+                                                 temps, pad=0)
+            sent = pad_right([[0.0 if x is None else x for x in c["logprobs"]] for c in comps], 0.0, dtype=torch.float32)[0]
+            mine = pad_right([[int(m and t == v) for t, m in zip(token_versions(c, g["policy_version"]), sampled(c))]
+                              for g in mb for c in g["completions"]], 0)[0].bool()
+            dev = (logp.float().cpu() - sent).abs() * (mask.cpu().bool() & mine)
+            G = len(mb[0]["completions"])
+            for j, g in enumerate(mb):
+                rows, a = slice(j * G, (j + 1) * G), acc[g["group_id"]]
+                a[0] += dev[rows].sum().item()
+                a[1] = max(a[1], dev[rows].max().item())
+                a[2] += int((mask.cpu().bool() & mine)[rows].sum())
+
+    # ---- a batch -------------------------------------------------------------------------------------
+    def check(self, got: dict, groups: list[dict], model, version: int, fresh: bool) -> tuple[list[dict], dict]:
+        """The groups of a leased batch to train on, and the audit's metrics. `fresh`: the model holds exactly
+        version `version`'s weights (nothing trained since it was published)."""
+        theirs = [g for g in groups if g.get("participant")] if self.opts.enabled else []
+        if not theirs:
+            return groups, {}
+        t0, failed = time.perf_counter(), {}
+        for g in theirs:
+            suspect = g["participant"] in self.suspects
+            if why := self.prompt_problem(g):
+                failed[g["group_id"]] = ("prompt", why)
+            elif (suspect or self.rng.random() < self.opts.reward_share) and (why := self.reward_problem(g)):
+                failed[g["group_id"]] = ("reward", why)
+        # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled
+        free = lambda g: fresh and self.trains(g) and versions_sampled(g) == {version}  # noqa: E731
+        audit = [g for g in theirs if g["group_id"] not in failed and not free(g)
+                 and (g["participant"] in self.suspects or self.rng.random() < self.opts.logprob_share)]
+        devs, lost = self.recompute(model, audit, version, fresh)
+        worst = [0.0, 0.0]
+        for gid, (s, mx, n) in devs.items():
+            worst = [max(worst[0], s / max(n, 1)), max(worst[1], mx)]
+            if why := self.deviation(s, mx, n):
+                failed[gid] = ("logprobs", why)
+        kept = self.report(got["batch_id"], [g["group_id"] for g in theirs], failed, groups)
+        row = {"audit/groups": len(theirs), "audit/failed": len(failed), "audit/logprob_groups": len(devs),
+               "audit/onpolicy_groups": sum(map(free, theirs)), "audit/logprob_unavailable": lost,
+               "audit/logprob_dev_mean_max": worst[0], "audit/logprob_dev_max": worst[1],
+               "audit/left_out": len(groups) - len(kept), "perf/audit_s": time.perf_counter() - t0,
+               **{f"audit/failed_{c}": [x for x, _ in failed.values()].count(c) for c in ("prompt", "reward", "logprobs")}}
+        return kept, row
+
+    def onpolicy(self, got: dict, groups: list[dict], devs: dict[int, tuple]) -> set[str]:
+        """Judge the deviations train_step measured in its own forward ({index in groups: (sum, max, tokens)} of
+        tokens the weights it holds sampled); reports the participants' groups that fail. Returns their ids and
+        those of every group of a participant now quarantined (the step is then taken again without them)."""
+        failed = {groups[i]["group_id"]: ("logprobs", why) for i, d in devs.items()
+                  if groups[i].get("participant") and (why := self.deviation(*d))}
+        if not failed:
+            return set()
+        kept = self.report(got["batch_id"], [], failed, groups)
+        return {g["group_id"] for g in groups} - {g["group_id"] for g in kept}
+
+    def report(self, batch_id: str, checked: list[str], failed: dict[str, tuple], groups: list[dict]) -> list[dict]:
+        """Tell the proxy; returns the groups left to train on (not failed, not of a participant now quarantined)."""
+        held = set()
+        for gid, (check, why) in failed.items():
+            who = next(g["participant"] for g in groups if g["group_id"] == gid)
+            self.suspects.add(who)
+            self.say(f"audit: group {gid} of participant {who!r} failed the {check} check: {why}")
+        if self.reports:
+            body = {"checked": checked, "failures": [{"group_id": g, "check": c, "detail": w[:2000]} for g, (c, w) in failed.items()]}
+            try:
+                for who, p in self.client.post(f"/v1/batches/{batch_id}/audit", body)["participants"].items():
+                    if p["quarantined"]:
+                        held.add(who)
+                    if p["failed"]:
+                        self.suspects.add(who)
+            except ProxyError as e:
+                if e.status == 404 and e.detail == "Not Found":
+                    self.say("audit: this proxy takes no audit reports (an older proxy.py): failed groups are left out, "
+                             "nobody is quarantined")
+                    self.reports = False
+                else:
+                    self.say(f"audit: report on batch {batch_id} refused: {e}")
+            except httpx.HTTPError as e:  # stopping: the groups are left out all the same
+                self.say(f"audit: report on batch {batch_id} not delivered ({type(e).__name__})")
+        for who in held:
+            self.say(f"audit: participant {who!r} is quarantined now: its groups in this batch are left out")
+        return [g for g in groups if g["group_id"] not in failed and g.get("participant") not in held]

@@ -1,0 +1,323 @@
+"""Trust but verify (docs/trust.md): what the proxy checks of a participant's group on arrival (it names a
+prompt lease of its sender's, answers it once, and is not another group's completions sent again), how the
+trainer's audit reports land, and the quarantine: automatic past --quarantine-after, with its reason in
+/v1/stats, /metrics and the journal, a 403 on every route, surviving a restart, lifted by the owner."""
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+
+from conftest import ROOT, stop
+from proxyproc import Worker, metric, spawn, wait_for  # noqa: F401 - spawn is a fixture
+from runlib import journal
+from test_proxy import group, publish
+from test_proxy_access import as_, create, leased, own, own_group
+
+
+def answer(client, g: dict) -> tuple[int, str]:
+    r = client.post("/v1/groups", json=g)
+    return r.status_code, (r.json()["status"] if r.status_code == 200 else r.json()["detail"])
+
+
+def test_the_proxy_binds_groups_to_their_leases_and_quarantines_a_liar_across_a_restart(bucket, spawn):
+    p = spawn("--quarantine-after", "5")
+    publish(bucket, p, 1)
+    alice, mallory = as_(p, create(p, "alice")), as_(p, create(p, "mallory"))
+    honest = own_group(alice, version=1)
+    assert answer(alice, honest) == (200, "accepted")
+    assert answer(p.http, group(version=1)) == (200, "accepted")  # the run's own jobs need no lease
+
+    # a participant's group without a lease: refused, not counted (a schema rule, not a lie)
+    code, why = answer(mallory, own(group(version=1)))
+    assert code == 422 and "must name the prompt lease" in why, why
+    # the lies the proxy sees, each a 409 naming it, each counted against mallory
+    lies = {
+        "unleased": own(group(version=1, lease_id=uuid.uuid4().hex, prompt_index=3)),             # a lease never handed out
+        "unleased ": own(group(version=1, **leased(alice)[0])),                                   # alice's lease
+        "unleased  ": own(group(version=1, **{**leased(mallory)[0], "prompt_index": 10**6})),     # not an index of hers
+    }
+    mine = own(group(version=1, **leased(mallory)[0]))
+    assert answer(mallory, mine) == (200, "accepted")  # an honest one of hers, first
+    lies["reused"] = own({**mine, "group_id": uuid.uuid4().hex})                                  # that prompt again
+    lies["replayed"] = {**honest, "group_id": uuid.uuid4().hex, **leased(mallory)[0]}             # alice's completions
+    for n, (check, g) in enumerate(lies.items(), 1):
+        code, why = answer(mallory, g)
+        if n < 5:
+            assert code == 409 and why.startswith(check.strip() + ":") and "counted against this participant" in why, (check, why)
+        else:  # the fifth failed check: quarantined by it
+            assert code == 409 and why.startswith("replayed:") and "now quarantined" in why, why
+    # quarantined: every route refuses her token with the reason; her buffered group is held out; alice is fine
+    r = mallory.get("/v1/adapters/latest")
+    assert r.status_code == 403 and "mallory" in r.text and "quarantined: 5 failed checks (limit 5)" in r.text, r.text
+    assert "--token-reinstate mallory" in r.text
+    assert mallory.post("/v1/prompts/lease", json={"dataset": "prompts", "size": 10, "n": 1}).status_code == 403
+    assert answer(alice, own_group(alice, version=1)) == (200, "accepted")
+    s = p.stats()
+    assert set(s["quarantined"]) == {"mallory"} and "replayed" in s["quarantined"]["mallory"]
+    checks = s["participants"]["mallory"]["checks"]
+    assert checks["failed"] == 5 and checks["by_check"] == {"unleased": 3, "reused": 1, "replayed": 1}, checks
+    assert s["participants"]["alice"]["checks"]["failed"] == 0 and s["groups_held_out"] == 1
+    assert metric(p, "proxy_participant_quarantined", check="replayed", participant="mallory") == 1
+    assert metric(p, "proxy_participant_checks_failed", check="unleased", participant="mallory") == 3
+    got = p.http.post("/v1/batches/lease", json={"num_groups": 3}).json()["groups"]  # all there is
+    assert sorted(g.get("participant") or "admin" for g in got) == ["admin", "alice", "alice"]  # nothing of hers
+
+    # the journal says why, and nothing of what was accepted is lost
+    groups, events = journal(bucket)
+    assert {g["group_id"] for g in groups} >= {honest["group_id"], mine["group_id"]}
+    failed = [e for e in events if e["t"] == "failed"]
+    assert [e["check"] for e in failed] == ["unleased"] * 3 + ["reused", "replayed"] and all(e["participant"] == "mallory" for e in failed)
+
+    # a restart (SIGKILL: no snapshot on the way out) suspends exactly her, and the owner lets her back in
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    q = spawn("--quarantine-after", "5", token=p.token)
+    mallory = as_(q, mallory.headers["x-proxy-token"])
+    assert mallory.get("/v1/whoami").status_code == 403
+    assert q.stats()["participants"]["mallory"]["checks"]["by_check"] == checks["by_check"]
+    code, why = answer(mallory, own(group(version=1, lease_id=uuid.uuid4().hex, prompt_index=0)))
+    assert code == 403 and "quarantined" in why
+    env = {**os.environ, "PROXY_TOKEN": q.token}
+    out = subprocess.run(["bash", str(ROOT / "launch_jobs.sh"), "--token-reinstate", "mallory", "--proxy-url", q.url],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "participant mallory reinstated" in out.stdout, out.stdout + out.stderr
+    assert answer(mallory, own_group(mallory, version=1)) == (200, "accepted")
+    assert "mallory" not in q.stats()["quarantined"] and q.stats()["participants"]["mallory"]["checks"]["failed"] == 0
+    assert q.http.post("/v1/participants/mallory/reinstate").status_code == 409  # not quarantined: says so
+    assert q.http.post("/v1/participants/nobody/reinstate").status_code == 404
+    assert as_(q, create(q, "eve", "trainer")).post("/v1/participants/mallory/reinstate").status_code == 403
+    # the prompt leases survived the restart too: the one she answered honestly stays answered
+    code, why = answer(mallory, own({**mine, "group_id": uuid.uuid4().hex}))
+    assert code == 409 and why.startswith("reused:"), why
+
+
+def test_the_trainers_audit_report_counts_against_the_sender_as_the_proxy_recorded_it(bucket, spawn):
+    p = spawn("--quarantine-after", "2")
+    publish(bucket, p, 1)
+    alice, bob = as_(p, create(p, "alice")), as_(p, create(p, "bob"))
+    trainer = as_(p, create(p, "lab", "trainer"))
+    sent = [own_group(alice, version=1), own_group(bob, version=1), own_group(bob, version=1), group(version=1)]
+    for g, c in zip(sent, [alice, bob, bob, p.http]):
+        assert answer(c, g) == (200, "accepted")
+    got = trainer.post("/v1/batches/lease", json={"num_groups": 2}).json()  # alice's and one of bob's
+    ids = [g["group_id"] for g in got["groups"]]
+    report = lambda body, b=got["batch_id"]: trainer.post(f"/v1/batches/{b}/audit", json=body)  # noqa: E731
+    # what is not a group of that batch, or is the admin's, is refused and changes nothing
+    r = report({"checked": [sent[2]["group_id"]]})
+    assert r.status_code == 422 and "not groups of batch" in r.text
+    assert alice.post(f"/v1/batches/{got['batch_id']}/audit", json={"checked": ids}).status_code == 403
+    r = report({"checked": ids, "failures": [{"group_id": ids[1], "check": "reward", "detail": "claims 1, is 0"}]})
+    assert r.status_code == 200, r.text
+    standing = r.json()["participants"]
+    assert standing["alice"]["checked"] == 1 and standing["alice"]["failed"] == 0
+    assert standing["bob"]["failed"] == 1 and standing["bob"]["quarantined"] is None
+    assert p.http.post(f"/v1/batches/{got['batch_id']}/ack").status_code == 200
+    got = trainer.post("/v1/batches/lease", json={"num_groups": 2}).json()  # bob's other one and the admin's
+    bobs = next(g["group_id"] for g in got["groups"] if g.get("participant") == "bob")
+    ours = next(g["group_id"] for g in got["groups"] if not g.get("participant"))
+    r = report({"failures": [{"group_id": ours, "check": "reward", "detail": "x"}]}, got["batch_id"])
+    assert r.status_code == 422 and "admin token" in r.text
+    r = report({"checked": [bobs], "failures": [{"group_id": bobs, "check": "logprobs", "detail": "off by 0.7"}]}, got["batch_id"])
+    assert r.json()["participants"]["bob"]["quarantined"]["check"] == "logprobs", r.text
+    assert "off by 0.7" in p.stats()["quarantined"]["bob"] and bob.get("/v1/whoami").status_code == 403
+    _, events = journal(bucket)
+    assert [(e["check"], e["group_id"]) for e in events if e["t"] == "failed"] == [("reward", ids[1]), ("logprobs", bobs)]
+    assert sum(e["counts"].get("alice", 0) for e in events if e["t"] == "checked") == 1
+
+
+def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) -> None:
+    """A participant that lies in each way in turn, each once, waiting (bounded) for each lie to be caught
+    before the next: its rewards inflated, its prompt tokens not those of the prompt leased, its behaviour
+    logprobs made up (these three the trainer's audit catches), then a group on a lease never handed out, a
+    prompt answered twice, and an honest participant's group sent again as its own (the proxy catches those).
+    Its completions are real tokens of a text whose reward it computes with the task, as an honest worker would."""
+    from models import encode_prompt
+    from tasks import load_task
+    task, count = load_task("addition"), itertools.count()
+    me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
+    failed = lambda: owner.stats()["participants"]["mallory"].get("checks", {}).get("failed", 0)  # noqa: E731 - the owner's view
+
+    def lease() -> tuple[dict, int]:
+        got = me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
+        return {"lease_id": got["lease_id"], "prompt_index": got["indices"][0]}, got["indices"][0]
+
+    def crafted(version: int, inflate=False, other_prompt=False, logprobs=None) -> dict:
+        lease_, i = lease()
+        text = "I think the answer is 7"
+        ids = tok.encode(text, add_special_tokens=False)
+        honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+        nth = next(count)  # each group's completions its own: the same ones again would be refused as a replay
+        comps = [{"token_ids": ids, "logprobs": [(logprobs or -11.0) - 0.01 * k - 1e-4 * nth] * len(ids),
+                  "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(4)]
+        comps[0]["logprobs"] = [x - 0.5 for x in comps[0]["logprobs"]]  # not all alike
+        p = encode_prompt(tok, task.prompts[(i + 1) % len(task.prompts) if other_prompt else i])
+        return {"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": version, **lease_,
+                "prompt_ids": p, "completions": comps, "meta": {"task": task.name, "prompt_index": i, "temperature": 1.0}}
+
+    def lie(kind: str, make) -> dict:
+        """Send make()'s group; one the proxy takes must be caught by the trainer. A group that went stale while
+        waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
+        never audited: made and sent afresh."""
+        for _ in range(8):
+            g, before = make(), failed()
+            r = wait_for(lambda: (r := me.post("/v1/groups", json=g)).status_code != 429 and r, 120, every=0.5,
+                         msg="room in the buffer")  # the honest worker keeps it full: 429 until the trainer leases
+            if r.status_code == 409:
+                break
+            assert r.status_code == 200 and r.json()["status"] in ("accepted", "stale"), r.text
+            if r.json()["status"] == "stale":  # it waited for room while the trainer moved on: made afresh
+                continue
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: failed() > before, 60, every=0.5, msg=f"the trainer catching the {kind} lie")
+                break
+        said.append((kind, r.status_code, r.text))
+        assert failed() > before, f"the {kind} lie was not caught"
+        return g
+
+    latest = lambda: me.get("/v1/adapters/latest").json()["version"]  # noqa: E731
+    wait_for(lambda: latest() >= 1, 240, every=0.5, msg="version 1")
+    lie("reward", lambda: crafted(latest(), inflate=True))
+    lie("prompt", lambda: crafted(latest(), other_prompt=True))
+    answered = lie("logprobs", lambda: crafted(latest(), logprobs=-0.05))
+    lie("unleased", lambda: {**crafted(latest()), "lease_id": uuid.uuid4().hex})
+    lie("reused", lambda: {**answered, "group_id": uuid.uuid4().hex})  # the prompt its last lie answered, again
+    def replay() -> dict:  # the honest worker's newest group (leaked, say), claimed as sampled by the latest version
+        guest = max((g for g in journal(bucket)[0] if g.get("participant") == "guest"), key=lambda g: g["policy_version"])
+        comps = [{k: v for k, v in c.items() if k != "versions"} for c in guest["completions"]]
+        return {k: v for k, v in {**guest, "group_id": uuid.uuid4().hex, **lease()[0], "policy_version": latest(),
+                                  "completions": comps}.items() if k not in ("participant", "prompt_dataset")}
+    lie("replayed", replay)
+    done.append(True)
+
+
+@pytest.mark.timeout(900)
+def test_a_liar_beside_an_honest_worker_is_caught_every_way_and_quarantined(tiny_model, spawn, bucket, run_name, tmp_path):
+    """The acceptance run on the tiny model: a real rollout worker on a participant's token (honest) and a
+    participant that lies in each way in turn. Every lie caught and attributed to the liar, who is then
+    quarantined; no honest group refused or left out; the audit's share of the trainer's own time printed."""
+    from transformers import AutoTokenizer
+    p = spawn("--max-buffer", "4", "--max-staleness", "3", "--quarantine-after", "7")
+    guest, mallory = create(p, "guest"), create(p, "mallory")
+    env = {k: v for k, v in os.environ.items()  # a participant's machine: no bucket, no keys
+           if k not in ("BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RUN_NAME")}
+    env.update(PROXY_TOKEN=guest, OMP_NUM_THREADS="1", SPOOL_DIR=str(tmp_path / "spool"))
+    log = open(tmp_path / "rollout.log", "w")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--proxy-url", p.url, "--model", tiny_model,
+                               "--group-size", "4", "--prompts-per-round", "2", "--max-new-tokens", "6",
+                               "--worker-id", "laptop"], env=env, stdout=log, stderr=log)
+    said, done = [], []
+    liar = Worker(hostile, p.url, mallory, AutoTokenizer.from_pretrained(tiny_model), p, bucket, said, done)
+    liar.start()
+    try:
+        train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "200",
+                                  "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
+                                 env={**os.environ, "RUN_NAME": run_name, "PROXY_URL": p.url, "PROXY_TOKEN": p.token,
+                                      "OMP_NUM_THREADS": "1"}, stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT)
+        liar.join(timeout=600)  # the trainer runs until the liar is done (its steps: more than it needs)
+        assert done, "the liar did not finish: " + repr(said) + (tmp_path / "train.log").read_text()[-3000:]
+    finally:
+        stop(train)
+        stop(worker)
+    # the proxy's lies: a 409 naming each; the audit's: accepted, then caught by the trainer
+    # (a replay of a group older than the proxy's fingerprint window, claimed as the latest version's, gets past
+    # the proxy and is caught by the trainer's audit: its prompt is not the one leased, its logprobs not that version's)
+    assert [(k, c) for k, c, _ in said][:5] == [("reward", 200), ("prompt", 200), ("logprobs", 200), ("unleased", 409),
+                                                ("reused", 409)] and said[5][:2] in (("replayed", 409), ("replayed", 200)), said
+    assert all(t.split('"detail":"')[1].startswith(k) for k, c, t in said if c == 409), said
+    s = p.stats()
+    q = s["participants"]["mallory"]["checks"]
+    by_proxy = said[5][1] == 409
+    want = {c: 1 for c in ("reward", "prompt", "logprobs", "unleased", "reused")}
+    assert q["failed"] == 6 and all(q["by_check"].get(c, 0) >= n for c, n in want.items()), q
+    assert q["by_check"].get("replayed", 0) == int(by_proxy), q
+    assert s["participants"]["guest"]["checks"]["failed"] == 0 and "mallory" not in s["quarantined"]
+    # one more failed check reaches --quarantine-after 7: quarantined, its token refused from then on
+    r = httpx.post(f"{p.url}/v1/groups", headers={"x-proxy-token": mallory},
+                   json={**group(version=s["latest_version"]), "lease_id": uuid.uuid4().hex, "prompt_index": 0})
+    assert r.status_code == 409 and "now quarantined" in r.text, r.text
+    assert httpx.get(f"{p.url}/v1/whoami", headers={"x-proxy-token": mallory}).status_code == 403
+    _, events = journal(bucket)
+    failed = [e for e in events if e["t"] == "failed"]
+    assert all(e["participant"] == "mallory" for e in failed) and len(failed) == 7
+    rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()]
+    audited = [r for r in rows if "audit/groups" in r]
+    assert sum(r.get("audit/left_out", 0) for r in audited) == 3 + (not by_proxy)  # the lies the trainer caught; no honest group
+    assert sum(r["audit/groups"] for r in audited) >= s["participants"]["guest"]["checks"]["checked"] > 8
+    honest_max = max(r["audit/logprob_dev_max"] for r in audited if not r["audit/failed"])
+    own = sum(r["perf/step_s"] - r["perf/rollout_wait_s"] for r in rows)
+    print(f"audited {sum(r['audit/groups'] for r in audited)} groups in {len(rows)} steps; honest groups' largest "
+          f"|logprob difference| {honest_max:.2e}; audit {sum(r.get('perf/audit_s', 0) for r in rows):.2f} s of "
+          f"the trainer's own {own:.2f} s ({100 * sum(r.get('perf/audit_s', 0) for r in rows) / own:.1f}%)")
+
+
+def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them(tiny_model, seed):
+    """The trainer's model and its audit (lib/train/audit.py), in process: groups sampled by the hf engine under
+    version 1 pass once the model has moved on to version 2 (their logprobs are recomputed with version 1's
+    LoRA tensors, the trainer's own weights restored bit for bit after), and so do groups of version 2 at once;
+    made-up logprobs, an inflated reward and a prompt not the leased one each fail, naming why."""
+    import torch
+
+    import train
+    from audit import Auditor, Options
+    from engines import sample
+    from models import encode_prompt
+    torch.manual_seed(seed)
+    args = train.Args(model=tiny_model)
+    model, tok = train.build_model(args)
+    auditor = Auditor(Options(), "addition", tok, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None)
+    task = auditor.task
+
+    def perturb():  # a step's worth of change to the LoRA: the next version
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.add_(torch.randn_like(p) * 0.05)
+
+    def groups(version: int, n: int = 3) -> list[dict]:
+        idx = [(seed + k) % len(task.prompts) for k in range(n)]
+        prompts = [encode_prompt(tok, task.prompts[i]) for i in idx]
+        with torch.no_grad():
+            got = sample(model, prompts, 4, 8, 1.0, {tok.eos_token_id}, tok.eos_token_id)
+        out = []
+        for b, i in enumerate(idx):
+            comps = [{"token_ids": ids, "logprobs": lps, "finish_reason": why,
+                      "reward": task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]}
+                     for ids, lps, why in got[b * 4:(b + 1) * 4]]
+            out.append({"group_id": f"g{version}-{b}", "policy_version": version, "prompt_ids": prompts[b],
+                        "completions": comps, "participant": "p", "prompt_dataset": "addition", "prompt_index": i,
+                        "lease_id": "l" * 8, "meta": {}})
+        return out
+
+    perturb()
+    auditor.weights.remember(1, model)
+    v1 = groups(1)
+    perturb()
+    auditor.weights.remember(2, model)
+    v2 = groups(2)
+    before = {k: t.clone() for k, t in auditor.weights.live(model).items()}
+    devs, lost = auditor.recompute(model, v1 + v2, 2, fresh=True)
+    assert lost == 0 and len(devs) == 6
+    for gid, (s, mx, n) in devs.items():
+        assert n > 0 and auditor.deviation(s, mx, n) is None, (gid, s / n, mx)
+        assert s / n < 1e-4 and mx < 1e-3, (gid, s / n, mx)  # the floor, far below the limits (1e-3, 0.05)
+    assert all(torch.equal(before[k], t) for k, t in auditor.weights.live(model).items())
+    # version 1's groups scored with the weights the model holds now (version 2) would fail: the version matters
+    stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=True)[0]
+    assert all(auditor.deviation(*d) for d in stale.values()), stale
+
+    made_up = {**v1[0], "completions": [{**c, "logprobs": [-0.05] * len(c["token_ids"])} for c in v1[0]["completions"]]}
+    why = auditor.deviation(*auditor.recompute(model, [made_up], 2, fresh=True)[0][made_up["group_id"]])
+    assert why and "differ from those recomputed under the version that sampled them" in why
+    assert auditor.prompt_problem(v1[1]) is None and auditor.reward_problem(v1[1]) is None
+    inflated = {**v1[1], "completions": [{**c, "reward": 1.0} for c in v1[1]["completions"]]}
+    assert "claims reward 1" in auditor.reward_problem(inflated)
+    off = {**v1[1], "prompt_ids": encode_prompt(tok, task.prompts[v1[1]["prompt_index"] + 1])}
+    assert "not the chat-formatted prompt" in auditor.prompt_problem(off)
+    assert "this run's task is 'addition'" in auditor.prompt_problem({**v1[1], "prompt_dataset": "gsm8k"})
