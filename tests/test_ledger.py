@@ -121,6 +121,19 @@ def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
                 book["version"] = latest + 1
             if rng.random() < 0.3:
                 assert alice.post("/v1/prompts/lease", json={"dataset": rng.choice("ab"), "size": 7, "n": 3}).status_code == 200
+        # whatever the draw, every trust record at least once: lies up to a quarantine, a reinstatement, and an
+        # audit report on a batch holding a group of mallory's (a short or unlucky draw may have none of these)
+        for _ in range(10):
+            if "mallory" in p.stats()["quarantined"]:
+                break
+            lie(rng)
+        if "mallory" in p.stats()["quarantined"]:
+            assert p.http.post("/v1/participants/mallory/reinstate").status_code == 200
+        assert submit(mallory, book["version"], rng, sent) == "accepted"
+        got = p.http.post("/v1/batches/lease", json={"num_groups": min(1024, p.stats()["buffer_size"])}).json()
+        assert any(g.get("participant") == "mallory" for g in got["groups"]), "mallory's group was not leased"
+        audit(got)
+        settle("ack", got["batch_id"], time.monotonic())
         # abandoned leases run out (lease_s 1): expiries are journaled too. Waited for, not slept on
         wait_for(lambda: p.stats()["open_leases"] == 0, 60, msg="every abandoned lease to run out")
     finally:
