@@ -130,10 +130,11 @@ def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
         if "mallory" in p.stats()["quarantined"]:
             assert p.http.post("/v1/participants/mallory/reinstate").status_code == 200
         assert submit(mallory, book["version"], rng, sent) == "accepted"
+        since = time.monotonic()  # the lease's start: an ack may find it run out (410) only lease_s after this
         got = p.http.post("/v1/batches/lease", json={"num_groups": min(1024, p.stats()["buffer_size"])}).json()
         assert any(g.get("participant") == "mallory" for g in got["groups"]), "mallory's group was not leased"
         audit(got)
-        settle("ack", got["batch_id"], time.monotonic())
+        settle("ack", got["batch_id"], since)
         # abandoned leases run out (lease_s 1): expiries are journaled too. Waited for, not slept on
         wait_for(lambda: p.stats()["open_leases"] == 0, 60, msg="every abandoned lease to run out")
     finally:
