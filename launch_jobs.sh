@@ -24,14 +24,14 @@ TASK=addition; ROLLOUT_WITH=""
 # group, weighted by the capped importance ratio, where ppo's clip drops the tokens that moved most.
 # --train-arg / --proxy-arg given on the command line come later and win.
 EXTRA_TRAIN=(--loss cispo)
-EXTRA_PROXY=(--max-buffer 8 --max-staleness 1)
+EXTRA_PROXY=(--max-buffer 8 --max-staleness 1 --pace)
 usage() { sed -n '2,11p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --task T (addition; the workers' task: tasks.py, or an environment of several turns: calculator, ...)
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
-         --proxy-arg ARG (passed to proxy.py; local defaults --max-buffer 8 --max-staleness 1)
+         --proxy-arg ARG (passed to proxy.py; local defaults --max-buffer 8 --max-staleness 1 --pace)
          (train.py's local default: --loss cispo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]

@@ -114,9 +114,11 @@ class Args:
     """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
     snapshot_commits: int = 200
     """... or every this many commits, if sooner: a start reads about this many commits at most"""
-    pace: bool = True
-    """grant a worker that asks with wait_s prompts only when its round can still be trained within max_staleness
-    and what the trainer will still lease (pacing.py); it waits otherwise. --no-pace: every prompt lease at once"""
+    pace: bool = False
+    """--pace: grant a worker that asks with wait_s prompts only when its round can still be trained within
+    max_staleness and what the trainer will still lease (pacing.py); it waits otherwise. Off (every prompt lease
+    at once) unless asked for: the local launcher asks; it does not yet scale to 1,000 workers (docs/fleet.md),
+    and a worker that refuses a version (corrupt, another LoRA shape) is held up by grants counting on it"""
     grant_s: float = 120.0
     """a grant holds its place for this long, or 3 of its worker's round times if longer; then it is given up"""
     pace_jitter: float = 0.3

@@ -431,7 +431,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
     batch = max(8, round(a.batch_per_worker * n))
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
-             "--max-buffer", str(max(512, 2 * batch)), "--max-connections", str(4 * n + 64), *([] if pace else ["--no-pace"])]
+             "--max-buffer", str(max(512, 2 * batch)), "--max-connections", str(4 * n + 64), *(["--pace"] if pace else [])]
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), *flags], env=env,
                              stdout=open(tmp / f"proxy-{n}-{pace}.log", "w"), stderr=subprocess.STDOUT)
     try:

