@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The environments CI lane: verifiers, OpenEnv and reasoning-gym end to end (tests/test_env_libraries.py) with a
+# The environments lane (by hand; not in .ci/run yet, for CI's 40-minute budget): verifiers, OpenEnv and reasoning-gym end to end (tests/test_env_libraries.py) with a
 # real local model, a real S3 endpoint, proxy, worker and trainer. The libraries are heavy (~900 MB) and only for
 # `--task` environments, so they get their own venv, .venv-envs, created here on first use (idempotent: an
 # existing, working venv is reused); the main suite skips these tests. ~5 min once set up.
