@@ -36,7 +36,6 @@ import os
 import random
 import re
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from proxy_load import cpu_s, free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
 
 TIMES = Path(__file__).with_name("fleet_times.json")
 
@@ -137,30 +137,6 @@ class Draw:
 
 
 # ---- the processes ---------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up")
-
-
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
 
 def pct(xs: list[float], q: float) -> float | None:
     xs = sorted(xs)
