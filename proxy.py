@@ -120,9 +120,9 @@ class Args:
     at once) unless asked for: the local launcher asks; it does not yet scale to 1,000 workers (docs/fleet.md),
     and a worker that refuses a version (corrupt, another LoRA shape) is held up by grants counting on it"""
     grant_s: float = 120.0
-    """a grant holds its place for this long, or 3 of its worker's round times if longer; then it is given up"""
+    """a grant holds its place for this long after 3 of its worker's round times (or its margin, if longer); then it is given up"""
     pace_jitter: float = 0.3
-    """pacing's margin on the predicted arrival order, as a share of the worker's round time"""
+    """pacing's least margin on the predicted arrival order, as a share of the worker's round time (4 mean deviations of its round time where wider)"""
     route: routing.Limits = field(default_factory=routing.Limits)
     """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
     quarantine_after: int = 3

@@ -2,6 +2,7 @@
 only when the round it generates can still be trained within max_staleness and within what the trainer will
 still lease; otherwise it waits. Under joins, leaves, a crashed worker, a trainer restart and a proxy restart,
 and never after the trainer's last batch."""
+import json
 import math
 import os
 import random
@@ -12,10 +13,12 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 import common
 import journal
 from ledger import Ledger
-from pacing import Grant, room
+from pacing import Grant, Pacer, measure, room
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 
 G = 4  # spawn's --group-size
@@ -76,8 +79,32 @@ def test_the_window_by_hand():
     # the trainer's demand bounds everything in flight
     assert room(4, 0, 0.7, 1.3, 2, [(0.3, 0.5, 0, 1)], 0, 4, 3, 5) == 2
     # a late grant may come any moment: before anything granted now
-    late = Grant("w", 4, 4, 0, 1.0, 0.0, 0.5, 1.5, 9.0)
+    late = Grant("w", 4, 4, 0, 1.0, granted=0.0, lo=0.5, hi=1.5, deadline=9.0)
     assert late.when(1.0) == (0.5, 1.5) and late.when(2.0) == (2.0, 2.0)
+
+
+def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
+    """The margin on a round's arrival follows how much the worker's rounds vary (RFC 6298's mean deviation),
+    so a slow worker whose rounds take 0.25-0.75 s is still expected while it generates, not pushed out of its
+    window by grants made after its predicted end. A steady worker keeps the --pace-jitter margin."""
+    p = Pacer(max_staleness=1)
+    p.jitter = 0.3
+    assert measure(None, 0.26) == (0.26, 0.13)         # one round: the spread is unknown, half of it
+    rounds = [0.26, 0.7, 0.3, 0.75, 0.4, 0.65]
+    state = None
+    for x in rounds:
+        state = measure(state, x)
+    r, d = state
+    lo, hi = p.expected_at(0.0, r, d)
+    assert hi >= max(rounds) and lo <= min(rounds)      # every round it took falls inside its margin
+    assert p.expected_at(0.0, r, 0.0) == pytest.approx((0.7 * r, 1.3 * r))  # no spread: jitter x r
+    # what the proxy does with it: a grant expected on this worker's old 0.26 s, 0.3 s margin
+    g = p.grant("slow", 2, 1, now=0.0)
+    assert g.round_s is None and g.hi == math.inf       # no round measured yet: before and after everything
+    p.round_s["slow"] = state
+    g = p.grant("slow", 2, 1, now=10.0)
+    assert g.when(10.0 + max(rounds)) == (g.lo, g.hi)   # its slowest round's time: still expected, not late
+    assert g.record()["dev_s"] == d and g.deadline >= g.hi
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):
@@ -144,7 +171,7 @@ def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):
     assert len(ask(p, "w1")["indices"]) == 4 and len(ask(p, "w2")["indices"]) == 4   # the demand: 8 in flight
     deliver(p, "w1", 0, 2)                                # half of w1's round is in
     before = p.http.get("/v1/state").json()["pacing"]
-    assert before["grants"] == [["w1", 4, 2, 0, None], ["w2", 4, 4, 0, None]]
+    assert before["grants"] == [["w1", 4, 2, 0, None, None], ["w2", 4, 4, 0, None, None]]
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait()
     q = spawn("--pace", "--max-staleness", "1")
@@ -224,5 +251,5 @@ def test_joins_leaves_a_crash_and_a_trainer_restart_lose_no_round(bucket, spawn,
     assert restarted and p.http.get("/v1/adapters/latest").json()["done"]
     assert set(answers) == {"accepted"}, st                       # no round arrived too stale
     # every group delivered was leased (the dead trainer's batch included), none is left over
-    assert st["groups_leased"] == delivered[0] == (steps + 1) * B and st["buffer_size"] == 0
+    assert st["groups_leased"] == delivered[0] == (steps + 1) * B and st["buffer_size"] == 0, json.dumps(st)
     assert st["pacing"]["open_grants"] == 0 and st["groups_dropped_stale"] == 0

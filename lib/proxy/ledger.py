@@ -138,7 +138,7 @@ class Ledger(Book):
             self.senders.touch(e.get("participant"), e["worker_id"], self.at, live=False)
             self.pacing.arrived(worker_key(e.get("participant"), e["worker_id"]))
         elif t == "grant":  # prompts granted to a worker (pacing.py)
-            self.pacing.grant(e["key"], e["n"], e["version"], round_s=e.get("round_s"))
+            self.pacing.grant(e["key"], e["n"], e["version"], round_s=e.get("round_s"), dev_s=e.get("dev_s"))
         elif t == "demand":  # what the trainer will still lease, as a lease request said (pacing.py)
             self.pacing.demand = e["groups_left"]
         elif t == "duplicate":

@@ -19,9 +19,12 @@ groups at the latest version, expected at time a, is admitted when
   - it pushes no open grant expected after it out of that grant's own window (their slack >= k),
   - and everything in flight fits in the trainer's remaining demand (groups_left on its lease requests;
     unknown: no bound). After the trainer's final version nothing is granted.
-k is the most that fits, up to what was asked (a partial grant); 0: wait. Arrival order is predicted with a
-margin of `jitter` x the worker's round time both ways (a grant expected within it counts as ahead of the new
-one and as pushed by it); a worker whose round time is not known yet counts everything in flight as both.
+k is the most that fits, up to what was asked (a partial grant); 0: wait. Arrival order is predicted from the
+worker's measured round time r and its mean deviation d, as TCP times a retransmission (RFC 6298): the groups
+come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant expected within that counts as
+ahead of the new one and as pushed by it). A worker whose rounds vary a lot thus gets a wide margin instead of
+being taken for late while it is still generating; a worker whose round time is not known yet counts
+everything in flight as both.
 
 The trainer's speed does not enter the rule: versions come per batch, not per second, so where a group lands
 depends only on what arrives before it. Step time and round times say only when to expect things (the
@@ -30,8 +33,8 @@ arrival order, the wait a refused worker is told, when a grant is given up).
 What it cannot know, and how it degrades: a round time is a prediction. A worker faster than predicted may
 overtake a grant and push it out of its window; a worker much slower than the others is admitted only where
 its groups still fit, so while the rest of the fleet keeps the trainer busy it waits. A grant whose worker
-never delivers (a crash) holds its place until its deadline (grant_s, or 3 round times of its worker if
-longer), or until the same worker is granted again: a worker asks for its next
+never delivers (a crash) holds its place until its deadline (grant_s after 3 round times of its worker, or
+after its margin if longer), or until the same worker is granted again: a worker asks for its next
 grant only after sending its round, so a new request closes the worker's earlier grant. A trainer that stops
 leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
 last guard (a group that arrives too stale anyway is dropped and counted).
@@ -52,7 +55,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-EWMA = 0.3  # weight of the newest measurement in a round or step time
+EWMA = 0.3        # weight of the newest measurement in a round or step time
+EWMA_DEV = 0.25   # ... in a round time's mean deviation (RFC 6298's beta)
+DEVIATIONS = 4    # a round is expected within this many mean deviations of its mean (RFC 6298's K)
 
 
 @dataclass
@@ -62,8 +67,9 @@ class Grant:
     left: int           # groups not arrived yet
     version: int        # the latest version when granted: the worker generates with it or a newer one
     round_s: float | None  # the worker's round time this grant was expected to take (None: not known)
+    dev_s: float | None = None  # and its mean deviation (None: not known; the margin is then jitter x round_s)
     granted: float = 0.0   # this process's monotonic time of the grant (a start: the moment it took over)
-    lo: float = 0.0        # its groups are expected between lo and hi (round time -+ jitter; unknown: hi = inf)
+    lo: float = 0.0        # its groups are expected between lo and hi (round time -+ margin; unknown: hi = inf)
     hi: float = 0.0
     deadline: float = 0.0  # after this it holds no place
 
@@ -73,7 +79,8 @@ class Grant:
         return (self.lo, self.hi) if now <= self.hi else (now, now)
 
     def record(self) -> dict:
-        return {"t": "grant", "key": self.key, "n": self.n, "version": self.version, "round_s": self.round_s}
+        return {"t": "grant", "key": self.key, "n": self.n, "version": self.version, "round_s": self.round_s,
+                "dev_s": self.dev_s}
 
 
 def window(max_staleness: int, base: int, version: int, batch: int) -> int:
@@ -105,7 +112,8 @@ class Pacer:
     def __init__(self, max_staleness: int, max_workers: int = 4096):
         self.max_staleness, self.max_workers = max_staleness, max_workers
         self.grants: dict[str, Grant] = {}        # key -> its open grant (a worker has at most one)
-        self.round_s: OrderedDict[str, float] = OrderedDict()  # key -> measured round time (least recently used first)
+        # key -> measured (round time, its mean deviation), least recently used first
+        self.round_s: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.demand: int | None = None            # groups the trainer will still lease after what it holds (None: unknown)
         self.training = False                     # it holds a batch leased since the latest version was registered
         self.batch = 0                            # groups per lease (0: no lease request seen yet)
@@ -154,11 +162,22 @@ class Pacer:
         return None if self.demand is None else max(0, self.demand - n)
 
     # ---- the workers ------------------------------------------------------------------------------------
-    def expected_round(self, key: str) -> float | None:
-        """The worker's measured round time; for a new worker the fleet's median; None if none is known."""
+    def expected_round(self, key: str) -> tuple[float | None, float | None]:
+        """The worker's measured round time and its mean deviation; for a new worker the fleet's medians;
+        (None, None) if none is known."""
         if key in self.round_s:
             return self.round_s[key]
-        return statistics.median(self.round_s.values()) if self.round_s else None
+        if not self.round_s:
+            return None, None
+        return (statistics.median(r for r, _ in self.round_s.values()),
+                statistics.median(d for _, d in self.round_s.values()))
+
+    def expected_at(self, now: float, r: float | None, d: float | None) -> tuple[float, float]:
+        """(lo, hi): when the groups of a round of expected time r (mean deviation d) begun at `now` may come."""
+        if r is None:
+            return now, math.inf
+        m = max(self.jitter * r, DEVIATIONS * (d or 0.0))
+        return now + max(0.0, r - m), now + r + m
 
     def in_flight(self, now: float) -> list[tuple[float, float, int, int, str]]:
         """The open grants as (lo, hi, version, groups left, key), in the order they are expected (room's)."""
@@ -170,18 +189,18 @@ class Pacer:
         """How many of the n prompts `key` asks for it may have now (0: none, wait)."""
         if self.demand == 0:
             return 0
-        r = self.expected_round(key)
-        lo, hi = (now, math.inf) if r is None else (now + r * (1 - self.jitter), now + r * (1 + self.jitter))
+        lo, hi = self.expected_at(now, *self.expected_round(key))
         base = max(latest + self.training, pending_version)  # a version being registered comes before the next lease
         flight = [g[:4] for g in (self.in_flight(now) if in_flight is None else in_flight) if g[4] != key]  # its own: closed by this
         return room(n, latest, lo, hi, buffered, flight, base, self.batch or n, self.max_staleness, self.demand)
 
-    def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None) -> Grant:
+    def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None,
+              dev_s: float | None = None) -> Grant:
         """Record a grant (closing the worker's earlier one); returns it (its record() is what is journaled).
-        round_s: as journaled (replay); live, the worker's expected round time."""
+        round_s, dev_s: as journaled (replay); live, the worker's expected round time and its deviation."""
         self.close(key)
-        r = round_s if round_s is not None else self.expected_round(key)
-        g = Grant(key, n, n, version, r)
+        r, d = (round_s, dev_s) if round_s is not None else self.expected_round(key)
+        g = Grant(key, n, n, version, r, d)
         self._time(g, now)
         self.grants[key] = g
         self.counts["grants"] += 1
@@ -209,7 +228,7 @@ class Pacer:
         if g.left <= 0:
             del self.grants[key]
             if now is not None:
-                self.round_s[key] = ewma(self.round_s.pop(key, None), now - g.granted)
+                self.round_s[key] = measure(self.round_s.pop(key, None), now - g.granted)
                 while len(self.round_s) > self.max_workers:
                     self.round_s.popitem(last=False)
 
@@ -235,9 +254,8 @@ class Pacer:
 
     def _time(self, g: Grant, now: float) -> None:
         g.granted = now
-        r = g.round_s
-        g.lo, g.hi = (now, math.inf) if r is None else (now + r * (1 - self.jitter), now + r * (1 + self.jitter))
-        g.deadline = now + (self.grant_s if r is None else 3 * r + self.grant_s)
+        g.lo, g.hi = self.expected_at(now, g.round_s, g.dev_s)
+        g.deadline = now + self.grant_s + (0.0 if g.round_s is None else max(3 * g.round_s, g.hi - now))
 
     # ---- state --------------------------------------------------------------------------------------------
     def book_state(self) -> dict:
@@ -248,16 +266,17 @@ class Pacer:
 
     def state(self) -> dict:
         """What the journal implies, as plain JSON values (a snapshot's; the live clock's part is not in it)."""
-        return {"grants": [[g.key, g.n, g.left, g.version, g.round_s] for g in self.grants.values()],
-                "round_s": [[k, v] for k, v in self.round_s.items()], "demand": self.demand,
+        return {"grants": [[g.key, g.n, g.left, g.version, g.round_s, g.dev_s] for g in self.grants.values()],
+                "round_s": [[k, r, d] for k, (r, d) in self.round_s.items()], "demand": self.demand,
                 "training": self.training, "batch": self.batch, "counts": dict(self.counts)}
 
     @classmethod
     def from_state(cls, d: dict | None, max_staleness: int, max_workers: int = 4096) -> Pacer:
         p = cls(max_staleness, max_workers)
         if d:  # a snapshot from before pacing has none
-            p.grants = {k: Grant(k, n, left, v, r) for k, n, left, v, r in d["grants"]}
-            p.round_s = OrderedDict((k, v) for k, v in d["round_s"])
+            # a snapshot from before deviations were measured has none: a grant's margin is then jitter x round_s
+            p.grants = {g[0]: Grant(*g[:5], dev_s=g[5] if len(g) > 5 else None) for g in d["grants"]}
+            p.round_s = OrderedDict((k, (r, rest[0] if rest else 0.0)) for k, r, *rest in d["round_s"])
             p.demand, p.training, p.batch = d["demand"], d["training"], d["batch"]
             p.counts.update(d["counts"])
         return p
@@ -266,12 +285,21 @@ class Pacer:
         return {"open_grants": len(self.grants), "groups_in_flight": sum(g.left for g in self.grants.values()),
                 "demand": self.demand, "trainer_holds_batch": self.training, "batch": self.batch,
                 "step_s": None if self.step_s is None else round(self.step_s, 3),
-                "round_s_median": None if not self.round_s else round(statistics.median(self.round_s.values()), 3),
+                "round_s_median": None if not self.round_s else round(statistics.median(r for r, _ in self.round_s.values()), 3),
                 **self.counts, **self.live}
 
 
 def ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+def measure(old: tuple[float, float] | None, x: float) -> tuple[float, float]:
+    """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip:
+    the first round sets the deviation to half of it (its spread is unknown yet, so the margin is wide)."""
+    if old is None:
+        return x, x / 2
+    r, d = old
+    return ewma(r, x), (1 - EWMA_DEV) * d + EWMA_DEV * abs(r - x)
 
 
 class Waiting:
