@@ -138,6 +138,10 @@ class Args:
     """answer inference requests routed through the proxy (POST /v1/chat/completions there) between rounds"""
     serve_per_round: int = 4
     """routed requests answered at most between two rounds: rollout generation keeps priority"""
+    mid_round_swap: bool = True
+    """take a new adapter version during a round, not only after it: hf single-turn between two decode steps,
+    episodes between two turns (every engine); each token records the version that sampled it, and the hf
+    KV cache is recomputed under the new weights (vllm/server single-turn and verifiers: after the round)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,14 +280,25 @@ class RoutedServing:
         return len(got)
 
 
-def single_turn(task, tok, index: int, samples: list[tuple]) -> tuple[list[dict], list[dict], None]:
-    """A single-turn task's G completions of prompt `index`, scored: (completions, reward components, no drift)."""
+def single_turn(task, tok, index: int, samples: list[tuple], version: int = 0,
+                swaps: list[tuple[int, int]] = ()) -> tuple[list[dict], list[dict], None]:
+    """A single-turn task's G completions of prompt `index`, scored: (completions, reward components, no drift).
+    version: the round's (it sampled each completion's first tokens); swaps: the round's mid-round swaps."""
     comps, parts = [], []
     for ids, lps, fin in samples:
         r, comp = task.reward(tok.decode(ids, skip_special_tokens=True), index)
         comps.append({"token_ids": ids, "logprobs": lps, "reward": r, "finish_reason": fin})
+        if runs := version_runs(version, swaps, len(ids)):
+            comps[-1]["versions"] = runs
         parts.append(comp)
     return comps, parts, None
+
+
+def version_runs(version: int, swaps: list[tuple[int, int]], n: int) -> list[list[int]] | None:
+    """A completion's `versions` (common.Completion): `version` from its first token, each mid-round swap's
+    version from the swap's first token on, if it had that many; None when one version sampled all n tokens."""
+    runs = [[0, version]] + [[i, v] for i, v in swaps if i < n]
+    return runs if len(runs) > 1 else None
 
 
 def episode_metrics(eps) -> dict:
@@ -372,8 +387,9 @@ def main(args: Args) -> None:
     log.info(f"ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), G={args.group_size}, "
              f"backend {args.backend}")
 
-    def take_new(row: dict) -> bool:
-        """Swap in the newest verified adapter if the sync thread has one (True if it had)."""
+    def take_new(row: dict, mid_round: bool = False) -> bool:
+        """Swap in the newest verified adapter if the sync thread has one (True if it had). mid_round: the
+        round in progress samples its next tokens with it, so the version's lag ends now."""
         nonlocal model, version, published, first_round_of_version
         new = sync.take()
         if new is None:
@@ -386,12 +402,36 @@ def main(args: Args) -> None:
                 model = swap_in(model, new)
             version, published, first_round_of_version = new["version"], new["published"], True
             row["perf/swap_s"] = time.time() - t0
+            if mid_round and published is not None:
+                row["rollout/version_lag_s"] = time.monotonic() - published
+                first_round_of_version = False
             if published is not None:  # publish -> downloaded, verified, tensors in memory (sync thread)
                 row["perf/weight_sync_s"] = new["ready"] - published
         except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
             what = "refused" if isinstance(e, AdapterError) else "could not load"
             log.info(f"{what} version {new['version']}, keeping version {version}: {e}")
         return True
+
+    swaps: list[tuple[int, int]] = []  # this round's mid-round swaps: (first token index, version)
+
+    def swap_now() -> bool:
+        """(mid-round) The newest verified version, if the sync thread has one, swapped in now: True if the
+        weights changed. hf: only once a LoRA is loaded (copied in place; the first adapter wraps the base
+        model, which waits for the round's end)."""
+        if sync.ready is None or (engine is None and not hasattr(model, "peft_config")):
+            return False
+        before = version
+        take_new(row, mid_round=True)
+        return version != before  # unchanged: refused (another LoRA shape), the loaded version samples on
+
+    def swap_at_token(i: int) -> bool:  # hf, single-turn: between two decode steps (engines.sample)
+        if not swap_now():
+            return False
+        swaps.append((i, version))
+        return True
+
+    def swap_between_turns() -> int | None:  # episodes, every engine: between two turns (episodes.run_episodes)
+        return version if swap_now() else None
 
     rounds, bp_prev = 0, 0.0  # bp_prev: time the previous round's submissions waited on 429
     last_round_version = -1   # --sync: the version the last round was generated with
@@ -445,7 +485,8 @@ def main(args: Args) -> None:
         if first_round_of_version and published is not None:
             row["rollout/version_lag_s"] = time.monotonic() - published
             first_round_of_version = False
-        G = args.group_size
+        G, round_version = args.group_size, version  # the round's first tokens' version: its groups' policy_version
+        swaps.clear()
         try:
             if env:  # episodes: model turn, environment turn, ... (episodes.py); G per prompt
                 if vf:  # verifiers' own loop, through the loopback endpoint; the shared prompts are its first calls'
@@ -453,13 +494,16 @@ def main(args: Args) -> None:
                 else:
                     turns = (TokenTurns(engine, args.temperature) if engine
                              else HFTurns(model, eos, tok.pad_token_id, args.temperature))
-                    eps = run_episodes(turns, env, idx, prompts, G, budget, renderer, version)
+                    eps = run_episodes(turns, env, idx, prompts, G, budget, renderer, version,
+                                       swap=swap_between_turns if args.mid_round_swap else None)
                 scored = [group_of(eps[j * G:(j + 1) * G]) for j in range(len(idx))]
                 row.update(episode_metrics(eps))
             else:
                 samples = (engine.sample(prompts, G, args.max_new_tokens, args.temperature) if engine else
-                           sample(model, prompts, G, args.max_new_tokens, args.temperature, eos, tok.pad_token_id))
-                scored = [single_turn(task, tok, i, samples[j * G:(j + 1) * G]) for j, i in enumerate(idx)]
+                           sample(model, prompts, G, args.max_new_tokens, args.temperature, eos, tok.pad_token_id,
+                                  swap=swap_at_token if args.mid_round_swap else None))
+                scored = [single_turn(task, tok, i, samples[j * G:(j + 1) * G], round_version, swaps)
+                          for j, i in enumerate(idx)]
         except ServerDown as e:  # the server is down and we were asked to stop meanwhile
             log.info(f"{e}; {len(spool.pending())} spooled group(s) kept")
             break
@@ -471,7 +515,7 @@ def main(args: Args) -> None:
             if drift:  # the environment's history does not match the tokens: not trained, said and counted
                 log.info(f"group of prompt {i} not sent: {drift}")
                 continue
-            group = {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": version,
+            group = {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": round_version,
                      **({**answers, "prompt_index": i} if answers else {}), "prompt_ids": p, "completions": comps,
                      "meta": {"task": task.name, "prompt_index": i, "temperature": args.temperature,
                               "backend": args.backend, "reward_components": {k: sum(d[k] for d in parts) / len(parts)
@@ -485,15 +529,16 @@ def main(args: Args) -> None:
         if isinstance(engine, ServerSampler):
             row["rollout/server_down_s"] = engine.down_s
         statuses = list(sent.values())
-        row.update({"version": version, "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
+        row.update({"version": round_version, "rollout/mid_round_swaps": len(swaps), "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
                     "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
                     "rollout/groups_stale": statuses.count("stale"), "group_status": sent,
                     **({"rollout/groups_dropped_drift": sum(d is not None for _, _, d in scored)} if env else {})})
         metrics.log(row)
-        rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], version
-        log.info(f"round {rounds} v{version}: reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
+        rounds, bp_prev, last_round_version = rounds + 1, row["rollout/backpressure_s"], round_version
+        log.info(f"round {rounds} v{round_version}{''.join(f'->v{v}@{i}' for i, v in swaps)}: "
+                 f"reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         row = {}
         if args.max_rounds and rounds >= args.max_rounds:

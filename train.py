@@ -220,7 +220,8 @@ class ByStaleness:
         out = {}
         for lag, a in sorted(self.acc.items()):
             out[f"stale/{lag}/groups"] = int(a["groups"])
-            out[f"stale/{lag}/reward"] = a["reward"] / a["samples"]
+            if a["samples"]:  # (tokens of a version newer than every group's oldest: a mid-round swap's, no group)
+                out[f"stale/{lag}/reward"] = a["reward"] / a["samples"]
             out[f"stale/{lag}/tokens"] = int(a["tokens"])  # the weight of the ratio statistics
             if a["tokens"]:
                 out[f"stale/{lag}/ratio_dev_mean"] = a["dev_sum"] / a["tokens"]

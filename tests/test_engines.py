@@ -6,6 +6,7 @@ import math
 import pytest
 
 import engines
+from runlib import hf_adapter
 
 
 def test_server_commands_ask_for_runtime_lora_and_processed_logprobs():
@@ -182,23 +183,6 @@ def test_the_hf_backend_ignores_the_models_sampling_defaults_too(tiny_model):
 # ---- the hf backend's hot-swap: an adapter of another shape is refused, the loaded one stays ----------------
 
 
-def hf_adapter(tiny_model: str, path, version: int, r: int, alpha: int | None = None) -> dict:
-    """A saved LoRA of rank r (random B, so that it changes the output) as AdapterSync hands it over."""
-    import torch
-    from safetensors.torch import load_file
-
-    import train
-    model, _ = train.build_model(train.Args(model=tiny_model, lora_r=r, lora_alpha=alpha or 2 * r))
-    g = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    model.save_pretrained(path)
-    return {"version": version, "dir": str(path), "tensors": load_file(f"{path}/adapter_model.safetensors"),
-            "meta": {"lora": {"r": r}}}
-
-
 def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_old_one(tiny_model, tmp_path):
     import torch
 
@@ -222,3 +206,61 @@ def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_ol
     # the same shape still swaps in place
     served = engines.swap_in(served, hf_adapter(tiny_model, tmp_path / "v4", 4, r=4))
     assert not torch.allclose(logits(served), v1)
+
+
+# ---- a mid-round swap (hf): the next token on is the new version's, exactly --------------------------------
+
+
+def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(tiny_model, tmp_path):
+    """engines.sample with a swap between decode steps, as rollout.py does it: tokens before the swap carry
+    version 1's logprobs, tokens from it on version 2's, each exactly (within the engine's numerical floor)
+    what completion_logprobs (the trainer's and the audit's forward) computes under that version given the
+    same context, so the importance ratio under version 2 is 1 on its tokens. Without recomputing the KV cache
+    (the new weights on the old version's cache) the tokens after the swap would not be version 2's."""
+    import torch
+
+    import models
+    import rollout
+    from common import TrajectoryGroup
+    base, tok = models.load_base(tiny_model)
+    v1, v2 = (hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=4) for v in (1, 2))
+    prompts = [tok.encode("Once upon a time"), tok.encode("What is 12 + 30? Answer:")]
+    G, n, at = 2, 12, 5
+
+    def run(rebuild: bool):
+        model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+        swaps = []
+
+        def swap(i: int) -> bool:
+            if i != at:
+                return False
+            engines.swap_in(model, v2)          # in place, as between two decode steps of a real round
+            swaps.append((i, 2))
+            return rebuild                      # False: pretend the cache need not be recomputed
+        torch.manual_seed(0)
+        out = engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap)
+        return model, out, swaps
+
+    def logprobs(version: dict, out) -> torch.Tensor:
+        m = engines.swap_in(models.load_base(tiny_model)[0], version)
+        with torch.no_grad():
+            return models.completion_logprobs(m, prompts, [ids for ids, _, _ in out], 1.0, pad=tok.pad_token_id)[0]
+
+    _, out, swaps = run(rebuild=True)
+    assert swaps == [(at, 2)] and all(len(ids) == n for ids, _, _ in out)
+    behaviour = torch.tensor([lps for _, lps, _ in out])
+    under1, under2 = logprobs(v1, out), logprobs(v2, out)
+    floor = 1e-4  # float32 on CPU: incremental decode vs one full forward (measured ~1e-6)
+    assert (behaviour[:, :at] - under1[:, :at]).abs().max() < floor         # version 1 sampled these
+    assert (behaviour[:, at:] - under2[:, at:]).abs().max() < floor         # version 2 sampled these: ratio 1
+    assert (torch.exp(under2[:, at:] - behaviour[:, at:]) - 1).abs().max() < 1e-3
+    assert (behaviour[:, at:] - under1[:, at:]).abs().max() > 100 * floor   # the two versions do differ
+    # each completion says so, and the group it makes passes the schema (policy_version: the oldest token's)
+    comps, _, _ = rollout.single_turn(rollout.load_task("addition"), tok, 0, out[:G], 1, swaps)
+    assert all(c["versions"] == [[0, 1], [at, 2]] for c in comps)
+    TrajectoryGroup(group_id="g" * 8, worker_id="w", policy_version=1, prompt_ids=prompts[0], completions=comps)
+    assert rollout.version_runs(1, swaps, at) is None                       # one that ended before the swap
+    # the new weights on the old cache: tokens after the swap are not version 2's
+    _, stale, _ = run(rebuild=False)
+    drift = (torch.tensor([lps for _, lps, _ in stale])[:, at + 1:] - logprobs(v2, stale)[:, at + 1:]).abs().max()
+    assert drift > 10 * floor, drift

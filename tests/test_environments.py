@@ -81,6 +81,60 @@ def test_the_sampled_logprobs_across_turns_are_the_trainers(tiny, seed):
                 assert want is None
 
 
+def test_a_new_version_between_turns_samples_the_next_turns_exactly(tiny_model, tmp_path, seed):
+    """A swap between two turns (rollout.py --mid-round-swap, every engine): the first turn is version 1's,
+    the later ones version 2's, each token recorded with its version, and its logprob what the trainer
+    computes under that version (HFTurns recomputes its cache under the new weights: without that, the later
+    turns would be sampled from version 2's weights on version 1's cache)."""
+    import engines
+    from common import token_versions
+    from runlib import hf_adapter
+    v1, v2 = (hf_adapter(tiny_model, tmp_path / f"v{v}", v) for v in (1, 2))
+    _, tok = load_base(tiny_model)
+    scored = {v["version"]: engines.swap_in(load_base(tiny_model)[0], v) for v in (v1, v2)}
+    eos = {tok.eos_token_id}
+    rend, env = Renderer(tok, eos), echo_env(turns=3)
+    prompts = [rend.ids(env.prompts[i]) for i in (0, 1)]
+
+    def episodes(turns_class) -> list[dict]:
+        model = engines.swap_in(load_base(tiny_model)[0], v1)
+        swapped = []
+
+        def swap():
+            if swapped:
+                return None
+            engines.swap_in(model, v2)
+            swapped.append(2)
+            return 2
+        torch.manual_seed(seed)
+        eps = run_episodes(turns_class(model, eos, tok.pad_token_id, 1.0), env, [0, 1], prompts, 3, Budget(4, 6, 200),
+                           rend, 1, swap=swap)
+        assert swapped and all(e.turns == 3 for e in eps)
+        return [e.completion(0.0) for e in eps]
+
+    def worst(comps) -> dict[int, float]:
+        """The largest |recorded - recomputed| logprob over the sampled tokens of each version."""
+        out = {1: 0.0, 2: 0.0}
+        for v, m in scored.items():
+            lp, _ = completion_logprobs(m, prompts, [c["token_ids"] for c in comps], 1.0, pad=0)
+            for i, c in enumerate(comps):
+                for j, (k, want, tv) in enumerate(zip(c["mask"], c["logprobs"], token_versions(c, 1))):
+                    if k and tv == v:
+                        out[v] = max(out[v], abs(lp[i, j].item() - want))
+        return out
+    comps = episodes(HFTurns)
+    for c in comps:  # version 1 up to the second turn's first sampled token, version 2 from there on
+        (_, a), (start, b) = c["versions"]
+        assert (a, b) == (1, 2) and c["mask"][start] == 1 and c["mask"][start - 1] == 0
+    got = worst(comps)
+    assert got[1] < 1e-4 and got[2] < 1e-4, got
+
+    class StaleCache(HFTurns):
+        def rebuild(self):  # the new weights on the old version's cache
+            pass
+    assert worst(episodes(StaleCache))[2] > 1e-3
+
+
 def test_the_environment_tokens_are_the_chat_templates_and_earlier_turns_stay_as_sampled(tiny, seed):
     model, tok = tiny
     eps, prompts, rend = run(tiny, echo_env(turns=2), G=2, seed=seed)

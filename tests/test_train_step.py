@@ -116,6 +116,22 @@ def test_per_staleness_diagnostics(tiny_model):
     assert st["stale/1/clip_frac"] == 0.0 and st["is/weight_mean"] == pytest.approx(1.5, abs=1e-4)
 
 
+def test_tokens_of_a_mid_round_swap_count_at_their_own_staleness(tiny_model):
+    """A group of version 2 whose completions a worker finished with version 3 (a mid-round swap, rollout.py):
+    the trainer at version 3 counts the group at staleness 1 and its last tokens at staleness 0, where the
+    ratio is 1 (they were sampled by the weights it holds); staleness 0 has tokens but no group."""
+    model, args = _model(tiny_model)
+    g = _group(model, 9, [1.0, 0.0, 0.0, 0.0], version=2, n_tok=4)
+    for c in g["completions"]:
+        c["versions"] = [[0, 2], [2, 3]]
+        c["logprobs"][:2] = [x - math.log(2) for x in c["logprobs"][:2]]  # version 2 gave these half the probability
+    st = train.train_step(model, [g], args, version=3, fresh_weights=True)
+    assert st["stale/1/groups"] == 1 and st["stale/1/reward"] == 0.25 and st["stale/1/tokens"] == G * 2
+    assert st["stale/0/groups"] == 0 and "stale/0/reward" not in st and st["stale/0/tokens"] == G * 2
+    assert st["stale/0/ratio_dev_max"] < 1e-4
+    assert st["stale/1/ratio_dev_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
 @pytest.mark.parametrize("objective", ["ppo", "cispo", "decoupled"])
 def test_micro_batches_add_up_to_one_batch(tiny_model, objective):
     """Gradient accumulation over micro-batches of 1 group equals one micro-batch of all 3 (ragged

@@ -44,8 +44,17 @@ log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefix
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: float, eos: set[int], pad: int):
-    """G completions per prompt; returns [(token_ids, logprobs, finish_reason)] group-major."""
+def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: float, eos: set[int], pad: int,
+           swap: Callable[[int], bool] | None = None):
+    """G completions per prompt; returns [(token_ids, logprobs, finish_reason)] group-major.
+
+    swap(i), called between decode steps with i = the index of the next token to sample: True when it has
+    just copied a newer adapter version into the model's LoRA tensors (a mid-round swap, rollout.py; it
+    records i as the first token of that version). The KV cache computed so far is the old version's, so it
+    is recomputed under the new weights from the prompts and the tokens sampled so far (one prefill, about
+    the cost of a few decode steps): every token from i on is then sampled from exactly the new version's
+    distribution given its context, so its recorded logprob is the one the trainer (and the audit) computes
+    under that version, and the importance ratio stays exact."""
     lm = _causal_lm(model)
     head, body = lm.get_output_embeddings(), lm.get_decoder()
     cache, h, mask, pos = prefill(model, prompts, G, pad)
@@ -62,9 +71,17 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
         done |= torch.isin(nxt, eos_t)
         if done.all() or t == max_new - 1:
             break
-        mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=mask.device)], 1)
-        out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
-                   use_cache=True, **cache_kw(body, cache))
+        if swap is not None and swap(t + 1):  # new weights: the cache again, prompts and tokens so far
+            cache, _, mask, _ = prefill(model, prompts, G, pad)
+            so_far = torch.stack(toks, 1)
+            mask = torch.cat([mask, torch.ones_like(so_far, dtype=mask.dtype)], 1)
+            steps = torch.arange(t + 1, device=pos.device)
+            out = body(input_ids=so_far, attention_mask=mask, position_ids=pos[:, None] + steps[None],
+                       use_cache=True, **cache_kw(body, cache))
+        else:
+            mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=mask.device)], 1)
+            out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
+                       use_cache=True, **cache_kw(body, cache))
         logits = head(out.last_hidden_state[:, -1]).float() / temperature
     toks_t, lps_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
     out = []
@@ -81,16 +98,30 @@ class HFTurns:
     the last one (the environment's, and the model's last sampled token). Rows are episodes; the cache's
     2-D attention mask marks what is real (a row's padding in a ragged chunk is masked out and its positions
     are counted per row), so every row sees exactly its own token sequence, as the trainer will. Episodes
-    that ended are dropped from the cache at the next turn. temperature 0: greedy (evaluate.py)."""
+    that ended are dropped from the cache at the next turn. temperature 0: greedy (evaluate.py). A new adapter
+    version between two turns (rebuild) recomputes the cache of the running episodes under the new weights."""
 
     def __init__(self, model, eos: set[int], pad: int, temperature: float):
         self.model, self.eos, self.pad, self.temperature = model, eos, pad, temperature
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]], G: int) -> None:
+        self.prompts, self.G = prompts, G
         self.cache, self.h, self.mask, self.pos = prefill(self.model, prompts, G, self.pad)
         self.rows = list(range(self.h.shape[0]))   # the episode of each cache row
         self.unfed: dict[int, int] = {}            # an episode's last sampled token, not in the cache yet
+        self.cached: dict[int, list[int]] = {e: [] for e in self.rows}  # what the cache holds after its prompt
+        self.refeed: dict[int, list[int]] = {}     # after a rebuild: those tokens, into the cache next turn
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """The model's weights changed between two turns (a new adapter version): the cache of every running
+        episode again, from its prompt (prefilled now) and its tokens so far (fed with the next turn), so the
+        next turn samples from exactly the new version's distribution given the whole episode."""
+        self.cache, self.h, self.mask, self.pos = prefill(self.model, [self.prompts[e // self.G] for e in self.rows],
+                                                          1, self.pad)
+        self.refeed = {e: self.cached[e] for e in self.rows}
+        self.cached = {e: [] for e in self.rows}
 
     def _pick(self, logits: torch.Tensor):
         if self.temperature <= 0:
@@ -123,7 +154,7 @@ class HFTurns:
             self.h, self.mask, self.pos = self.h[idx], self.mask[idx], self.pos[idx]
             self.rows = [self.rows[r] for r in keep]
         n = len(self.rows)
-        chunks = [([self.unfed[e]] if e in self.unfed else []) + feed[e] for e in self.rows]
+        chunks = [self.refeed.pop(e, []) + ([self.unfed[e]] if e in self.unfed else []) + feed[e] for e in self.rows]
         if any(chunks):  # a later turn: the model's last token and the environment's, into the cache
             k = max(len(c) for c in chunks)
             ids = torch.full((n, k), self.pad, dtype=torch.long, device=dev)
@@ -154,6 +185,7 @@ class HFTurns:
             stop = next((i for i, x in enumerate(ids) if x in self.eos), None)
             m = len(ids) if stop is None else stop + 1
             out[e] = (ids[:m], lps_t[r][:m], "length" if stop is None else "stop")
+            self.cached[e] += chunks[r] + ids[:m - 1]  # all but the turn's last token went into the cache
             self.unfed[e] = ids[m - 1]
         return out
 
@@ -176,6 +208,10 @@ class TokenTurns:
 
     def start(self, prompts: list[list[int]], G: int) -> None:
         self.prompts, self.G, self.seqs = prompts, G, {}
+
+    def rebuild(self) -> None:
+        """A new adapter version between two turns: nothing to do here, each turn is generated from the whole
+        sequence with the adapter loaded then (the engine's prefix cache is per adapter)."""
 
     def turn(self, feed: dict[int, list[int]], room: dict[int, int]) -> dict[int, tuple[list[int], list[float], str]]:
         if not self.seqs:  # the first turn: G samples of each shared prompt

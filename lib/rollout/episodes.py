@@ -19,6 +19,7 @@ tokens the model never saw in that context, silently, is what this check exists 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from environments import Environment, Session
@@ -122,16 +123,22 @@ class Renderer:
 
 
 def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list[int]], G: int, budget: Budget,
-                 renderer: Renderer, version: int) -> list[Episode]:
+                 renderer: Renderer, version: int, swap: Callable[[], int | None] | None = None) -> list[Episode]:
     """G episodes for each prompt (group-major, as the engines' sample()), run to their end. `turns` is an
     engine's turn sampler: start(prompts, G) once, then turn({episode: tokens to append}, {episode: max
-    new tokens}) -> {episode: (token_ids, logprobs, finish_reason)} for the episodes still running."""
+    new tokens}) -> {episode: (token_ids, logprobs, finish_reason)} for the episodes still running, and
+    rebuild() after the weights changed. `version` samples the first turn; swap(), called between two turns,
+    returns the version it has just loaded (None: none), which samples from the next turn on (each token
+    records its version: Episode.versions)."""
     eps = [Episode(i, env.session(i)) for i in indices for _ in range(G)]
     max_turns = min(budget.max_turns, env.max_turns) if env.max_turns else budget.max_turns
     turns.start(prompts, G)
     feed: dict[int, list[int]] = {k: [] for k in range(len(eps))}
     try:
         while feed:
+            if swap is not None and any(e.turns for e in eps) and (new := swap()) is not None:
+                version = new
+                turns.rebuild()
             room = {k: min(budget.max_new_tokens, budget.max_tokens - len(eps[k].tokens)) for k in feed}
             got = turns.turn(feed, room)
             feed = {}

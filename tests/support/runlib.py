@@ -164,3 +164,21 @@ def spool_is_empty(spool_root: Path, run: str, worker: str) -> None:
     d = spool_root / run / worker
     assert [p.name for p in d.iterdir() if p.suffix == ".json"] == [], "groups left in the spool"
     assert not os.listdir(d / "refused") and not os.listdir(d / "unreadable")
+
+
+def hf_adapter(tiny_model: str, path, version: int, r: int = 4, alpha: int | None = None) -> dict:
+    """A saved LoRA of rank r on the tiny model (random B, so that it changes the output), as the worker's
+    AdapterSync hands a verified version over to engines.swap_in."""
+    import torch
+    from safetensors.torch import load_file
+
+    import train
+    model, _ = train.build_model(train.Args(model=tiny_model, lora_r=r, lora_alpha=alpha or 2 * r))
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    model.save_pretrained(path)
+    return {"version": version, "dir": str(path), "tensors": load_file(f"{path}/adapter_model.safetensors"),
+            "meta": {"lora": {"r": r}}}
