@@ -65,13 +65,14 @@ def by_staleness(train: list[dict]) -> dict[int, dict]:
             a = acc.setdefault(lag, {"groups": 0, "reward": 0.0, "tokens": 0, "dev": 0.0, "dev_max": 0.0, "clipped": 0.0})
             pre, tok = f"stale/{lag}/", row.get(f"stale/{lag}/tokens", 0)
             a["groups"] += v
-            a["reward"] += row[pre + "reward"] * v
+            a["reward"] += row.get(pre + "reward", 0.0) * v  # none: tokens of a mid-round swap's version, no group
             if tok:
                 a["tokens"] += tok
                 a["dev"] += row[pre + "ratio_dev_mean"] * tok
                 a["dev_max"] = max(a["dev_max"], row[pre + "ratio_dev_max"])
                 a["clipped"] += row[pre + "clip_frac"] * tok
-    return {lag: {"groups": a["groups"], "reward": round(a["reward"] / a["groups"], 3), "tokens": a["tokens"],
+    return {lag: {"groups": a["groups"], "reward": round(a["reward"] / a["groups"], 3) if a["groups"] else None,
+                  "tokens": a["tokens"],
                   "ratio_dev_mean": round(a["dev"] / a["tokens"], 4) if a["tokens"] else None,
                   "ratio_dev_max": round(a["dev_max"], 4) if a["tokens"] else None,
                   "clip_frac": round(a["clipped"] / a["tokens"], 4) if a["tokens"] else None}
@@ -231,7 +232,8 @@ def main(args: Args) -> None:
     print("  by staleness             groups  reward  |ratio-1| mean  max     clip frac")
     for lag, d in s["by_staleness"].items():
         dev = f"{d['ratio_dev_mean']:.4f}  {d['ratio_dev_max']:.4f}  {d['clip_frac']:.4f}" if d["tokens"] else "(not trained)"
-        print(f"    {lag:<22d} {d['groups']:6d}  {d['reward']:.3f}   {dev}")
+        reward = "  -  " if d["reward"] is None else f"{d['reward']:.3f}"  # tokens only: a mid-round swap's version
+        print(f"    {lag:<22d} {d['groups']:6d}  {reward}   {dev}")
     if train:
         plot(train, rollouts, os.path.join(out, "reward_curve.png"))
         print(f"  reward curve             {os.path.join(out, 'reward_curve.png')}")

@@ -402,6 +402,7 @@ def main(args: Args) -> None:
                 model = swap_in(model, new)
             version, published, first_round_of_version = new["version"], new["published"], True
             row["perf/swap_s"] = time.time() - t0
+            row["rollout/swap_wait_s"] = time.monotonic() - new["ready"]  # verified -> in use (a boundary reached)
             if mid_round and published is not None:
                 row["rollout/version_lag_s"] = time.monotonic() - published
                 first_round_of_version = False

@@ -38,11 +38,16 @@ def test_first_reaching_and_staleness_table():
 
 def test_from_dir_round_trip(tmp_path, capsys):
     train = _rows()
+    for r in train:  # tokens a worker sampled after a mid-round swap: staleness 0 has tokens but no group (no reward)
+        r.update({"stale/0/groups": 0, "stale/0/tokens": 10, "stale/0/ratio_dev_mean": 0.0, "stale/0/ratio_dev_max": 0.0,
+                  "stale/0/clip_frac": 0.0})
     report.save_dir(str(tmp_path), train, {"w1": []}, [])
     report.main(report.Args(from_dir=str(tmp_path)))
     out = capsys.readouterr().out
     assert "first reaches 0.8 at step 7, 70 s" in out and (tmp_path / "reward_curve.png").stat().st_size > 0
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 8
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["by_staleness"]["0"] == {
+        "groups": 0, "reward": None, "tokens": 80, "ratio_dev_mean": 0.0, "ratio_dev_max": 0.0, "clip_frac": 0.0}
 
 
 def test_an_environments_success_rate_and_tool_call_share_first_and_last_five_steps(tmp_path):
