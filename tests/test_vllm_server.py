@@ -14,8 +14,8 @@ the in-process backend (tests/test_vllm.py).
 test_server_backend_runs_multi_turn_episodes_...: episodes of several turns through one server (started
 here by ServerSampler.start) with a LoRA. engines.TokenTurns on it: the turn budget ends episodes with
 'turns', the token budget with 'length' and cuts a later turn short, a turn ends on the EOS (kept) or fills
-its room, a caller's stop token ends a turn, every later turn finds the shared prompt in vLLM's prefix cache
-(its /metrics), and the behaviour logprobs across turns are the trainer's recompute of the whole episode.
+its room, a caller's stop token ends a turn, vLLM's prefix cache (its /metrics) hits at least the shared prompt's
+full blocks for each later turn, and the behaviour logprobs across turns are the trainer's recompute of the whole episode.
 Then rollout.py --backend server --task calculator (the built-in tool task) on that server, against the
 real proxy and S3: the groups the proxy hands out hold multi-turn episodes (mask 0, logprob null exactly
 where the calculator's answer went, those tokens the chat template's rendering of it), and one
@@ -345,7 +345,8 @@ def test_server_backend_runs_multi_turn_episodes_the_trainer_scores_and_trains_o
         j = next(j for j in range(1, len(greedy)) if greedy[j] not in greedy[:j])
         cut = server.generate_ids([prompts[1]], [8], 0.0, stop={greedy[j]})[0]
         assert cut[0] == greedy[:j + 1] and cut[2] == "stop", (greedy, cut)
-        # the prefix cache across turns: every later turn found at least the shared prompt's full blocks cached
+        # the prefix cache across turns: in all, at least the shared prompt's full blocks hit for each later turn of the
+        # 'turns' episodes (without prefix caching: 0)
         q1, h1 = prefix_cache(server)
         floor = later_turns * (min(map(len, prompts)) // 128) * 128
         print(f"prefix cache: {h1 - h0:.0f} of {q1 - q0:.0f} prompt tokens hit ({(h1 - h0) / max(q1 - q0, 1):.2f}); "
