@@ -260,6 +260,24 @@ def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(
     assert all(c["versions"] == [[0, 1], [at, 2]] for c in comps)
     TrajectoryGroup(group_id="g" * 8, worker_id="w", policy_version=1, prompt_ids=prompts[0], completions=comps)
     assert rollout.version_runs(1, swaps, at) is None                       # one that ended before the swap
+    # completions that ended before the swap leave the batch at the swap; those still running go on exact.
+    # Make the token row 0 sampled at index 2 an end-of-sequence token: the same seed samples the same tokens
+    # up to the swap, so row 0 now ends at its index 2 (or before) and the others run on
+    eos = {out[0][0][2]}
+    model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+    calls = []
+    torch.manual_seed(0)
+    ended = engines.sample(model, prompts, G, n, 1.0, eos, tok.pad_token_id,
+                           swap=lambda i: i == at and (calls.append(engines.swap_in(model, v2)) or True))
+    assert calls and ended[0][2] == "stop" and len(ended[0][0]) <= 3 and ended[0][0] == out[0][0][:len(ended[0][0])]
+    running = [k for k, (ids, _, _) in enumerate(ended) if len(ids) > at]
+    assert running, "some completion ran past the swap"
+    lp1 = logprobs(v1, ended)
+    lp2 = logprobs(v2, ended)
+    for k in running:
+        ids, lps, _ = ended[k]
+        assert (torch.tensor(lps[:at]) - lp1[k, :at]).abs().max() < floor
+        assert (torch.tensor(lps[at:]) - lp2[k, at:len(ids)]).abs().max() < floor
     # the new weights on the old cache: tokens after the swap are not version 2's
     _, stale, _ = run(rebuild=False)
     drift = (torch.tensor([lps for _, lps, _ in stale])[:, at + 1:] - logprobs(v2, stale)[:, at + 1:]).abs().max()

@@ -51,36 +51,42 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     swap(i), called between decode steps with i = the index of the next token to sample: True when it has
     just copied a newer adapter version into the model's LoRA tensors (a mid-round swap, rollout.py; it
     records i as the first token of that version). The KV cache computed so far is the old version's, so it
-    is recomputed under the new weights from the prompts and the tokens sampled so far (one prefill, about
-    the cost of a few decode steps): every token from i on is then sampled from exactly the new version's
-    distribution given its context, so its recorded logprob is the one the trainer (and the audit) computes
-    under that version, and the importance ratio stays exact."""
+    is recomputed under the new weights from the prompts and the tokens sampled so far, for the completions
+    still running only (finished ones leave the batch then): every token from i on is then sampled from
+    exactly the new version's distribution given its context, so its recorded logprob is the one the trainer
+    (and the audit) computes under that version, and the importance ratio stays exact. Its cost, one prefill
+    of what is still running, is measured in bench/swap_cost.py."""
     lm = _causal_lm(model)
     head, body = lm.get_output_embeddings(), lm.get_decoder()
     cache, h, mask, pos = prefill(model, prompts, G, pad)
-    N = h.shape[0]
-    eos_t = torch.tensor(sorted(eos), device=h.device)  # every tensor on the model's device (a GPU: the same one)
+    N, dev = h.shape[0], h.device
+    eos_t = torch.tensor(sorted(eos), device=dev)  # every tensor on the model's device (a GPU: the same one)
     logits = head(h).float() / temperature
     toks, lps = [], []
-    done = torch.zeros(N, dtype=torch.bool, device=h.device)
+    done = torch.zeros(N, dtype=torch.bool, device=dev)
+    live = torch.arange(N, device=dev)  # the completion of each cache row (all of them until a swap)
     for t in range(max_new):
         logp = torch.log_softmax(logits, -1)
         nxt = torch.multinomial(logp.exp(), 1).squeeze(1)
-        toks.append(nxt)
-        lps.append(logp.gather(1, nxt[:, None]).squeeze(1))
-        done |= torch.isin(nxt, eos_t)
+        tok_t = torch.full((N,), pad, dtype=nxt.dtype, device=dev)
+        lp_t = torch.zeros(N, dtype=logp.dtype, device=dev)
+        tok_t[live], lp_t[live] = nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+        toks.append(tok_t)
+        lps.append(lp_t)
+        done[live] = done[live] | torch.isin(nxt, eos_t)
         if done.all() or t == max_new - 1:
             break
         if swap is not None and swap(t + 1):  # new weights: the cache again, prompts and tokens so far
-            cache, _, mask, _ = prefill(model, prompts, G, pad)
-            so_far = torch.stack(toks, 1)
+            live = (~done).nonzero().squeeze(1)
+            cache, mask = prefill_rows(model, prompts, live, G, pad)
+            so_far = torch.stack(toks, 1)[live]
             mask = torch.cat([mask, torch.ones_like(so_far, dtype=mask.dtype)], 1)
-            steps = torch.arange(t + 1, device=pos.device)
-            out = body(input_ids=so_far, attention_mask=mask, position_ids=pos[:, None] + steps[None],
+            steps = torch.arange(t + 1, device=dev)
+            out = body(input_ids=so_far, attention_mask=mask, position_ids=pos[live][:, None] + steps[None],
                        use_cache=True, **cache_kw(body, cache))
         else:
-            mask = torch.cat([mask, torch.ones(N, 1, dtype=mask.dtype, device=mask.device)], 1)
-            out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos + t)[:, None],
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=dev)], 1)
+            out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos[live] + t)[:, None],
                        use_cache=True, **cache_kw(body, cache))
         logits = head(out.last_hidden_state[:, -1]).float() / temperature
     toks_t, lps_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
@@ -90,6 +96,18 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
         n = len(ids) if stop is None else stop + 1  # keep the EOS token: it was sampled too
         out.append((ids[:n], lp[:n], "length" if stop is None else "stop"))
     return out
+
+
+def prefill_rows(model, prompts: list[list[int]], rows: torch.Tensor, G: int, pad: int):
+    """models.prefill for some of a round's completions (rows: their indices, group-major, G per prompt): each
+    prompt they need is computed once and its cache shared by its rows, as at the round's start (computing it
+    per row costs G times as much). Returns (cache, mask) for those rows, in their order."""
+    groups = sorted(set((rows // G).tolist()))
+    cache, _, mask, _ = prefill(model, [prompts[g] for g in groups], 1, pad)
+    where = {g: k for k, g in enumerate(groups)}
+    idx = torch.tensor([where[g] for g in (rows // G).tolist()], device=mask.device)
+    cache.batch_select_indices(idx)
+    return cache, mask[idx]
 
 
 class HFTurns:
@@ -118,8 +136,8 @@ class HFTurns:
         """The model's weights changed between two turns (a new adapter version): the cache of every running
         episode again, from its prompt (prefilled now) and its tokens so far (fed with the next turn), so the
         next turn samples from exactly the new version's distribution given the whole episode."""
-        self.cache, self.h, self.mask, self.pos = prefill(self.model, [self.prompts[e // self.G] for e in self.rows],
-                                                          1, self.pad)
+        self.cache, self.mask = prefill_rows(self.model, self.prompts, torch.tensor(self.rows), self.G, self.pad)
+        self.pos = self.mask.sum(1)
         self.refeed = {e: self.cached[e] for e in self.rows}
         self.cached = {e: [] for e in self.rows}
 
