@@ -387,11 +387,16 @@ def test_server_backend_runs_multi_turn_episodes_the_trainer_scores_and_trains_o
     print(f"train_step on {len(mine)} v1 groups: {st['tokens']} sampled tokens, loss {st['loss']:.4f}, "
           f"|server - trainer| logprob mean {worker_diff[0]:.2e} max {worker_diff[1]:.2e}")
     if old := [g for g in groups.values() if g["policy_version"] == 0]:
+        # a group begun before the worker had v1 may have taken it between two turns (--mid-round-swap): each
+        # token is recomputed under the version that sampled it (its `versions`), the base's or v1's
         cs = [c for g in old for c in g["completions"]]
-        with torch.no_grad(), model.disable_adapter():
-            logp, _ = models.completion_logprobs(model, [g["prompt_ids"] for g in old], [c["token_ids"] for c in cs],
-                                                 EP_T, tok.pad_token_id)
-        d0 = [abs(logp[i, j].item() - lp) for i, c in enumerate(cs) for j, lp in enumerate(c["logprobs"]) if lp is not None]
+        args = ([g["prompt_ids"] for g in old], [c["token_ids"] for c in cs], EP_T, tok.pad_token_id)
+        with torch.no_grad():
+            with model.disable_adapter():
+                under = {0: models.completion_logprobs(model, *args)[0]}
+            under[1] = models.completion_logprobs(model, *args)[0]
+        d0 = [abs(under[v][i, j].item() - lp) for i, c in enumerate(cs)
+              for j, (lp, v) in enumerate(zip(c["logprobs"], common.token_versions(c, 0))) if lp is not None]
         assert sum(d0) / len(d0) < MEAN_TOL and max(d0) < MAX_TOL, (sum(d0) / len(d0), max(d0))
     EP_REPORT.parent.mkdir(exist_ok=True)
     EP_REPORT.write_text(json.dumps({
