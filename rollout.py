@@ -423,7 +423,10 @@ def main(args: Args) -> None:
             return False
         before = version
         take_new(row, mid_round=True)
-        return version != before  # unchanged: refused (another LoRA shape), the loaded version samples on
+        if version == before:  # refused (another LoRA shape): the loaded version samples on
+            return False
+        row["rollout/mid_round_swaps"] = row.get("rollout/mid_round_swaps", 0) + 1
+        return True
 
     def swap_at_token(i: int) -> bool:  # hf, single-turn: between two decode steps (engines.sample)
         if not swap_now():
@@ -530,7 +533,8 @@ def main(args: Args) -> None:
         if isinstance(engine, ServerSampler):
             row["rollout/server_down_s"] = engine.down_s
         statuses = list(sent.values())
-        row.update({"version": round_version, "rollout/mid_round_swaps": len(swaps), "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
+        row.update({"version": round_version, "rollout/mid_round_swaps": row.get("rollout/mid_round_swaps", 0),
+                    "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
                     "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
