@@ -139,6 +139,23 @@ class Auditor:
         self.reports = True                # False: the proxy has no audit route (an older proxy.py)
         self._task = None
 
+    def recall(self) -> None:
+        """The participants the proxy counts a failed check against (since the owner last reinstated them) are
+        suspects again: a restarted trainer audits every group of theirs, as the trainer before it did. The
+        proxy's journal holds the failures, so the suspicion survives any restart of either role."""
+        if not self.opts.enabled:
+            return
+        try:
+            people = self.client.get("/v1/stats").get("participants", {})
+        except (ProxyError, httpx.HTTPError) as e:  # a token that may not read /v1/stats (or SIGTERM): the audit
+            # responses bring them back, each with its next group
+            self.say(f"audit: the participants' standing cannot be read ({e}): suspects are learnt again as they fail")
+            return
+        again = {who for who, p in people.items() if (p.get("checks") or {}).get("failed")}
+        if again - self.suspects:
+            self.say(f"audit: every group of {', '.join(sorted(again - self.suspects))} is audited (failed checks before)")
+        self.suspects |= again
+
     @property
     def task(self):
         if self._task is None:  # loaded at the first participant's group: a run of the admin's own workers needs none
