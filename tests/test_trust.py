@@ -306,3 +306,31 @@ def test_a_restarted_trainer_still_audits_every_group_of_a_participant_that_fail
         stop(train)
     assert failed() == {"reward": 1, "logprobs": 1}, log.read_text()[-3000:]
     assert "every group of bob is audited" in log.read_text()
+
+
+def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_every_group_of_a_suspect(tiny_model):
+    """What the audit's forward is spent on: the logprobs of groups the step trains (those of a group it leaves out,
+    rewards all equal, steer nothing), drawn at --audit.logprob-share; once a participant failed a check, every
+    group of its, trained or not."""
+    import train
+    from audit import Auditor, Options
+    from models import encode_prompt
+    model, tok = train.build_model(train.Args(model=tiny_model))
+    trains = {"a0", "b0"}
+    auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, None, 2, lambda g: 1.0,
+                      lambda g: g["group_id"] in trains, say=lambda s: None)
+    auditor.reports = False  # no proxy here: the verdicts stay in the trainer
+    task = auditor.task
+
+    def made_up(gid: str, i: int) -> dict:  # the right prompt, honest rewards, logprobs nobody computed
+        ids = tok.encode(f"The answer is {i}", add_special_tokens=False)
+        r = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+        return {"group_id": gid, "policy_version": 0, "prompt_ids": encode_prompt(tok, task.prompts[i]),
+                "participant": "p", "prompt_dataset": "addition", "prompt_index": i, "lease_id": "l" * 8, "meta": {},
+                "completions": [{"token_ids": ids, "logprobs": [-0.05] * len(ids), "reward": r, "finish_reason": "stop"}] * 4}
+
+    kept, row = auditor.check({"batch_id": "b1"}, [made_up("a0", 1), made_up("a1", 2)], model, 1, fresh=False)
+    assert row["audit/logprob_groups"] == 1 and row["audit/failed_logprobs"] == 1, row  # a0's, the one trained
+    assert [g["group_id"] for g in kept] == ["a1"] and auditor.suspects == {"p"}
+    kept, row = auditor.check({"batch_id": "b2"}, [made_up("b0", 1), made_up("b1", 2)], model, 1, fresh=False)
+    assert row["audit/logprob_groups"] == 2 and row["audit/failed_logprobs"] == 2 and not kept, row  # a suspect: all

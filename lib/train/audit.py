@@ -45,8 +45,9 @@ class Options:
     reward_share: float = 1.0
     """share of their groups whose rewards are re-scored with the task's reward function"""
     logprob_share: float = 0.25
-    """share of their groups whose behaviour logprobs are recomputed under the version that sampled them (a
-    forward each; groups on-policy to the trainer's weights are all checked in its own forward, at no cost)"""
+    """share of their groups the step trains on whose behaviour logprobs are recomputed under the version that
+    sampled them (a forward each; groups on-policy to the trainer's weights are all checked in its own forward, at
+    no cost; a group the step leaves out has no gradient to steer; a participant that failed a check: every group)"""
     max_dev_mean: float = 1e-3
     """a group fails when its mean |sent - recomputed logprob| over its sampled tokens is above this (the hf
     engine's floor on CPU: 2.4e-6; the vLLM CPU lane's: ~5e-6; a bf16 GPU engine's is larger: set this above it)"""
@@ -251,10 +252,12 @@ class Auditor:
                 failed[g["group_id"]] = ("prompt", why)
             elif (suspect or self.rng.random() < self.opts.reward_share) and (why := self.reward_problem(g)):
                 failed[g["group_id"]] = ("reward", why)
-        # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled
+        # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled;
+        # of the others a share is drawn among those it trains: the logprobs of a group it leaves out (rewards all
+        # equal: advantage 0, no gradient whatever they say) cannot steer the update. A suspect's are all audited.
         free = lambda g: fresh and self.trains(g) and versions_sampled(g) == {version}  # noqa: E731
         audit = [g for g in theirs if g["group_id"] not in failed and not free(g)
-                 and (g["participant"] in self.suspects or self.rng.random() < self.opts.logprob_share)]
+                 and (g["participant"] in self.suspects or (self.trains(g) and self.rng.random() < self.opts.logprob_share))]
         devs, lost = self.recompute(model, audit, version, fresh)
         worst = [0.0, 0.0]
         for gid, (s, mx, n) in devs.items():
