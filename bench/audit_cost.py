@@ -6,6 +6,7 @@ group it sends is audited at the default --audit.* settings.
     .venv/bin/python bench/audit_cost.py                        # 20 steps, one honest participant
     .venv/bin/python bench/audit_cost.py --runs 3 --steps 20    # the audit's share over 3 runs, one after another
     .venv/bin/python bench/audit_cost.py --pair --steps 20      # honest alone, then honest + the liar (same seeds)
+    .venv/bin/python bench/audit_cost.py --liar --steps 20      # only the run with the liar
 
 Per run it prints the audit's time (`perf/audit_s`) against the trainer's own time per step (`perf/step_s`
 minus `perf/rollout_wait_s`: the audit, forward/backward, publishing; not the wait for a batch), the median of
@@ -35,6 +36,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
+sys.path.insert(0, str(ROOT / "tests"))  # the liar's helpers import conftest's
 import common  # noqa: E402 - first of ours: puts the lib/ folders on sys.path
 from proxy_load import free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
 
@@ -50,12 +52,14 @@ class Args:
     """runs of each kind, one after another"""
     pair: bool = False
     """also a run with the liar beside the honest worker, after each honest run"""
+    liar: bool = False
+    """only the runs with the liar"""
     seed: int = 1
     """the rollout worker's --seed (the trainer's is 0): the same in every run"""
     train_args: list[str] = field(default_factory=list)
     """more arguments for train.py (after the local defaults: --loss cispo)"""
-    timeout_s: float = 900
-    """a run that has not finished by then is stopped and reported as such"""
+    timeout_s: float = 2400
+    """a trainer that has not finished by then is stopped (SIGTERM: it checkpoints) and its steps so far reported"""
     out: str = "runs/audit_cost.json"
     """where the JSON goes (each run's logs: beside it, in a folder of its name)"""
 
@@ -75,11 +79,11 @@ def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, wait_s: float = 30) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(30)
+            proc.wait(wait_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -95,6 +99,17 @@ def liar_thread(url: str, token: str, owner: Owner, bucket, said: list, done: li
     def run() -> None:
         try:
             hostile(url, token, tok, owner, bucket, said, done)
+            # the seventh failed check, past --quarantine-after 7: quarantined (at the latest version: a stale group
+            # is dropped as stale before its lease is looked at)
+            me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
+            latest = me.get("/v1/adapters/latest").json()["version"]
+            r = me.post("/v1/groups", json={
+                "group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": latest, "lease_id": uuid.uuid4().hex,
+                "prompt_index": 0, "prompt_ids": [1, 2], "meta": {},
+                "completions": [{"token_ids": [3], "logprobs": [-1.0 - k], "reward": 0.0, "finish_reason": "stop"}
+                                for k in range(owner.stats()["group_size"])]})
+            said.append(("unleased", r.status_code, r.text))
+            said.append(("after", me.get("/v1/whoami").status_code, me.get("/v1/whoami").text))
         except Exception as e:  # noqa: BLE001 - reported in the run's result
             said.append(("error", 0, f"{type(e).__name__}: {e}"))
     t = threading.Thread(target=run, daemon=True)
@@ -145,16 +160,11 @@ def one_run(a: Args, liar: bool, tmp: Path) -> dict:
         while train.poll() is None and time.time() - t0 < a.timeout_s:
             time.sleep(1)
         finished = train.poll() == 0
+        if train.poll() is None:  # out of time: SIGTERM checkpoints, so the steps taken are in the bucket
+            stop(train, 300)
         stats = owner.stats()
-        if liar and done:  # one more lie: past --quarantine-after 7, quarantined
-            last = httpx.post(f"{url}/v1/groups", headers={"x-proxy-token": tokens["mallory"]}, timeout=30,
-                              json={"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": 1,
-                                    "lease_id": uuid.uuid4().hex, "prompt_index": 0, "prompt_ids": [1, 2],
-                                    "completions": [{"token_ids": [3], "logprobs": [-1.0 - k], "reward": 0.0,
-                                                     "finish_reason": "stop"} for k in range(8)], "meta": {}})
-            said.append(("unleased", last.status_code, last.text))
-            stats = owner.stats()
-        rows = [json.loads(x) for x in bucket.get("metrics/train.jsonl")[0].decode().splitlines()] if finished else []
+        got = bucket.get("metrics/train.jsonl")
+        rows = [json.loads(x) for x in got[0].decode().splitlines()] if got else []
         (logs / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     finally:
         for p in reversed(procs):
@@ -186,9 +196,11 @@ def summarize(run: str, liar: bool, finished: bool, rows: list[dict], stats: dic
 
 
 def show(r: dict) -> None:
-    if not r["finished"]:
-        print(f"{r['run']}: did not finish (logs in {r['logs']})")
+    if not r["steps"]:
+        print(f"{r['run']}: no step logged (logs in {r['logs']})")
         return
+    if not r["finished"]:
+        print(f"{r['run']}: stopped after {r['steps']} steps, out of time")
     print(f"{r['run']}: {r['steps']} steps; audit median {r['audit_s_median']:.3f} s of the trainer's own "
           f"{r['own_s_median']:.3f} s per step (fwd/bwd {r['fwd_bwd_s_median']:.3f} s): median share "
           f"{100 * r['audit_share_median']:.1f}%, of the sums {100 * r['audit_share_of_sums']:.1f}%; groups audited "
@@ -207,10 +219,10 @@ def main(a: Args) -> None:
     results = []
     logs = Path(a.out).with_suffix("")  # each run's logs: runs/audit_cost/<run>/
     for _ in range(a.runs):
-        for liar in ([False, True] if a.pair else [False]):
+        for liar in ([True] if a.liar else [False, True] if a.pair else [False]):
             results.append(one_run(a, liar, logs))
             show(results[-1])
-    ok = [r for r in results if r["finished"] and not r["liar"]]
+    ok = [r for r in results if r["steps"] and not r["liar"]]
     if len(ok) > 1:
         print(f"median over {len(ok)} honest runs: audit share per step "
               f"{100 * statistics.median(r['audit_share_median'] for r in ok):.1f}%")

@@ -19,6 +19,7 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
     from models import encode_prompt
     from tasks import load_task
     task, count = load_task("addition"), itertools.count()
+    size = owner.stats()["group_size"]  # the run's: a group of another size is refused (422) before any check
     me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
     failed = lambda: owner.stats()["participants"]["mallory"].get("checks", {}).get("failed", 0)  # noqa: E731 - the owner's view
 
@@ -33,7 +34,7 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
         honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
         nth = next(count)  # each group's completions its own: the same ones again would be refused as a replay
         comps = [{"token_ids": ids, "logprobs": [(logprobs or -11.0) - 0.01 * k - 1e-4 * nth] * len(ids),
-                  "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(4)]
+                  "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(size)]
         comps[0]["logprobs"] = [x - 0.5 for x in comps[0]["logprobs"]]  # not all alike
         p = encode_prompt(tok, task.prompts[(i + 1) % len(task.prompts) if other_prompt else i])
         return {"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": version, **lease_,
