@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "tests"))  # the liar's helpers import conftest's
 import common  # noqa: E402 - first of ours: puts the lib/ folders on sys.path
+import report  # noqa: E402
 from proxy_load import free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
 
 PY = sys.executable
@@ -178,6 +179,7 @@ def summarize(run: str, liar: bool, finished: bool, rows: list[dict], stats: dic
     parts = stats.get("participants", {})
     out = {"run": run, "liar": liar, "finished": finished, "logs": str(logs), "steps": len(rows),
            "reward": [round(r["reward/mean"], 4) for r in rows],
+           "first_reaches_0.8": (report.first_reaching(rows, 0.8) or {}).get("step"),  # report.py's measure
            "audit_s_median": statistics.median(audit) if rows else None,
            "own_s_median": statistics.median(own) if rows else None,
            "fwd_bwd_s_median": statistics.median(r["perf/fwd_bwd_s"] for r in rows) if rows else None,
@@ -206,7 +208,8 @@ def show(r: dict) -> None:
           f"{100 * r['audit_share_median']:.1f}%, of the sums {100 * r['audit_share_of_sums']:.1f}%; groups audited "
           f"{r['audit_groups']}, logprobs recomputed {r['audit_logprob_groups']}, checked in the step's forward "
           f"{r['audit_onpolicy_groups']}, left out {r['audit_left_out']}; honest max |dev| {r['honest_dev_max']}")
-    print(f"  reward per step: {' '.join(f'{x:.2f}' for x in r['reward'])}")
+    print(f"  reward per step: {' '.join(f'{x:.2f}' for x in r['reward'])}; mean {statistics.mean(r['reward']):.3f}; "
+          f"5-step mean first >= 0.8 at step {r['first_reaches_0.8']}")
     g = r["guest_checks"] or {}
     print(f"  guest: checked {g.get('checked')}, failed {g.get('failed')}; quarantined: {r['quarantined']}")
     if r["liar"]:
