@@ -8,9 +8,10 @@ task, the tokenizer and the model is checked here, on every batch, before the st
             groups; by default all: decoding and the task's check cost milliseconds);
   logprobs  the behaviour logprobs are those of the version that sampled each token, recomputed with that
             version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
-            otherwise): a --audit.logprob-share of groups, one forward each. Groups on-policy to the weights the
-            trainer holds are checked in the step's own forward instead, every one of them (train.train_step
-            hands their deviations to `onpolicy`); a participant that failed any check has every group checked.
+            otherwise): a --audit.logprob-share of the groups the step trains, one forward each. Groups on-policy
+            to the weights the trainer holds are checked in the step's own forward instead, every one of them
+            (train.train_step hands their deviations to `onpolicy`); a participant that failed any check (as the
+            proxy counts them: `recall` after a restart) has every group checked.
 
 Only groups of participants (a `participant` in the leased group: a token other than the run's admin token)
 are audited. A group that fails is left out of the step and reported (`POST /v1/batches/{id}/audit`): the
