@@ -509,6 +509,7 @@ def main(args: Args) -> None:
         raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
     trained.max_staleness = proxy_latest.get("max_staleness", trained.max_staleness)
     auditor.weights.keep = min(trained.max_staleness, 64) + 1  # the versions a leased group may have been sampled by
+    auditor.recall()  # whom a trainer before this one caught lying: every group of theirs audited, as then
     # versions only go up, across restarts too: continue after the newest published one even if
     # the checkpoint is older (its weights win, its version number does not)
     published = bucket.get_json("adapters/latest.json")

@@ -2,8 +2,6 @@
 prompt lease of its sender's, answers it once, and is not another group's completions sent again), how the
 trainer's audit reports land, and the quarantine: automatic past --quarantine-after, with its reason in
 /v1/stats, /metrics and the journal, a 403 on every route, surviving a restart, lifted by the owner."""
-import contextlib
-import itertools
 import json
 import os
 import signal
@@ -15,6 +13,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, stop
+from liar import hostile
 from proxyproc import Worker, metric, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from runlib import journal
 from test_proxy import group, publish
@@ -130,71 +129,6 @@ def test_the_trainers_audit_report_counts_against_the_sender_as_the_proxy_record
     _, events = journal(bucket)
     assert [(e["check"], e["group_id"]) for e in events if e["t"] == "failed"] == [("reward", ids[1]), ("logprobs", bobs)]
     assert sum(e["counts"].get("alice", 0) for e in events if e["t"] == "checked") == 1
-
-
-def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) -> None:
-    """A participant that lies in each way in turn, each once, waiting (bounded) for each lie to be caught
-    before the next: its rewards inflated, its prompt tokens not those of the prompt leased, its behaviour
-    logprobs made up (these three the trainer's audit catches), then a group on a lease never handed out, a
-    prompt answered twice, and an honest participant's group sent again as its own (the proxy catches those).
-    Its completions are real tokens of a text whose reward it computes with the task, as an honest worker would."""
-    from models import encode_prompt
-    from tasks import load_task
-    task, count = load_task("addition"), itertools.count()
-    me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
-    failed = lambda: owner.stats()["participants"]["mallory"].get("checks", {}).get("failed", 0)  # noqa: E731 - the owner's view
-
-    def lease() -> tuple[dict, int]:
-        got = me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
-        return {"lease_id": got["lease_id"], "prompt_index": got["indices"][0]}, got["indices"][0]
-
-    def crafted(version: int, inflate=False, other_prompt=False, logprobs=None) -> dict:
-        lease_, i = lease()
-        text = "I think the answer is 7"
-        ids = tok.encode(text, add_special_tokens=False)
-        honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
-        nth = next(count)  # each group's completions its own: the same ones again would be refused as a replay
-        comps = [{"token_ids": ids, "logprobs": [(logprobs or -11.0) - 0.01 * k - 1e-4 * nth] * len(ids),
-                  "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(4)]
-        comps[0]["logprobs"] = [x - 0.5 for x in comps[0]["logprobs"]]  # not all alike
-        p = encode_prompt(tok, task.prompts[(i + 1) % len(task.prompts) if other_prompt else i])
-        return {"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": version, **lease_,
-                "prompt_ids": p, "completions": comps, "meta": {"task": task.name, "prompt_index": i, "temperature": 1.0}}
-
-    def lie(kind: str, make) -> dict:
-        """Send make()'s group; one the proxy takes must be caught by the trainer. A group that went stale while
-        waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
-        never audited: made and sent afresh."""
-        for _ in range(8):
-            g, before = make(), failed()
-            r = wait_for(lambda: (r := me.post("/v1/groups", json=g)).status_code != 429 and r, 120, every=0.5,
-                         msg="room in the buffer")  # the honest worker keeps it full: 429 until the trainer leases
-            if r.status_code == 409:
-                break
-            assert r.status_code == 200 and r.json()["status"] in ("accepted", "stale"), r.text
-            if r.json()["status"] == "stale":  # it waited for room while the trainer moved on: made afresh
-                continue
-            with contextlib.suppress(AssertionError):
-                wait_for(lambda: failed() > before, 60, every=0.5, msg=f"the trainer catching the {kind} lie")
-                break
-        said.append((kind, r.status_code, r.text))
-        assert failed() > before, f"the {kind} lie was not caught"
-        return g
-
-    latest = lambda: me.get("/v1/adapters/latest").json()["version"]  # noqa: E731
-    wait_for(lambda: latest() >= 1, 240, every=0.5, msg="version 1")
-    lie("reward", lambda: crafted(latest(), inflate=True))
-    lie("prompt", lambda: crafted(latest(), other_prompt=True))
-    answered = lie("logprobs", lambda: crafted(latest(), logprobs=-0.05))
-    lie("unleased", lambda: {**crafted(latest()), "lease_id": uuid.uuid4().hex})
-    lie("reused", lambda: {**answered, "group_id": uuid.uuid4().hex})  # the prompt its last lie answered, again
-    def replay() -> dict:  # the honest worker's newest group (leaked, say), claimed as sampled by the latest version
-        guest = max((g for g in journal(bucket)[0] if g.get("participant") == "guest"), key=lambda g: g["policy_version"])
-        comps = [{k: v for k, v in c.items() if k != "versions"} for c in guest["completions"]]
-        return {k: v for k, v in {**guest, "group_id": uuid.uuid4().hex, **lease()[0], "policy_version": latest(),
-                                  "completions": comps}.items() if k not in ("participant", "prompt_dataset")}
-    lie("replayed", replay)
-    done.append(True)
 
 
 @pytest.mark.timeout(900)
@@ -321,3 +255,82 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     off = {**v1[1], "prompt_ids": encode_prompt(tok, task.prompts[v1[1]["prompt_index"] + 1])}
     assert "not the chat-formatted prompt" in auditor.prompt_problem(off)
     assert "this run's task is 'addition'" in auditor.prompt_problem({**v1[1], "prompt_dataset": "gsm8k"})
+
+
+def test_a_restarted_trainer_still_audits_every_group_of_a_participant_that_failed_a_check(tiny_model, spawn, bucket,
+                                                                                        run_name, tmp_path):
+    """The trainer audits every group of a participant once it failed a check (and only a sampled share of the
+    others' logprobs). A trainer started after that failure (a restart, a takeover) learns it from the proxy's
+    standing, which the journal holds: with --audit.logprob-share 0 its made-up logprobs are caught all the same."""
+    from transformers import AutoTokenizer
+
+    from models import encode_prompt
+    from tasks import load_task
+    p = spawn("--quarantine-after", "10", "--max-staleness", "3")
+    publish(bucket, p, 1)  # the trainer starts at version 1, not fresh: no group is checked in its forward for free
+    bob = as_(p, create(p, "bob"))
+    tok, task = AutoTokenizer.from_pretrained(tiny_model), load_task("addition")
+
+    def bobs(inflate: bool) -> dict:
+        got = bob.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
+        i, comps = got["indices"][0], []
+        for k in range(4):
+            ids = tok.encode(f"The answer is {k + 2}", add_special_tokens=False)
+            r = 1.0 if inflate else task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+            comps.append({"token_ids": ids, "logprobs": [-0.05 - 0.01 * k - 0.001 * inflate] * len(ids), "reward": r,
+                          "finish_reason": "stop"})  # each group's own logprobs: the same again would be a replay
+        return {"group_id": uuid.uuid4().hex, "worker_id": "b1", "policy_version": 0, "lease_id": got["lease_id"],
+                "prompt_index": i, "prompt_ids": encode_prompt(tok, task.prompts[i]), "completions": comps,
+                "meta": {"temperature": 1.0}}
+
+    # the trainer before this one caught bob's inflated rewards (its report, as train.py sends it)
+    assert answer(bob, bobs(inflate=True)) == (200, "accepted")
+    got = p.http.post("/v1/batches/lease", json={"num_groups": 1}).json()
+    gid = got["groups"][0]["group_id"]
+    r = p.http.post(f"/v1/batches/{got['batch_id']}/audit",
+                    json={"checked": [gid], "failures": [{"group_id": gid, "check": "reward", "detail": "claims 1"}]})
+    assert r.status_code == 200 and r.json()["participants"]["bob"]["failed"] == 1, r.text
+    assert p.http.post(f"/v1/batches/{got['batch_id']}/ack").status_code == 200
+    # then a group with honest rewards and made-up logprobs, for a trainer that samples no one's logprobs
+    assert answer(bob, bobs(inflate=False)) == (200, "accepted")
+    failed = lambda: p.stats()["participants"]["bob"]["checks"]["by_check"]  # noqa: E731
+    log = tmp_path / "train.log"
+    train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "1",
+                              "--batch-groups", "1", "--lease-wait-s", "2", "--no-skip-zero-std",
+                              "--audit.logprob-share", "0"],
+                             env={**os.environ, "RUN_NAME": run_name, "PROXY_URL": p.url, "PROXY_TOKEN": p.token,
+                                  "OMP_NUM_THREADS": "1"}, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:  # caught: bob's second failure; not caught: the trainer trains on it, finishes its one step and exits
+        wait_for(lambda: "logprobs" in failed() or train.poll() is not None, 240, every=0.5, msg="the trainer's audit")
+    finally:
+        stop(train)
+    assert failed() == {"reward": 1, "logprobs": 1}, log.read_text()[-3000:]
+    assert "every group of bob is audited" in log.read_text()
+
+
+def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_every_group_of_a_suspect(tiny_model):
+    """What the audit's forward is spent on: the logprobs of groups the step trains (those of a group it leaves out,
+    rewards all equal, steer nothing), drawn at --audit.logprob-share; once a participant failed a check, every
+    group of its, trained or not."""
+    import train
+    from audit import Auditor, Options
+    from models import encode_prompt
+    model, tok = train.build_model(train.Args(model=tiny_model))
+    trains = {"a0", "b0"}
+    auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, None, 2, lambda g: 1.0,
+                      lambda g: g["group_id"] in trains, say=lambda s: None)
+    auditor.reports = False  # no proxy here: the verdicts stay in the trainer
+    task = auditor.task
+
+    def made_up(gid: str, i: int) -> dict:  # the right prompt, honest rewards, logprobs nobody computed
+        ids = tok.encode(f"The answer is {i}", add_special_tokens=False)
+        r = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+        return {"group_id": gid, "policy_version": 0, "prompt_ids": encode_prompt(tok, task.prompts[i]),
+                "participant": "p", "prompt_dataset": "addition", "prompt_index": i, "lease_id": "l" * 8, "meta": {},
+                "completions": [{"token_ids": ids, "logprobs": [-0.05] * len(ids), "reward": r, "finish_reason": "stop"}] * 4}
+
+    kept, row = auditor.check({"batch_id": "b1"}, [made_up("a0", 1), made_up("a1", 2)], model, 1, fresh=False)
+    assert row["audit/logprob_groups"] == 1 and row["audit/failed_logprobs"] == 1, row  # a0's, the one trained
+    assert [g["group_id"] for g in kept] == ["a1"] and auditor.suspects == {"p"}
+    kept, row = auditor.check({"batch_id": "b2"}, [made_up("b0", 1), made_up("b1", 2)], model, 1, fresh=False)
+    assert row["audit/logprob_groups"] == 2 and row["audit/failed_logprobs"] == 2 and not kept, row  # a suspect: all

@@ -8,9 +8,10 @@ task, the tokenizer and the model is checked here, on every batch, before the st
             groups; by default all: decoding and the task's check cost milliseconds);
   logprobs  the behaviour logprobs are those of the version that sampled each token, recomputed with that
             version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
-            otherwise): a --audit.logprob-share of groups, one forward each. Groups on-policy to the weights the
-            trainer holds are checked in the step's own forward instead, every one of them (train.train_step
-            hands their deviations to `onpolicy`); a participant that failed any check has every group checked.
+            otherwise): a --audit.logprob-share of the groups the step trains, one forward each. Groups on-policy
+            to the weights the trainer holds are checked in the step's own forward instead, every one of them
+            (train.train_step hands their deviations to `onpolicy`); a participant that failed any check (as the
+            proxy counts them: `recall` after a restart) has every group checked.
 
 Only groups of participants (a `participant` in the leased group: a token other than the run's admin token)
 are audited. A group that fails is left out of the step and reported (`POST /v1/batches/{id}/audit`): the
@@ -45,8 +46,9 @@ class Options:
     reward_share: float = 1.0
     """share of their groups whose rewards are re-scored with the task's reward function"""
     logprob_share: float = 0.25
-    """share of their groups whose behaviour logprobs are recomputed under the version that sampled them (a
-    forward each; groups on-policy to the trainer's weights are all checked in its own forward, at no cost)"""
+    """share of their groups the step trains on whose behaviour logprobs are recomputed under the version that
+    sampled them (a forward each; groups on-policy to the trainer's weights are all checked in its own forward, at
+    no cost; a group the step leaves out has no gradient to steer; a participant that failed a check: every group)"""
     max_dev_mean: float = 1e-3
     """a group fails when its mean |sent - recomputed logprob| over its sampled tokens is above this (the hf
     engine's floor on CPU: 2.4e-6; the vLLM CPU lane's: ~5e-6; a bf16 GPU engine's is larger: set this above it)"""
@@ -138,6 +140,23 @@ class Auditor:
         self.suspects: set[str] = set()    # participants with a failed check: every group of theirs is audited
         self.reports = True                # False: the proxy has no audit route (an older proxy.py)
         self._task = None
+
+    def recall(self) -> None:
+        """The participants the proxy counts a failed check against (since the owner last reinstated them) are
+        suspects again: a restarted trainer audits every group of theirs, as the trainer before it did. The
+        proxy's journal holds the failures, so the suspicion survives any restart of either role."""
+        if not self.opts.enabled:
+            return
+        try:
+            people = self.client.get("/v1/stats").get("participants", {})
+        except (ProxyError, httpx.HTTPError) as e:  # a token that may not read /v1/stats (or SIGTERM): the audit
+            # responses bring them back, each with its next group
+            self.say(f"audit: the participants' standing cannot be read ({e}): suspects are learnt again as they fail")
+            return
+        again = {who for who, p in people.items() if (p.get("checks") or {}).get("failed")}
+        if again - self.suspects:
+            self.say(f"audit: every group of {', '.join(sorted(again - self.suspects))} is audited (failed checks before)")
+        self.suspects |= again
 
     @property
     def task(self):
@@ -234,10 +253,12 @@ class Auditor:
                 failed[g["group_id"]] = ("prompt", why)
             elif (suspect or self.rng.random() < self.opts.reward_share) and (why := self.reward_problem(g)):
                 failed[g["group_id"]] = ("reward", why)
-        # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled
+        # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled;
+        # of the others a share is drawn among those it trains: the logprobs of a group it leaves out (rewards all
+        # equal: advantage 0, no gradient whatever they say) cannot steer the update. A suspect's are all audited.
         free = lambda g: fresh and self.trains(g) and versions_sampled(g) == {version}  # noqa: E731
         audit = [g for g in theirs if g["group_id"] not in failed and not free(g)
-                 and (g["participant"] in self.suspects or self.rng.random() < self.opts.logprob_share)]
+                 and (g["participant"] in self.suspects or (self.trains(g) and self.rng.random() < self.opts.logprob_share))]
         devs, lost = self.recompute(model, audit, version, fresh)
         worst = [0.0, 0.0]
         for gid, (s, mx, n) in devs.items():

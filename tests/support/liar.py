@@ -1,0 +1,76 @@
+"""A participant that lies in each way docs/trust.md lists, in turn: the model of a hostile contributor for
+tests/test_trust.py's acceptance run and bench/audit_cost.py's learning comparison."""
+import contextlib
+import itertools
+import uuid
+
+import httpx
+
+from proxyproc import wait_for
+from runlib import journal
+
+
+def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) -> None:
+    """A participant that lies in each way in turn, each once, waiting (bounded) for each lie to be caught
+    before the next: its rewards inflated, its prompt tokens not those of the prompt leased, its behaviour
+    logprobs made up (these three the trainer's audit catches), then a group on a lease never handed out, a
+    prompt answered twice, and an honest participant's group sent again as its own (the proxy catches those).
+    Its completions are real tokens of a text whose reward it computes with the task, as an honest worker would."""
+    from models import encode_prompt
+    from tasks import load_task
+    task, count = load_task("addition"), itertools.count()
+    size = owner.stats()["group_size"]  # the run's: a group of another size is refused (422) before any check
+    me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
+    failed = lambda: owner.stats()["participants"]["mallory"].get("checks", {}).get("failed", 0)  # noqa: E731 - the owner's view
+
+    def lease() -> tuple[dict, int]:
+        got = me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
+        return {"lease_id": got["lease_id"], "prompt_index": got["indices"][0]}, got["indices"][0]
+
+    def crafted(version: int, inflate=False, other_prompt=False, logprobs=None) -> dict:
+        lease_, i = lease()
+        text = "I think the answer is 7"
+        ids = tok.encode(text, add_special_tokens=False)
+        honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+        nth = next(count)  # each group's completions its own: the same ones again would be refused as a replay
+        comps = [{"token_ids": ids, "logprobs": [(logprobs or -11.0) - 0.01 * k - 1e-4 * nth] * len(ids),
+                  "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(size)]
+        comps[0]["logprobs"] = [x - 0.5 for x in comps[0]["logprobs"]]  # not all alike
+        p = encode_prompt(tok, task.prompts[(i + 1) % len(task.prompts) if other_prompt else i])
+        return {"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": version, **lease_,
+                "prompt_ids": p, "completions": comps, "meta": {"task": task.name, "prompt_index": i, "temperature": 1.0}}
+
+    def lie(kind: str, make) -> dict:
+        """Send make()'s group; one the proxy takes must be caught by the trainer. A group that went stale while
+        waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
+        never audited: made and sent afresh."""
+        for _ in range(8):
+            g, before = make(), failed()
+            r = wait_for(lambda: (r := me.post("/v1/groups", json=g)).status_code != 429 and r, 120, every=0.5,
+                         msg="room in the buffer")  # the honest worker keeps it full: 429 until the trainer leases
+            if r.status_code == 409:
+                break
+            assert r.status_code == 200 and r.json()["status"] in ("accepted", "stale"), r.text
+            if r.json()["status"] == "stale":  # it waited for room while the trainer moved on: made afresh
+                continue
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: failed() > before, 60, every=0.5, msg=f"the trainer catching the {kind} lie")
+                break
+        said.append((kind, r.status_code, r.text))
+        assert failed() > before, f"the {kind} lie was not caught"
+        return g
+
+    latest = lambda: me.get("/v1/adapters/latest").json()["version"]  # noqa: E731
+    wait_for(lambda: latest() >= 1, 240, every=0.5, msg="version 1")
+    lie("reward", lambda: crafted(latest(), inflate=True))
+    lie("prompt", lambda: crafted(latest(), other_prompt=True))
+    answered = lie("logprobs", lambda: crafted(latest(), logprobs=-0.05))
+    lie("unleased", lambda: {**crafted(latest()), "lease_id": uuid.uuid4().hex})
+    lie("reused", lambda: {**answered, "group_id": uuid.uuid4().hex})  # the prompt its last lie answered, again
+    def replay() -> dict:  # the honest worker's newest group (leaked, say), claimed as sampled by the latest version
+        guest = max((g for g in journal(bucket)[0] if g.get("participant") == "guest"), key=lambda g: g["policy_version"])
+        comps = [{k: v for k, v in c.items() if k != "versions"} for c in guest["completions"]]
+        return {k: v for k, v in {**guest, "group_id": uuid.uuid4().hex, **lease()[0], "policy_version": latest(),
+                                  "completions": comps}.items() if k not in ("participant", "prompt_dataset")}
+    lie("replayed", replay)
+    done.append(True)
