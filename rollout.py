@@ -155,6 +155,7 @@ class AdapterSync(threading.Thread):
         super().__init__(daemon=True)
         self.args, self.client, self.bucket = args, client, bucket
         self.seen = 0      # newest version downloaded and verified
+        self.failed = 0    # newest version that failed to download or verify (retried until a newer one is seen)
         self.latest = 0    # newest version the proxy announced
         self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
         self.done = False
@@ -189,6 +190,7 @@ class AdapterSync(threading.Thread):
                 except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                     # never load what does not verify: keep the previous version, retry shortly
                     log.info(f"not loading version {v}: {e}")
+                    self.failed = max(self.failed, v)
                     time.sleep(2.0)
             self.done = self.done or r.get("done", False)
 
@@ -480,7 +482,9 @@ def main(args: Args) -> None:
             continue
         if lease.get("version", 0) > version:  # the grant counts on that version (or newer): have it first
             t_wait = time.monotonic()
-            while sync.seen < lease["version"] and not (sync.done or stop.is_set()) and time.monotonic() - t_wait < 60:
+            # ... unless that version failed to verify: then ours (the sync thread retries; a swap may yet come mid-round)
+            while (sync.seen < lease["version"] and sync.failed < lease["version"] and not (sync.done or stop.is_set())
+                   and time.monotonic() - t_wait < 60):
                 time.sleep(0.005)
             take_new(row)
             row["rollout/adapter_wait_s"] = time.monotonic() - t_wait

@@ -4,6 +4,7 @@ a publisher killed at any moment never leaves latest.json on an incomplete versi
 import json
 import os
 import re
+import threading
 
 import pytest
 
@@ -52,14 +53,16 @@ def test_adapter_that_does_not_fit_is_refused():
 
 
 @pytest.mark.timeout(600)  # its own bound is 240 s, on top of the model and the proxy
+@pytest.mark.parametrize("pace", [False, True], ids=["unpaced", "paced"])
 def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model, start_proxy, bucket, run_name,
-                                                                     tmp_path):
-    """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why."""
+                                                                     tmp_path, pace):
+    """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why. Paced
+    (proxy --pace), its grants count on v2: it must not wait for a version that failed to verify."""
     import time
 
     import train
     from runlib import worker_refuses_v2
-    proxy = start_proxy("--group-size", "4")
+    proxy = start_proxy("--group-size", "4", *(["--pace"] if pace else []))
     model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
 
     def publish(v: int, corrupt: bool = False) -> None:
@@ -73,10 +76,28 @@ def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model,
         assert proxy.http.post("/v1/adapters", json={"version": v, "step": v, "published_at": time.time()}).is_success
 
     publish(1)
-    text, after = worker_refuses_v2(tiny_model, proxy, run_name, tmp_path, lambda: publish(2, corrupt=True),
-                                    "not loading version 2", rounds_after=6)
+    stop_leasing = threading.Event()
+
+    def trainer() -> None:  # paced, rounds are granted only while a trainer takes what arrives: lease and ack
+        while not stop_leasing.is_set():
+            got = proxy.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 1.0}).json()
+            if got.get("batch_id"):
+                proxy.http.post(f"/v1/batches/{got['batch_id']}/ack")
+    leasing = threading.Thread(target=trainer, daemon=True)
+    if pace:
+        leasing.start()
+    try:
+        text, after = worker_refuses_v2(tiny_model, proxy, run_name, tmp_path, lambda: publish(2, corrupt=True),
+                                        "not loading version 2", rounds_after=6)
+    finally:
+        stop_leasing.set()
     assert re.search(r"not loading version 2: .*sha256", text), text[-2000:]
     assert len(after) >= 6 and set(after) == {"1"}  # it kept generating, with v1 only
+    # its grants (paced) count on v2; it did not wait for it once v2 had failed to verify (the wait's bound is 60 s)
+    rows = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
+    waits = [r["rollout/adapter_wait_s"] for r in rows if "rollout/adapter_wait_s" in r]
+    assert max(waits, default=0.0) < 30, waits
+    assert bool(waits) == pace  # unpaced, no grant names a version
 
 
 PUBLISHER = r'''
