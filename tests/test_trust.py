@@ -239,11 +239,17 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     devs, lost = auditor.recompute(model, v1 + v2, 2, fresh=True)
     assert lost == 0 and len(devs) == 6
     for gid, (s, mx, n) in devs.items():
+        if gid.startswith("g2"):  # the weights we hold sampled them, and the step trains them: its forward judges them
+            assert n == 0, (gid, n)
+            continue
         assert n > 0 and auditor.deviation(s, mx, n) is None, (gid, s / n, mx)
         assert s / n < 1e-4 and mx < 1e-3, (gid, s / n, mx)  # the floor, far below the limits (1e-3, 0.05)
+    devs = {}
+    train.train_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, True, devs)
+    assert sorted(devs) == [0, 1, 2] and not auditor.onpolicy({"batch_id": "b"}, v2, devs)
     assert all(torch.equal(before[k], t) for k, t in auditor.weights.live(model).items())
     # version 1's groups scored with the weights the model holds now (version 2) would fail: the version matters
-    stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=True)[0]
+    stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=False)[0]
     assert all(auditor.deviation(*d) for d in stale.values()), stale
 
     made_up = {**v1[0], "completions": [{**c, "logprobs": [-0.05] * len(c["token_ids"])} for c in v1[0]["completions"]]}
@@ -334,3 +340,54 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
     assert [g["group_id"] for g in kept] == ["a1"] and auditor.suspects == {"p"}
     kept, row = auditor.check({"batch_id": "b2"}, [made_up("b0", 1), made_up("b1", 2)], model, 1, fresh=False)
     assert row["audit/logprob_groups"] == 2 and row["audit/failed_logprobs"] == 2 and not kept, row  # a suspect: all
+
+
+def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_versions(tiny_model):
+    """A worker took version 2 in the middle of a round (rollout.py --mid-round-swap): its groups' first tokens are
+    version 1's, the rest version 2's. With the trainer holding version 2, the audit recomputes the version-1
+    tokens under version 1's weights and leaves the version-2 tokens to the step's own forward (train_step's
+    on-policy deviations): honest, both pass; logprobs made up for the version-2 tokens only are caught there."""
+    import torch
+
+    import train
+    from audit import Auditor, Options
+    from engines import sample
+    from models import encode_prompt
+    from rollout import single_turn
+    torch.manual_seed(0)
+    args = train.Args(model=tiny_model, skip_zero_std=False)
+    model, tok = train.build_model(args)
+    auditor = Auditor(Options(), "addition", tok, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None)
+    auditor.reports = False
+
+    def perturb() -> bool:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.add_(torch.randn_like(p) * 0.05)
+        return True
+    perturb()
+    auditor.weights.remember(1, model)
+    prompts = [encode_prompt(tok, auditor.task.prompts[i]) for i in (0, 1)]
+    with torch.no_grad():
+        got = sample(model, prompts, 4, 10, 1.0, set(), tok.eos_token_id, swap=lambda i: i == 4 and perturb())
+    auditor.weights.remember(2, model)
+    groups = []
+    for b, i in enumerate((0, 1)):
+        comps, _, _ = single_turn(auditor.task, tok, i, got[b * 4:(b + 1) * 4], 1, [(4, 2)])
+        assert all(c["versions"] == [[0, 1], [4, 2]] for c in comps)
+        groups.append({"group_id": f"m{b}", "policy_version": 1, "prompt_ids": prompts[b], "completions": comps,
+                       "participant": "p", "prompt_dataset": "addition", "prompt_index": i, "lease_id": "l" * 8,
+                       "meta": {}})
+    devs, lost = auditor.recompute(model, groups, 2, fresh=True)
+    assert lost == 0 and all(n == 4 * 4 for _, _, n in devs.values()), devs  # version 1's: 4 tokens x 4 completions
+    assert all(auditor.deviation(*d) is None for d in devs.values()), devs
+    step = {}
+    train.train_step(model, groups, args, 2, True, step)
+    assert all(n == 6 * 4 for _, _, n in step.values()) and not auditor.onpolicy({"batch_id": "b"}, groups, step)
+    # made up where version 2 sampled: the audit's recompute (version 1's tokens) passes it, the step's forward does not
+    lie = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:4] + [-0.05] * 6} for c in groups[0]["completions"]]}
+    assert auditor.deviation(*auditor.recompute(model, [lie], 2, fresh=True)[0]["m0"]) is None
+    step = {}
+    train.train_step(model, [lie], args, 2, True, step)
+    assert auditor.onpolicy({"batch_id": "b"}, [lie], step) == {"m0"}
