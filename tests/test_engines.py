@@ -203,9 +203,11 @@ def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_ol
             engines.swap_in(served, hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=r, alpha=alpha))
         assert "rank 4" in str(e.value)             # what is loaded now, named too
         assert torch.equal(logits(served), v1)     # not one tensor of it copied in
-    # the same shape still swaps in place
-    served = engines.swap_in(served, hf_adapter(tiny_model, tmp_path / "v4", 4, r=4))
+    # the same shape still swaps in place, to exactly what the version loaded afresh computes
+    v4 = hf_adapter(tiny_model, tmp_path / "v4", 4, r=4)
+    served = engines.swap_in(served, v4)
     assert not torch.allclose(logits(served), v1)
+    assert torch.equal(logits(served), logits(engines.swap_in(models.load_base(tiny_model)[0], v4)))
 
 
 # ---- a mid-round swap (hf): the next token on is the new version's, exactly --------------------------------

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from typing import Callable
 
 import httpx
@@ -249,20 +250,37 @@ class TokenTurns:
 
 def swap_in(model, new: dict):
     """Hot-load a verified adapter. The first one wraps the base model (peft); each later one must have
-    the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (milliseconds).
-    One that does not fit (another rank, alpha or set of target modules: the trainer restarted with
-    other --lora-* flags, say) is refused with AdapterError before a single tensor is copied, so the
-    model goes on serving the loaded version unchanged."""
+    the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (a few
+    milliseconds: into views of the LoRA parameters found once per model, `lora_views`; peft's
+    set_peft_model_state_dict walks the whole model each time, ~0.2 s on the local model, and a swap
+    mid-round is waited for by the round). One that does not fit (another rank, alpha or set of target
+    modules: the trainer restarted with other --lora-* flags, say) is refused with AdapterError before
+    a single tensor is copied, so the model goes on serving the loaded version unchanged."""
     with peft_calls():  # without bitsandbytes (a worker's base is never 4-bit)
-        from peft import PeftModel, set_peft_model_state_dict
+        from peft import PeftModel
         if not isinstance(model, PeftModel):
             model = PeftModel.from_pretrained(model, new["dir"], adapter_name="default", is_trainable=False)
-        else:
-            if why := lora_mismatch(model, new):
-                raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
-            set_peft_model_state_dict(model, new["tensors"], adapter_name="default")
-    model.eval()
+            model.eval()
+            return model
+        if why := lora_mismatch(model, new):
+            raise AdapterError(f"version {new['version']} does not fit the LoRA loaded now: {why}")
+        with torch.no_grad():  # cast to the model's dtype and device as they are copied
+            for k, view in lora_views(model).items():
+                view.copy_(new["tensors"][k])
     return model
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lora_views(model) -> dict[str, torch.Tensor]:
+    """The peft model's LoRA tensors under the names its saved adapters use (get_peft_model_state_dict's
+    keys), each sharing its parameter's storage, so that copying into one sets the weight. Found once per
+    model and kept: the parameters are never replaced (swap_in copies into them)."""
+    if model not in _VIEWS:
+        from peft import get_peft_model_state_dict
+        _VIEWS[model] = get_peft_model_state_dict(model, adapter_name="default")
+    return _VIEWS[model]
 
 
 # what a LoRA's output depends on besides its tensors: copying tensors in place under another of these would
@@ -276,14 +294,13 @@ def lora_mismatch(model, new: dict) -> str | None:
     Says what is loaded, what the new version has, and one tensor of each kind of difference."""
     import json
 
-    from peft import get_peft_model_state_dict
     loaded = model.peft_config["default"]
     path = os.path.join(new["dir"], "adapter_config.json")
     cfg = json.load(open(path)) if os.path.exists(path) else {}
     name = {"r": "rank"}
     diffs = [f"{name.get(k, k)} {cfg[k]!r}" for k in LORA_FIELDS
              if k in cfg and cfg[k] != getattr(loaded, k, cfg[k]) and (cfg[k] or getattr(loaded, k, None))]
-    current, tensors = get_peft_model_state_dict(model, adapter_name="default"), new["tensors"]
+    current, tensors = lora_views(model), new["tensors"]
     shapes = [f"{k} is {list(tensors[k].shape)}, loaded {list(current[k].shape)}"
               for k in sorted(current.keys() & tensors.keys()) if tensors[k].shape != current[k].shape]
     missing, unexpected = sorted(current.keys() - tensors.keys()), sorted(tensors.keys() - current.keys())

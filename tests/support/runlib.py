@@ -114,9 +114,10 @@ def steps(trainer: Role) -> list[int]:
 
 
 def journal(bucket: common.Bucket) -> tuple[list[dict], list[dict]]:
-    """The proxy's durable log: (groups accepted, events), in log order."""
+    """The proxy's durable log: (groups accepted, events), in log order. An event is a line with a "t" (its
+    kind); some events name a group ("stale", "duplicate"), so a group is a line with a group_id and no "t"."""
     lines = [json.loads(x) for k in sorted(bucket.list("rollouts/")) for x in bucket.get(k)[0].splitlines()]
-    return [x for x in lines if "group_id" in x], [x for x in lines if "t" in x]
+    return [x for x in lines if "group_id" in x and "t" not in x], [x for x in lines if "t" in x]
 
 
 def audit(bucket: common.Bucket) -> dict:
