@@ -83,6 +83,37 @@ def test_the_window_by_hand():
     assert late.when(1.0) == (0.5, 1.5) and late.when(2.0) == (2.0, 2.0)
 
 
+
+def test_the_indexed_pass_grants_exactly_what_room_does():
+    """Flight (one pass's open grants indexed, O(log grants) a request) against room() itself, over random
+    states: open grants of every timing (late ones, unknown round times), versions in and out of their
+    windows, buffers and demands, and requests whose worker holds an open grant (those take room()'s path).
+    Each answer equal."""
+    rng = random.Random(2412)
+    for trial in range(400):
+        p, now = Pacer(max_staleness=rng.choice([0, 1, 3])), 100.0
+        p.batch, p.training = rng.choice([4, 8, 16]), rng.random() < 0.5
+        p.demand = rng.choice([None, rng.randrange(0, 200)])
+        latest = rng.randrange(0, 6)
+        for i in range(rng.randrange(0, 40)):
+            known = rng.random() < 0.8
+            if known:  # times in binary fractions: expected arrivals tie exactly, as the bounds' < and > must handle
+                p.round_s[f"w{i}"] = (rng.randrange(1, 40) / 2, rng.randrange(0, 12) / 4)
+            if rng.random() < 0.6:
+                p.grant(f"w{i}", rng.randrange(1, 9), max(0, latest - rng.randrange(0, 3)), now - rng.randrange(0, 60) / 2)
+        buffered, pending = rng.randrange(0, 3 * p.batch), rng.choice([0, 0, latest + 1])
+        flight = p.flight(latest, buffered, now, pending)
+        for i in range(45):
+            key, n = f"w{i}", rng.randrange(1, 9)
+            assert p.room(key, n, latest, buffered, now, flight, pending) == p.room(key, n, latest, buffered, now, None, pending), (trial, key)
+    # a bound's tie, exactly: an older grant expected until t = 1 exactly and a request expected from 1 on does
+    # not push that grant (whose window is full: pushed, it would leave no room)
+    p = Pacer(max_staleness=1)
+    p.batch, p.round_s["a"], p.round_s["new"] = 4, (0.5, 0.125), (2.0, 0.0)  # a: 0..1 (0.5 -+ 0.5); new: 1..3
+    p.grant("a", 4, 0, 0.0)
+    assert p.room("new", 4, 1, 0, 0.0, p.flight(1, 0, 0.0)) == p.room("new", 4, 1, 0, 0.0) == 4
+
+
 def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     """The margin on a round's arrival follows how much the worker's rounds vary (RFC 6298's mean deviation),
     so a slow worker whose rounds take 0.25-0.75 s is still expected while it generates, not pushed out of its
