@@ -345,8 +345,9 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
 def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_versions(tiny_model):
     """A worker took version 2 in the middle of a round (rollout.py --mid-round-swap): its groups' first tokens are
     version 1's, the rest version 2's. With the trainer holding version 2, the audit recomputes the version-1
-    tokens under version 1's weights and leaves the version-2 tokens to the step's own forward (train_step's
-    on-policy deviations): honest, both pass; logprobs made up for the version-2 tokens only are caught there."""
+    tokens under version 1's weights (computing each completion only up to its last version-1 token) and leaves the
+    version-2 tokens to the step's own forward (train_step's on-policy deviations): honest, both pass; logprobs made
+    up for the version-2 tokens only are caught there, one made up at version 1's last token by the recompute."""
     import torch
 
     import train
@@ -388,6 +389,10 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
     # made up where version 2 sampled: the audit's recompute (version 1's tokens) passes it, the step's forward does not
     lie = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:4] + [-0.05] * 6} for c in groups[0]["completions"]]}
     assert auditor.deviation(*auditor.recompute(model, [lie], 2, fresh=True)[0]["m0"]) is None
+    # made up at version 1's last token only: the recompute, which computes each completion up to there, catches it
+    lie1 = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:3] + [-0.05] + c["logprobs"][4:]}
+                                         for c in groups[0]["completions"]]}
+    assert auditor.deviation(*auditor.recompute(model, [lie1], 2, fresh=True)[0]["m0"]) is not None
     step = {}
     train.train_step(model, [lie], args, 2, True, step)
     assert auditor.onpolicy({"batch_id": "b"}, [lie], step) == {"m0"}

@@ -25,6 +25,7 @@ import random
 import sys
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ def versions_sampled(g: dict) -> set[int]:
     return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled(c)) if m}
 
 
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class Weights:
     """The LoRA tensors of recent versions, to recompute logprobs under the very version that sampled them:
     those this trainer published (the last `keep`, a few MB each), others read from the bucket and checked
@@ -79,10 +83,14 @@ class Weights:
 
     @staticmethod
     def live(model) -> dict[str, torch.Tensor]:
-        """The model's LoRA tensors by their names in adapter_model.safetensors (sharing the parameters' storage)."""
-        with peft_calls():
-            from peft import get_peft_model_state_dict
-            return get_peft_model_state_dict(model)
+        """The model's LoRA tensors by their names in adapter_model.safetensors (sharing the parameters' storage:
+        the optimizer and a checkpoint's restore write into the parameters, never replace them). Found once per
+        model: peft's walk of the whole state dict takes ~60 ms on SmolLM2, at every swap and publish."""
+        if model not in _LIVE:
+            with peft_calls():
+                from peft import get_peft_model_state_dict
+                _LIVE[model] = get_peft_model_state_dict(model)
+        return _LIVE[model]
 
     def remember(self, version: int, model) -> None:
         """The weights `model` holds are version `version`'s (just published)."""
@@ -228,12 +236,17 @@ class Auditor:
                 continue
             comps = [c for g in mb for c in g["completions"]]
             temps = [self.temperature_of(g) for g in mb for _ in g["completions"]]
+            ours = [[int(m and t == v) for t, m in zip(token_versions(c, g["policy_version"]), sampled(c))]
+                    for g in mb for c in g["completions"]]
+            # each completion up to its last token of version v: what a newer version sampled after a mid-round
+            # swap is judged under that version (or by the step's own forward), so it need not be computed here
+            cut = [max(1, max((i + 1 for i, x in enumerate(row) if x), default=0)) for row in ours]
             with torch.no_grad():
-                logp, mask = completion_logprobs(model, [g["prompt_ids"] for g in mb], [c["token_ids"] for c in comps],
-                                                 temps, pad=0)
-            sent = pad_right([[0.0 if x is None else x for x in c["logprobs"]] for c in comps], 0.0, dtype=torch.float32)[0]
-            mine = pad_right([[int(m and t == v) for t, m in zip(token_versions(c, g["policy_version"]), sampled(c))]
-                              for g in mb for c in g["completions"]], 0)[0].bool()
+                logp, mask = completion_logprobs(model, [g["prompt_ids"] for g in mb],
+                                                 [c["token_ids"][:k] for c, k in zip(comps, cut)], temps, pad=0)
+            sent = pad_right([[0.0 if x is None else x for x in c["logprobs"][:k]] for c, k in zip(comps, cut)], 0.0,
+                             dtype=torch.float32)[0]
+            mine = pad_right([row[:k] for row, k in zip(ours, cut)], 0)[0].bool()
             dev = (logp.float().cpu() - sent).abs() * (mask.cpu().bool() & mine)
             G = len(mb[0]["completions"])
             for j, g in enumerate(mb):
