@@ -56,7 +56,9 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     still running only (finished ones leave the batch then): every token from i on is then sampled from
     exactly the new version's distribution given its context, so its recorded logprob is the one the trainer
     (and the audit) computes under that version, and the importance ratio stays exact. Its cost, one prefill
-    of what is still running, is measured in bench/swap_cost.py."""
+    of what is still running, is measured in bench/swap_cost.py. Completions that ended leave the batch once
+    they are a quarter of it (a decode step costs about its number of rows: late in a run most answers are a
+    few tokens long while a few run to max_new)."""
     lm = _causal_lm(model)
     head, body = lm.get_output_embeddings(), lm.get_decoder()
     cache, h, mask, pos = prefill(model, prompts, G, pad)
@@ -86,6 +88,10 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
             out = body(input_ids=so_far, attention_mask=mask, position_ids=pos[live][:, None] + steps[None],
                        use_cache=True, **cache_kw(body, cache))
         else:
+            if (ended := done[live]).sum() * 4 >= len(live):  # a quarter of the rows ended: they leave the batch
+                keep = (~ended).nonzero().squeeze(1)          # (each row's tokens depend on its own row only)
+                cache.batch_select_indices(keep)
+                mask, nxt, live = mask[keep], nxt[keep], live[keep]
             mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=dev)], 1)
             out = body(input_ids=nxt[:, None], attention_mask=mask, position_ids=(pos[live] + t)[:, None],
                        use_cache=True, **cache_kw(body, cache))
