@@ -119,6 +119,7 @@ class Flight:
     def __init__(self, in_flight: list[tuple[float, float, int, int, str]], buffered: int, base: int, batch: int,
                  max_staleness: int):
         self.base, self.batch, self.max_staleness, self.buffered = base, batch, max_staleness, buffered
+        self.fleet: tuple[float | None, float | None] | None = None  # Pacer.fleet_round() for this pass
         self.keys = {g[4] for g in in_flight}
         self.total = buffered + sum(g[3] for g in in_flight)
         by_lo = sorted((g[0], g[3]) for g in in_flight)  # "ahead of a new grant": those that may come before its hi
@@ -197,11 +198,15 @@ class Pacer:
         return None if self.demand is None else max(0, self.demand - n)
 
     # ---- the workers ------------------------------------------------------------------------------------
-    def expected_round(self, key: str) -> tuple[float | None, float | None]:
-        """The worker's measured round time and its mean deviation; for a new worker the fleet's medians;
-        (None, None) if none is known."""
+    def expected_round(self, key: str, fleet: tuple | None = None) -> tuple[float | None, float | None]:
+        """The worker's measured round time and its mean deviation; for a new worker the fleet's medians
+        (`fleet`: fleet_round() as a pass computed it once); (None, None) if none is known."""
         if key in self.round_s:
             return self.round_s[key]
+        return self.fleet_round() if fleet is None else fleet
+
+    def fleet_round(self) -> tuple[float | None, float | None]:
+        """The medians of the workers' round times and deviations (O(workers): once per pass, not per request)."""
         if not self.round_s:
             return None, None
         return (statistics.median(r for r, _ in self.round_s.values()),
@@ -228,7 +233,9 @@ class Pacer:
         """The open grants indexed for one pass of requests (None while the trainer's batch is not known)."""
         if not self.batch:
             return None
-        return Flight(self.in_flight(now), buffered, self.base(latest, pending_version), self.batch, self.max_staleness)
+        flight = Flight(self.in_flight(now), buffered, self.base(latest, pending_version), self.batch, self.max_staleness)
+        flight.fleet = self.fleet_round()
+        return flight
 
     def room(self, key: str, n: int, latest: int, buffered: int, now: float, flight: Flight | None = None,
              pending_version: int = 0) -> int:
@@ -236,7 +243,7 @@ class Pacer:
         self.flight(...) of the same state (faster); without it, or for a worker with an open grant, room()."""
         if self.demand == 0:
             return 0
-        lo, hi = self.expected_at(now, *self.expected_round(key))
+        lo, hi = self.expected_at(now, *self.expected_round(key, None if flight is None else flight.fleet))
         if flight is not None and key not in flight.keys:
             return flight.room(n, latest, lo, hi, self.demand)
         own = [g[:4] for g in self.in_flight(now) if g[4] != key]  # its own open grant: closed by this one

@@ -46,7 +46,7 @@ class Options:
     """audit the groups of participants (tokens other than the run's admin token; the run's own are never audited)"""
     reward_share: float = 1.0
     """share of their groups whose rewards are re-scored with the task's reward function"""
-    logprob_share: float = 0.25
+    logprob_share: float = 0.2
     """share of their groups the step trains on whose behaviour logprobs are recomputed under the version that
     sampled them (a forward each; groups on-policy to the trainer's weights are all checked in its own forward, at
     no cost; a group the step leaves out has no gradient to steer; a participant that failed a check: every group)"""
