@@ -114,8 +114,9 @@ def test_server_backend_hot_swaps_survives_a_dead_server_and_matches_the_trainer
     assert not [p for p in spool.rglob("*.json") if "refused" not in p.parts], "groups left in the spool"
     served = (tmp_path / "server.log").read_text()  # vLLM's own log: fresh names, the superseded one unloaded
     loaded = re.findall(r"Loaded new LoRA adapter: name '([^']+)'", served)
-    assert loaded == ["v000001-1", "v000002-2", "v000002-3"], loaded  # the third: v2 again on the restarted server
-    assert re.findall(r"Removed LoRA adapter: name '([^']+)'", served) == ["v000001-1"]
+    assert [re.sub(r"-[0-9a-f]{6}-", "-", n) for n in loaded] == ["v000001-1", "v000002-2", "v000002-3"], loaded  # the
+    assert len({n.split("-")[1] for n in loaded}) == 1  # third: v2 again on the restarted server; one worker's tag
+    assert re.findall(r"Removed LoRA adapter: name '([^']+)'", served) == loaded[:1]
 
     # every group the worker submitted: the trainer's recompute under the version it names
     n_rounds = len(re.findall(r"round \d+ v\d+:", text))
@@ -355,8 +356,7 @@ def test_server_backend_runs_multi_turn_episodes_the_trainer_scores_and_trains_o
         part1_s = time.time() - t_start - start_s
 
         # 2. the worker: rollout.py --backend server --task calculator on this server, the real proxy and S3. Our
-        # adapter's name goes first: the worker names the same version the same way (v000001-1), and vLLM refuses
-        # a name it holds
+        # adapter is unloaded first: the server keeps at most --max-cpu-loras 2, and a swap holds two for a moment
         server.http.post("/v1/unload_lora_adapter", json={"lora_name": server.lora}).raise_for_status()
         proxy = start_proxy("--group-size", str(EP_G))
         publish(bucket, proxy, tmp_path / "v1", 1)

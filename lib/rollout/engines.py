@@ -483,8 +483,8 @@ class VLLMSampler:
 # ---------------------------------------------------------------------------------------------
 # backend server: an OpenAI-compatible inference server over HTTP, vLLM's or SGLang's. The worker
 # keeps what it does with the other engines: the adapter directory AdapterSync verified is loaded
-# under a name never used before (`v{version:06d}-{n}`, so no cache keyed by name can serve old
-# weights), the previous name is unloaded, and every sampled token comes back as a token id with the
+# under a name never used before (`v{version:06d}-{tag}-{n}`, tag random per worker, so no cache keyed by
+# name can serve old weights, nor one worker another's), the previous name is unloaded, and every sampled token comes back as a token id with the
 # logprob of the distribution it was drawn from: vLLM started with `--logprobs-mode
 # processed_logprobs` (checked at start by `check_processed_logprobs`), SGLang by default
 # (log_softmax(logits / T) before any top-k/top-p filter, and we ask for none; SGLang's
@@ -629,6 +629,9 @@ class ServerSampler:
         self.current: dict | None = None  # the adapter version served (None: version 0, the base model)
         self.lora: str | None = None      # its name in the server
         self.next_id = 0
+        # in every name this sampler loads: workers sharing one server (--server-url) never pick the same name,
+        # which the server would refuse (vLLM) or serve another worker's weights under
+        self.tag = secrets.token_hex(3)
         self.down_s = 0.0                 # total time spent waiting for the server
 
     @classmethod
@@ -719,7 +722,7 @@ class ServerSampler:
 
     def _load(self, new: dict) -> None:
         self.next_id += 1
-        name = f"v{new['version']:06d}-{self.next_id}"
+        name = f"v{new['version']:06d}-{self.tag}-{self.next_id}"
         path = "/v1/load_lora_adapter" if self.kind == "vllm" else "/load_lora_adapter"
         # a healthy server that answers anything but 200 refused the adapter (vLLM says 500 for a rank
         # above its --max-lora-rank): keep the previous version rather than retry forever
