@@ -431,7 +431,8 @@ def batch_metrics(groups: list[dict], latest: int) -> dict:
             "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
             "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
             "sample/completion_len": sum(len(c["token_ids"]) for g in groups for c in g["completions"]) / len(rewards),
-            "tokens/leased": sum(len(c["token_ids"]) for g in groups for c in g["completions"]),
+            # the tokens the policy sampled (an episode's environment tokens are not), as the workers count them generated
+            "tokens/leased": sum(sum(c["mask"]) if c.get("mask") else len(c["token_ids"]) for g in groups for c in g["completions"]),
             "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings)}
 
 

@@ -185,3 +185,14 @@ def test_a_step_raises_the_rewarded_completion_and_lowers_the_others(tiny_model,
     moved = [a - b for a, b in zip(after, before)]
     assert moved[0] > 1e-3, moved
     assert all(m < -1e-4 for m in moved[1:]), moved
+
+
+def test_a_batch_counts_as_leased_the_tokens_the_policy_sampled():
+    """tokens/leased counts what the workers count as generated (rollout/tokens_per_s: sampled tokens), so an
+    episode's environment tokens (mask 0) are not in it; report.py compares the two for the tokens wasted."""
+    episode = {"token_ids": [5, 6, 7, 8, 9], "mask": [1, 1, 0, 0, 1], "logprobs": [-1.0, -1.0, None, None, -1.0],
+               "reward": 1.0}
+    single = {"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "reward": 0.0}
+    groups = [{"policy_version": 2, "completions": [episode, single], "meta": {}}]
+    got = train.batch_metrics(groups, 3)
+    assert got["tokens/leased"] == 3 + 2 and got["sample/staleness_max"] == 1
