@@ -108,7 +108,6 @@ def room(n: int, version: int, lo: float, hi: float, buffered: int, in_flight: l
     return max(0, best)
 
 
-
 class Flight:
     """The open grants of one pacing pass, indexed so that room() answers a request in O(log grants) instead of
     O(grants): at 1,000 workers a pass tries tens of requests against hundreds of open grants, on every arrival
