@@ -40,7 +40,7 @@ class Args:
     new_tokens: int = 24
     """tokens per completion (the local run's --max-new-tokens)"""
     audited: int = 2
-    """groups whose logprobs are recomputed (the default share, 0.25, of 8 trained groups)"""
+    """groups whose logprobs are recomputed (about the default share, 0.2, of 8 trained groups)"""
     repeats: int = 3
     """timings per part; the median is printed"""
     seed: int = 0

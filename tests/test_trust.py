@@ -201,7 +201,7 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     import train
     from audit import Auditor, Options
     from engines import sample
-    from models import encode_prompt
+    from models import encode_prompt, lora_views
     torch.manual_seed(seed)
     args = train.Args(model=tiny_model)
     model, tok = train.build_model(args)
@@ -235,7 +235,7 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     perturb()
     auditor.weights.remember(2, model)
     v2 = groups(2)
-    before = {k: t.clone() for k, t in auditor.weights.live(model).items()}
+    before = {k: t.clone() for k, t in lora_views(model).items()}
     devs, lost = auditor.recompute(model, v1 + v2, 2, fresh=True)
     assert lost == 0 and len(devs) == 6
     for gid, (s, mx, n) in devs.items():
@@ -247,7 +247,7 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     devs = {}
     train.train_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, True, devs)
     assert sorted(devs) == [0, 1, 2] and not auditor.onpolicy({"batch_id": "b"}, v2, devs)
-    assert all(torch.equal(before[k], t) for k, t in auditor.weights.live(model).items())
+    assert all(torch.equal(before[k], t) for k, t in lora_views(model).items())
     # version 1's groups scored with the weights the model holds now (version 2) would fail: the version matters
     stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=False)[0]
     assert all(auditor.deviation(*d) for d in stale.values()), stale

@@ -29,14 +29,14 @@ import socket
 import subprocess
 import sys
 import time
-import weakref
 from typing import Callable
 
 import httpx
 import torch
 
 from common import AdapterError, Bucket
-from models import LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, peft_calls, prefill
+from models import (LOCAL_MODEL, _causal_lm, cache_kw, gpu_computes_bf16, local_smollm2, lora_views, peft_calls,
+                    prefill)
 
 log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefixed with the worker id
 
@@ -257,7 +257,7 @@ class TokenTurns:
 def swap_in(model, new: dict):
     """Hot-load a verified adapter. The first one wraps the base model (peft); each later one must have
     the loaded one's LoRA config and tensor shapes, and its tensors are copied in place (a few
-    milliseconds: into views of the LoRA parameters found once per model, `lora_views`; peft's
+    milliseconds: into views of the LoRA parameters found once per model, models.lora_views; peft's
     set_peft_model_state_dict walks the whole model each time, ~0.2 s on the local model, and a swap
     mid-round is waited for by the round). One that does not fit (another rank, alpha or set of target
     modules: the trainer restarted with other --lora-* flags, say) is refused with AdapterError before
@@ -274,19 +274,6 @@ def swap_in(model, new: dict):
             for k, view in lora_views(model).items():
                 view.copy_(new["tensors"][k])
     return model
-
-
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def lora_views(model) -> dict[str, torch.Tensor]:
-    """The peft model's LoRA tensors under the names its saved adapters use (get_peft_model_state_dict's
-    keys), each sharing its parameter's storage, so that copying into one sets the weight. Found once per
-    model and kept: the parameters are never replaced (swap_in copies into them)."""
-    if model not in _VIEWS:
-        from peft import get_peft_model_state_dict
-        _VIEWS[model] = get_peft_model_state_dict(model, adapter_name="default")
-    return _VIEWS[model]
 
 
 # what a LoRA's output depends on besides its tensors: copying tensors in place under another of these would

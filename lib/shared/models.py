@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -364,6 +365,23 @@ def peft_calls():
             if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
                 del sys.modules["bitsandbytes"]
             _forget_bnb_checks()
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lora_views(model) -> dict[str, torch.Tensor]:
+    """A peft model's LoRA tensors under the names its saved adapters use (get_peft_model_state_dict's keys),
+    each sharing its parameter's storage, so that copying into one sets the weight. Found once per model and
+    kept: peft's walk of the whole state dict takes ~60 ms on SmolLM2, and the worker's swap (rollout) and the
+    trainer's audit (swapping a version in and back, remembering a published one) need them at every step.
+    Valid because the parameters are only ever written into (an in-place swap, the optimizer, a checkpoint's
+    restore), never replaced."""
+    if model not in _VIEWS:
+        with peft_calls():
+            from peft import get_peft_model_state_dict
+            _VIEWS[model] = get_peft_model_state_dict(model)
+    return _VIEWS[model]
 
 
 def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):

@@ -25,7 +25,6 @@ import random
 import sys
 import tempfile
 import time
-import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import httpx
 import torch
 
 from common import AdapterError, BucketError, fetch_adapter, token_versions
-from models import completion_logprobs, encode_prompt, pad_right, peft_calls
+from models import completion_logprobs, encode_prompt, lora_views, pad_right
 from proxy_client import ProxyClient, ProxyError
 from tasks import load_task
 
@@ -69,9 +68,6 @@ def versions_sampled(g: dict) -> set[int]:
     return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled(c)) if m}
 
 
-_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 class Weights:
     """The LoRA tensors of recent versions, to recompute logprobs under the very version that sampled them:
     those this trainer published (the last `keep`, a few MB each), others read from the bucket and checked
@@ -81,20 +77,9 @@ class Weights:
     def __init__(self, bucket, keep: int = 4):
         self.bucket, self.keep, self.kept = bucket, keep, OrderedDict()
 
-    @staticmethod
-    def live(model) -> dict[str, torch.Tensor]:
-        """The model's LoRA tensors by their names in adapter_model.safetensors (sharing the parameters' storage:
-        the optimizer and a checkpoint's restore write into the parameters, never replace them). Found once per
-        model: peft's walk of the whole state dict takes ~60 ms on SmolLM2, at every swap and publish."""
-        if model not in _LIVE:
-            with peft_calls():
-                from peft import get_peft_model_state_dict
-                _LIVE[model] = get_peft_model_state_dict(model)
-        return _LIVE[model]
-
     def remember(self, version: int, model) -> None:
         """The weights `model` holds are version `version`'s (just published)."""
-        self._keep(version, {k: t.detach().to("cpu", copy=True) for k, t in self.live(model).items()})
+        self._keep(version, {k: t.detach().to("cpu", copy=True) for k, t in lora_views(model).items()})
 
     def _keep(self, version: int, tensors: dict) -> dict:
         self.kept[version] = tensors
@@ -108,7 +93,7 @@ class Weights:
         if version in self.kept:
             return self.kept[version]
         if version == 0:
-            return self._keep(0, {k: torch.zeros_like(t, device="cpu") for k, t in self.live(model).items()})
+            return self._keep(0, {k: torch.zeros_like(t, device="cpu") for k, t in lora_views(model).items()})
         from safetensors.torch import load_file
         try:
             with tempfile.TemporaryDirectory() as d:
@@ -121,7 +106,7 @@ class Weights:
     @contextmanager
     def swapped(self, model, tensors: dict):
         """`model` computing with `tensors` inside the block, its own weights restored bit for bit after."""
-        live = self.live(model)
+        live = lora_views(model)
         if set(tensors) != set(live):
             raise AdapterError(f"another LoRA layout ({len(tensors)} tensors, this model has {len(live)})")
         mine = {k: t.detach().clone() for k, t in live.items()}
