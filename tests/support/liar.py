@@ -13,15 +13,24 @@ from runlib import journal
 def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) -> None:
     """A participant that lies in each way in turn, each once, waiting (bounded) for each lie to be caught
     before the next: its rewards inflated, its prompt tokens not those of the prompt leased, its behaviour
-    logprobs made up (these three the trainer's audit catches), then a group on a lease never handed out, a
-    prompt answered twice, and an honest participant's group sent again as its own (the proxy catches those).
+    logprobs made up (these three the trainer's audit catches), the logprobs lie's prompt answered again as soon
+    as the proxy took it, a group on a lease never handed out, and an honest participant's group sent again as
+    its own (the proxy catches those three).
     Its completions are real tokens of a text whose reward it computes with the task, as an honest worker would."""
     from models import encode_prompt
     from tasks import load_task
     task, count = load_task("addition"), itertools.count()
     size = owner.stats()["group_size"]  # the run's: a group of another size is refused (422) before any check
     me = httpx.Client(base_url=url, headers={"x-proxy-token": token}, timeout=30)
-    failed = lambda: owner.stats()["participants"]["mallory"].get("checks", {}).get("failed", 0)  # noqa: E731 - the owner's view
+    checks = lambda: owner.stats()["participants"]["mallory"].get("checks", {})  # noqa: E731 - the owner's view
+
+    def caught(kind: str, before: dict) -> bool:
+        """The owner's view shows `kind` caught since `before` (a replayed group the proxy's fingerprint window
+        no longer holds is caught by the trainer's audit under another check's name: any failed check then)."""
+        now = checks()
+        if kind == "replayed":
+            return now.get("failed", 0) > before.get("failed", 0)
+        return now.get("by_check", {}).get(kind, 0) > before.get("by_check", {}).get(kind, 0)
 
     def lease() -> tuple[dict, int]:
         got = me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
@@ -40,12 +49,13 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
         return {"group_id": uuid.uuid4().hex, "worker_id": "m1", "policy_version": version, **lease_,
                 "prompt_ids": p, "completions": comps, "meta": {"task": task.name, "prompt_index": i, "temperature": 1.0}}
 
-    def lie(kind: str, make) -> dict:
+    def lie(kind: str, make, then=None) -> dict:
         """Send make()'s group; one the proxy takes must be caught by the trainer. A group that went stale while
         waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
-        never audited: made and sent afresh."""
+        never audited: made and sent afresh. then(group), if given, runs once the proxy has taken the group (while
+        its prompt lease is surely still open: a lease is let go once its groups would be stale)."""
         for _ in range(8):
-            g, before = make(), failed()
+            g, before = make(), checks()
             r = wait_for(lambda: (r := me.post("/v1/groups", json=g)).status_code != 429 and r, 120, every=0.5,
                          msg="room in the buffer")  # the honest worker keeps it full: 429 until the trainer leases
             if r.status_code == 409:
@@ -53,20 +63,24 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
             assert r.status_code == 200 and r.json()["status"] in ("accepted", "stale"), r.text
             if r.json()["status"] == "stale":  # it waited for room while the trainer moved on: made afresh
                 continue
+            if then is not None:
+                then(g)
+                then = None
             with contextlib.suppress(AssertionError):
-                wait_for(lambda: failed() > before, 60, every=0.5, msg=f"the trainer catching the {kind} lie")
+                wait_for(lambda: caught(kind, before), 60, every=0.5, msg=f"the trainer catching the {kind} lie")
                 break
         said.append((kind, r.status_code, r.text))
-        assert failed() > before, f"the {kind} lie was not caught"
+        assert caught(kind, before), f"the {kind} lie was not caught: {r.status_code} {r.text}"
         return g
 
     latest = lambda: me.get("/v1/adapters/latest").json()["version"]  # noqa: E731
     wait_for(lambda: latest() >= 1, 240, every=0.5, msg="version 1")
     lie("reward", lambda: crafted(latest(), inflate=True))
     lie("prompt", lambda: crafted(latest(), other_prompt=True))
-    answered = lie("logprobs", lambda: crafted(latest(), logprobs=-0.05))
+    # the prompt the logprobs lie answered, answered again at once (the latest version: not dropped as stale)
+    lie("logprobs", lambda: crafted(latest(), logprobs=-0.05),
+        then=lambda answered: lie("reused", lambda: {**answered, "group_id": uuid.uuid4().hex, "policy_version": latest()}))
     lie("unleased", lambda: {**crafted(latest()), "lease_id": uuid.uuid4().hex})
-    lie("reused", lambda: {**answered, "group_id": uuid.uuid4().hex})  # the prompt its last lie answered, again
     def replay() -> dict:  # the honest worker's newest group (leaked, say), claimed as sampled by the latest version
         guest = max((g for g in journal(bucket)[0] if g.get("participant") == "guest"), key=lambda g: g["policy_version"])
         comps = [{k: v for k, v in c.items() if k != "versions"} for c in guest["completions"]]
