@@ -510,6 +510,8 @@ def main(args: Args) -> None:
                 samples = (engine.sample(prompts, G, args.max_new_tokens, args.temperature) if engine else
                            sample(model, prompts, G, args.max_new_tokens, args.temperature, eos, tok.pad_token_id,
                                   swap=swap_at_token if args.mid_round_swap else None))
+                while swaps and swaps[0][0] == 0:  # swapped in during the prefill: it sampled every token
+                    round_version = swaps.pop(0)[1]
                 scored = [single_turn(task, tok, i, samples[j * G:(j + 1) * G], round_version, swaps)
                           for j, i in enumerate(idx)]
         except ServerDown as e:  # the server is down and we were asked to stop meanwhile
@@ -566,6 +568,17 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
+    import atexit
+
     import tyro
     from common import script_args  # drops the common.py that HF Jobs ships in argv
     main(tyro.cli(Args, args=script_args()))
+    # Stopped cleanly, everything sent or spooled: run the exit handlers (the metrics' last upload), then leave
+    # without the interpreter's finalization, where a thread still running (the adapter sync's long poll is a
+    # daemon) that takes the GIL again can abort the process, "terminate called without an active exception"
+    # (pytorch/pytorch#38228): the vLLM lane saw exit status -6 once, right after "stopped after 8 rounds".
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -2,9 +2,11 @@
 local run's shape (8 addition prompts x G 8, 24 new tokens, SmolLM2-135M, float32, one thread) sampled
 without a swap and with a swap at token i, the same seed each time. At a swap engines.sample recomputes the
 KV cache of the completions still running under the new weights (finished ones leave the batch), so the cost
-grows with how far into the round the swap comes and with how many completions still run.
+grows with how far into the round the swap comes and with how many completions still run. A swap callback
+also makes the prefill go in chunks of engines.PREFILL_CHUNK prompt tokens (swap(0) asked between them):
+`never` times that with no swap, `0` a swap after the prefill's first chunk (the prefill starts again).
 
-    .venv/bin/python bench/swap_cost.py                       # swaps at 6, 12, 18; median of 3 rounds each
+    .venv/bin/python bench/swap_cost.py                       # none, never, 0, 6, 12, 18; median of 3 rounds each
     .venv/bin/python bench/swap_cost.py --at 3 20 --repeats 5
 
 Prints one line per setting (median round seconds, its ratio to no swap, completions still running at the
@@ -35,7 +37,8 @@ from tasks import load_task  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--at", type=int, nargs="+", default=[6, 12, 18], help="token indices to swap at")
+    ap.add_argument("--at", type=int, nargs="+", default=[0, 6, 12, 18],
+                    help="token indices to swap at (0: after the prefill's first chunk)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -54,23 +57,23 @@ def main() -> None:
     prompts = [encode_prompt(tok, task.prompts[i]) for i in range(a.prompts)]
     eos = {tok.eos_token_id}
 
-    def one_round(at: int | None, seed: int) -> tuple[float, int]:
+    def one_round(at: int | str | None, seed: int) -> tuple[float, int]:
         running = []
 
-        def swap(i: int) -> bool:
-            if i != at:
+        def swap(i: int) -> bool:  # at "never": asked, never swaps (the chunked prefill alone)
+            if i != at or running:
                 return False
             swap_in(model, new)  # the same tensors again: the copy and the cache rebuild are what is timed
             running.append(i)
             return True
         torch.manual_seed(seed)
         t0 = time.perf_counter()
-        out = sample(model, prompts, a.group, a.new_tokens, 1.0, eos, tok.pad_token_id, swap=swap if at else None)
+        out = sample(model, prompts, a.group, a.new_tokens, 1.0, eos, tok.pad_token_id, swap=None if at is None else swap)
         dt = time.perf_counter() - t0
-        return dt, sum(len(ids) > at for ids, _, _ in out) if at and running else 0
+        return dt, sum(len(ids) > at for ids, _, _ in out) if running else 0
 
     rows = []
-    for at in [None, *a.at]:
+    for at in [None, "never", *a.at]:
         runs = [one_round(at, seed) for seed in range(a.repeats)]
         rows.append({"swap_at": at, "round_s": round(statistics.median(dt for dt, _ in runs), 3),
                      "running_at_swap": statistics.median(n for _, n in runs)})

@@ -284,3 +284,53 @@ def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(
     _, stale, _ = run(rebuild=False)
     drift = (torch.tensor([lps for _, lps, _ in stale])[:, at + 1:] - logprobs(v2, stale)[:, at + 1:]).abs().max()
     assert drift > 10 * floor, drift
+
+
+def test_a_version_that_arrives_during_the_prefill_samples_every_token(tiny_model, tmp_path):
+    """engines.sample asks swap(0) between chunks of the prefill (PREFILL_CHUNK prompt tokens each): a version
+    swapped in after the first chunk starts the prefill again under it, so every token is that version's
+    (its logprobs what completion_logprobs computes under it, not under the version loaded at the start), and
+    the chunked prefill samples exactly what one forward of the prompt does when nothing arrives."""
+    import torch
+
+    import models
+    tok = models.load_base(tiny_model)[1]
+    v1, v2 = (hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=4) for v in (1, 2))
+    prompts = [tok.encode("Once upon a time there was a tiny model that learned to add numbers " * 3),
+               tok.encode("What is 12 + 30? Answer:")]
+    assert len(prompts[0]) > 2 * engines.PREFILL_CHUNK  # three chunks or more: swap(0) asked between them
+    G, n = 2, 6
+
+    def run(swap_at_chunk: int | None):
+        model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+        asked = []
+
+        def swap(i: int) -> bool:
+            asked.append(i)
+            if i == 0 and asked.count(0) == swap_at_chunk:
+                engines.swap_in(model, v2)
+                return True
+            return False
+        torch.manual_seed(0)
+        return engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap), asked
+
+    def logprobs(version: dict, out) -> torch.Tensor:
+        m = engines.swap_in(models.load_base(tiny_model)[0], version)
+        with torch.no_grad():
+            return models.completion_logprobs(m, prompts, [ids for ids, _, _ in out], 1.0, pad=tok.pad_token_id)[0]
+
+    out, asked = run(swap_at_chunk=1)
+    chunks = -(-len(prompts[0]) // engines.PREFILL_CHUNK)
+    assert asked[:1 + chunks] == [0] * (1 + chunks) and asked[1 + chunks] == 1, asked  # 1 chunk, then all again
+    behaviour = torch.tensor([lps for _, lps, _ in out])
+    floor = 1e-4  # float32 on CPU, as in the mid-round test above
+    assert (behaviour - logprobs(v2, out)).abs().max() < floor
+    assert (behaviour - logprobs(v1, out)).abs().max() > 100 * floor
+    # nothing arrives: the chunked prefill samples what the one-forward prefill (no swap callback) samples
+    quiet, _ = run(swap_at_chunk=None)
+    model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+    torch.manual_seed(0)
+    whole = engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id)
+    assert [ids for ids, _, _ in quiet] == [ids for ids, _, _ in whole]
+    assert (torch.tensor([lps for _, lps, _ in quiet]) - torch.tensor([lps for _, lps, _ in whole])).abs().max() < floor
+

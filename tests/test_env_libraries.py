@@ -4,8 +4,9 @@ endpoint, a real proxy, a real rollout.py worker and a real train.py trainer, in
     reasoning-gym:leg_counting     a reasoning-gym dataset, seeded and offline, scored by its own scorer
     openenv:tests/support/openenv_guess.py:app
                                    an OpenEnv server made with openenv-core's own classes, started by the worker
-    verifiers:vf_guess             a multi-turn verifiers (v1) environment run by its own loop, its train client
-                                   generating through the worker's loopback /inference/v1/generate
+    verifiers:vf_sum               a single-turn verifiers (v1) taskset run by verifiers' own loop, and
+    verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
+                                   /inference/v1/generate
 
 They need the libraries (requirements-envs.txt), so they run in the envs lane, `bash tests/envs_lane.sh`, in
 its own venv .venv-envs; in the main suite (.venv) they skip, unless ENVS_LANE=1 says they must run."""
@@ -76,6 +77,18 @@ def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, buck
     assert all("reward/diag_env_steps" in r for r in rows)
     assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0
     assert all(r["rollout/drift_episodes"] == 0 for r in roll)
+
+
+@pytest.mark.timeout(600)
+def test_a_single_turn_verifiers_environment_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
+    need("verifiers")
+    # vf_sum: one model call per episode through the loopback endpoint (no history to re-render: nothing
+    # drifts, so the random tiny model will do), scored by the taskset's own exact-match reward
+    rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, tiny_model, tmp_path,
+                               G=2, tokens=64, steps=1, groups=1)
+    assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll), log[-3000:]
+    assert sum(r["rollout/groups_accepted"] for r in roll) >= 1 and rows[0]["groups/trained"] == 1, log[-3000:]
+    assert "reward/diag_exact_match" in rows[0], sorted(rows[0])
 
 
 @pytest.mark.timeout(600)

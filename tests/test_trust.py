@@ -163,12 +163,13 @@ def test_a_liar_beside_an_honest_worker_is_caught_every_way_and_quarantined(tiny
     # (a replay of a group older than the proxy's fingerprint window, claimed as the latest version's, gets past
     # the proxy and is caught by the trainer's audit: its prompt is not the one leased, its logprobs not that version's)
     codes = {k: c for k, c, _ in said}
-    assert len(said) == 6 and codes.pop("replayed") in (409, 200), said
-    assert codes == {"reward": 200, "prompt": 200, "logprobs": 200, "reused": 409, "unleased": 409}, said
+    by_proxy = codes["replayed"] == 409
+    assert len(said) == 6 and codes["replayed"] in (409, 200), said
+    assert codes == {"reward": 200, "prompt": 200, "logprobs": 200, "reused": 409, "unleased": 409,
+                     "replayed": codes["replayed"]}, said
     assert all(t.split('"detail":"')[1].startswith(k) for k, c, t in said if c == 409), said
     s = p.stats()
     q = s["participants"]["mallory"]["checks"]
-    by_proxy = dict((k, c) for k, c, _ in said)["replayed"] == 409
     want = {c: 1 for c in ("reward", "prompt", "logprobs", "unleased", "reused")}
     assert q["failed"] == 6 and all(q["by_check"].get(c, 0) >= n for c, n in want.items()), q
     assert q["by_check"].get("replayed", 0) == int(by_proxy), q

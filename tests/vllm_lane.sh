@@ -36,6 +36,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_L
 xml=$(mktemp --suffix=.xml)
 trap 'rm -f "$xml"' EXIT
 rc=0
-"$V/bin/python" -m pytest -q -s -rs --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
+"$V/bin/python" -m pytest -q -s -rs --durations=0 --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
 "$V/bin/python" tests/support/lane_report.py vllm_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 4 || echo 1)"
 exit "$rc"

@@ -44,6 +44,9 @@ log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefix
 # backend hf: sampling (own loop: the shared prompt prefix is computed once per group, see models.prefill)
 
 
+PREFILL_CHUNK = 16  # prompt tokens per forward of a prefill that a swap may interrupt (sample's swap)
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: float, eos: set[int], pad: int,
            swap: Callable[[int], bool] | None = None):
@@ -51,7 +54,10 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
 
     swap(i), called between decode steps with i = the index of the next token to sample: True when it has
     just copied a newer adapter version into the model's LoRA tensors (a mid-round swap, rollout.py; it
-    records i as the first token of that version). The KV cache computed so far is the old version's, so it
+    records i as the first token of that version). It is asked with i = 0 too, between chunks of
+    PREFILL_CHUNK prompt tokens of the prefill: a version that arrives then (it often does: the trainer
+    publishes soon after the last round's groups reach it, as this round starts, and a prefill of 8 prompts
+    takes ~1.2 s on one CPU thread) starts the prefill again under it, and samples every token. The KV cache computed so far is the old version's, so it
     is recomputed under the new weights from the prompts and the tokens sampled so far, for the completions
     still running only (finished ones leave the batch then): every token from i on is then sampled from
     exactly the new version's distribution given its context, so its recorded logprob is the one the trainer
@@ -61,7 +67,7 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     one CPU thread a step of 40 rows of SmolLM2 takes 0.42 s, of 64 rows 0.52 s)."""
     lm = _causal_lm(model)
     head, body = lm.get_output_embeddings(), lm.get_decoder()
-    cache, h, mask, pos = prefill(model, prompts, G, pad)
+    cache, h, mask, pos = prefill(model, prompts, G, pad, *((PREFILL_CHUNK, lambda: swap(0)) if swap else ()))
     N, dev = h.shape[0], h.device
     eos_t = torch.tensor(sorted(eos), device=dev)  # every tensor on the model's device (a GPU: the same one)
     logits = head(h).float() / temperature

@@ -22,7 +22,7 @@ import tempfile
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -64,19 +64,32 @@ def cache_kw(decoder, cache) -> dict:
     return {name: cache}
 
 
-def prefill(model, prompts: list[list[int]], repeats: int, pad: int):
+def prefill(model, prompts: list[list[int]], repeats: int, pad: int, chunk: int | None = None,
+            restart: Callable[[], bool] | None = None):
     """Run each prompt once and share its KV cache among its `repeats` completions.
 
     This is the main speed trick on CPU: a group's G completions share one prompt, so the prompt
     is computed once per group, not G times, in the sampler and in the trainer alike (with grad
     flowing through the shared cache, so the gradient is exact). Returns (cache, h_last [N, D],
     mask [N, Lp], next_pos [N]) already repeated to N = len(prompts) * repeats rows.
+
+    chunk (the sampler's, engines.sample): the prompts go through `chunk` tokens at a time, and restart()
+    is asked after each chunk; True (newer weights were just swapped in) starts the prefill again under
+    them, so that a version arriving during a round's prefill is taken within a chunk, not after all of it.
     """
     lm = _causal_lm(model)
+    body = lm.get_decoder()
     ids, mask = (t.to(lm.device) for t in pad_left(prompts, pad))
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    out = lm.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
+    L, a, cache = ids.shape[1], 0, None
+    while a < L:
+        b = min(a + (chunk or L), L)
+        out = body(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b], use_cache=True,
+                   **({} if cache is None else cache_kw(body, cache)))
+        cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
+        a = b
+        if restart is not None and restart():
+            a, cache = 0, None
     cache.batch_repeat_interleave(repeats)
     h_last = out.last_hidden_state[:, -1].repeat_interleave(repeats, dim=0)
     return cache, h_last, mask.repeat_interleave(repeats, dim=0), mask.sum(1).repeat_interleave(repeats)
