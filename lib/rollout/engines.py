@@ -57,11 +57,13 @@ def sample(model, prompts: list[list[int]], G: int, max_new: int, temperature: f
     records i as the first token of that version). It is asked with i = 0 too, between chunks of
     PREFILL_CHUNK prompt tokens of the prefill: a version that arrives then (it often does: the trainer
     publishes soon after the last round's groups reach it, as this round starts, and a prefill of 8 prompts
-    takes ~1.2 s on one CPU thread) starts the prefill again under it, and samples every token. The KV cache computed so far is the old version's, so it
-    is recomputed under the new weights from the prompts and the tokens sampled so far, for the completions
-    still running only (finished ones leave the batch then): every token from i on is then sampled from
-    exactly the new version's distribution given its context, so its recorded logprob is the one the trainer
-    (and the audit) computes under that version, and the importance ratio stays exact. Its cost, one prefill
+    takes ~1.4 s on one CPU thread) starts the prefill again under it, and samples every token.
+
+    At a swap between decode steps the KV cache computed so far is the old version's, so it is recomputed
+    under the new weights from the prompts and the tokens sampled so far, for the completions still running
+    only (finished ones leave the batch then): every token from i on is then sampled from exactly the new
+    version's distribution given its context, so its recorded logprob is the one the trainer (and the
+    audit) computes under that version, and the importance ratio stays exact. Its cost, one prefill
     of what is still running, is measured in bench/swap_cost.py. Completions that ended leave the batch once
     they are a quarter of it (late in a run most answers are a few tokens long while a few run to max_new; on
     one CPU thread a step of 40 rows of SmolLM2 takes 0.42 s, of 64 rows 0.52 s)."""
