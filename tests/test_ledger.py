@@ -51,7 +51,9 @@ def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
     def lie(r: random.Random) -> None:
         """One of mallory's lies the proxy catches on arrival: a 409 naming it (or, quarantined, a 403)."""
         kind = r.choice(["unleased", "reused", "replayed"])
-        if kind == "replayed" and theirs:
+        if kind == "replayed" and not theirs:  # no participant's group accepted yet to replay: a reuse instead
+            kind = "reused"
+        if kind == "replayed":
             g = {**r.choice(theirs), "group_id": uuid.uuid4().hex, **leased(mallory, dataset="bound")[0]}
         else:
             g = own(group(version=book["version"], worker="m1", **leased(mallory, dataset="bound")[0]))
