@@ -75,6 +75,11 @@ class Args:
     """the proxy's --max-staleness (the local run's 1)"""
     time_scale: float = 0.5
     """every drawn duration (round, step, slow network) times this: shorter runs, and every rate that much higher"""
+    round_scale: float = 1.0
+    """a round's drawn time times this as well (0.25: a fleet generating four times as fast, relative to the
+    trainer, as the local run's CPU worker). A round granted at version v is trainable only while the trainer
+    has taken at most max_staleness steps since, so with rounds of R s and steps of S s no admission rule keeps
+    the trainer busier than (max_staleness + 1) x S / R (docs/fleet.md); printed as `ceiling`"""
     speed_sigma: float = 0.5
     """workers' speeds are lognormal with this sigma (0.5: a quarter of them over 1.4x slower or faster)"""
     prompt_sigma: float = 0.3
@@ -155,7 +160,7 @@ class Fleet:
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
-                  "rounds": {}, "grant_wait": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_busy": 0.0,
+                  "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "grant_wait": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_busy": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
 
     def fail(self, what: str) -> None:
@@ -212,13 +217,14 @@ class Fleet:
                 version = held[0]
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
-                round_s *= speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8) * a.time_scale
+                round_s *= speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8) * a.time_scale * a.round_scale
                 if rng.random() < a.crash:  # dies mid-round: the round is lost; relaunched later, same id
                     await asyncio.sleep(rng.uniform(0, round_s))
                     self.m["crashes"] += 1
                     self.m["lost_tokens"] += round(tokens * a.group_size * len(idx))
                     await asyncio.sleep(2 * round_s)
                     continue
+                self.m["round_s"].append(round_s)
                 await asyncio.sleep(round_s)
                 self.m["rounds"][wid] = self.m["rounds"].get(wid, 0) + 1
                 for p in idx:
@@ -283,7 +289,7 @@ class Fleet:
     async def trainer(self) -> None:
         a, first = self.a, None
         for step in range(1, a.steps + 1):
-            mark = time.monotonic()  # waiting for a batch is counted as it happens (a timed-out run waits last)
+            mark, waited = time.monotonic(), 0.0  # waiting for a batch is counted as it happens (a timed-out run waits last)
             while True:
                 body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (a.steps - step + 1) * self.batch}
                 status, raw = await self.call("POST", "/v1/batches/lease", json=body)
@@ -294,9 +300,11 @@ class Fleet:
                 got, now = json.loads(raw), time.monotonic()
                 if first is not None:  # from its first batch on
                     self.m["trainer_wait"] += now - mark
+                    waited += now - mark
                 mark = now
                 if got["batch_id"]:
                     break
+            self.m["step_waits"].append(round(waited, 2))
             t1 = time.monotonic()
             first = first or t1
             for g in got["groups"]:
@@ -305,7 +313,8 @@ class Fleet:
                 self.m["leased"][g["group_id"]] = True
                 p = g["meta"]["prompt_index"]
                 self.m["trained"][p] = self.m["trained"].get(p, 0) + 1
-            await asyncio.sleep(self.draw.step(step / a.steps) * a.time_scale)
+            self.m["step_s"].append(self.draw.step(step / a.steps) * a.time_scale)
+            await asyncio.sleep(self.m["step_s"][-1])
             v = self.latest + 1
             await asyncio.to_thread(common.publish_adapter, self.bucket, self.adapter, v, step, "sim")
             status, raw = await self.call("POST", "/v1/adapters", json={"version": v, "step": step, "published_at": time.time(),
@@ -366,9 +375,16 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
     share = lambda ps: sum(min(1, m["trained"].get(p, 0)) for p in ps) / max(1, len(ps))  # noqa: E731
     rounds = list(m["rounds"].values()) + [0] * (f.n - len(m["rounds"]))
     busy, wait = m["trainer_busy"], m["trainer_wait"]
+    # what no admission rule can beat (Args.round_scale), and how much faster the fleet offers rounds than the
+    # trainer takes them (> 1: the fleet generates faster than the trainer consumes), from the medians drawn
+    r_med, s_med = statistics.median(m["round_s"] or [math.nan]), statistics.median(m["step_s"] or [math.nan])
+    ceiling = min(1.0, (f.a.max_staleness + 1) * s_med / r_med)
+    supply = (f.n * f.a.prompts_per_round / r_med) / (f.batch / s_med)
     st = run["stats"]
     return {"workers": f.n, "pace": f.pace, "batch": f.batch, "finished": run["finished"], "elapsed_s": round(run["elapsed"], 1),
             "steps": f.latest, "utilisation": round(busy / (busy + wait), 3) if busy + wait else None,
+            "round_s_median": round(r_med, 2), "step_s_median": round(s_med, 2), "ceiling": round(ceiling, 3),
+            "supply_over_demand": round(supply, 2),
             "staleness": hist, "staleness_max": max(m["staleness"], default=None),
             "tokens_generated": gen, "tokens_leased": leased,
             "never_leased": round(1 - leased / gen, 4) if gen else None, "lost_in_crashes_tokens": m["lost_tokens"],
@@ -384,7 +400,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
             "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
-            "pacing": st.get("pacing"), "errors": m["errors"]}
+            "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"]}
 
 
 def s3_counts(log: Path, start: int) -> dict:
@@ -424,7 +440,9 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
 
 def line(r: dict) -> str:
     h = r["staleness"]
-    return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation'] or 0:.3f}  "
+    return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation'] or 0:.3f} "
+            f"(ceiling {r['ceiling']:.2f}; round {r['round_s_median']:.1f} s, step {r['step_s_median']:.1f} s, "
+            f"supply/demand {r['supply_over_demand']:.1f})  "
             f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
             f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
             f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "
