@@ -124,8 +124,10 @@ class Draw:
     """Draws from the measured distributions near a point of the run (the answers shorten as it learns, and
     both rounds and steps get faster)."""
 
-    def __init__(self, times: dict, rng: random.Random):
-        self.rounds, self.steps, self.rng = times["rounds"], times["steps"], rng
+    def __init__(self, times: dict, rng: random.Random, step_rng: random.Random):
+        """step_rng: the trainer's own, so that pacing on and off train the same sequence of step times (the
+        workers' draws interleave differently in the two)."""
+        self.rounds, self.steps, self.rng, self.step_rng = times["rounds"], times["steps"], rng, step_rng
         self.sync = times["weight_sync_s"] or [0.1]
 
     def _near(self, rows: list, at: float) -> list:
@@ -138,7 +140,7 @@ class Draw:
         return s, tok
 
     def step(self, at: float) -> float:
-        return self.rng.choice(self._near(self.steps, at))[1]
+        return self.step_rng.choice(self._near(self.steps, at))[1]
 
 
 # ---- the processes ---------------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class Fleet:
     def __init__(self, a: Args, n: int, pace: bool, url: str, token: str, s3: str, bucket: common.Bucket, adapter: Path):
         self.a, self.n, self.pace, self.url, self.s3, self.bucket, self.adapter = a, n, pace, url, s3, bucket, adapter
         self.rng = random.Random(f"{a.seed}:{n}")  # the same fleet for pacing on and off
-        self.draw = Draw(json.loads(TIMES.read_text()), self.rng)
+        self.draw = Draw(json.loads(TIMES.read_text()), self.rng, random.Random(f"{a.seed}:{n}:steps"))
         self.batch = max(8, round(a.batch_per_worker * n))
         self.headers = {"X-Proxy-Token": token, "Content-Type": "application/json"}
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
