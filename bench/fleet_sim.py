@@ -3,6 +3,7 @@ S3 server (moto), all on 127.0.0.1, pacing on and off (docs/fleet.md).
 
     .venv/bin/python bench/fleet_sim.py                                   # 10, 100, 1000 workers, pacing on and off
     .venv/bin/python bench/fleet_sim.py --workers 100 --pace on --steps 20
+    .venv/bin/python bench/fleet_sim.py --workers 10 100 --round-scale 0.25 --max-staleness 3   # a faster fleet
     .venv/bin/python bench/fleet_sim.py --measure runs/<run>              # the time distributions, from a local run
 
 No model: a worker's round takes a time drawn from what the local run measured (bench/fleet_times.json:
@@ -162,8 +163,9 @@ class Fleet:
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
-                  "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "grant_wait": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_busy": 0.0,
-                  "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
+                  "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "grant_wait": [], "submit": [],
+                  "health": [], "trainer_wait": 0.0, "trainer_busy": 0.0, "staleness": {}, "handed": {}, "trained": {},
+                  "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
 
     def fail(self, what: str) -> None:
         if len(self.m["errors"]) < 10:
@@ -219,7 +221,8 @@ class Fleet:
                 version = held[0]
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
-                round_s *= speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8) * a.time_scale * a.round_scale
+                round_s *= (speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8)
+                            * a.time_scale * a.round_scale)
                 if rng.random() < a.crash:  # dies mid-round: the round is lost; relaunched later, same id
                     await asyncio.sleep(rng.uniform(0, round_s))
                     self.m["crashes"] += 1
@@ -291,7 +294,8 @@ class Fleet:
     async def trainer(self) -> None:
         a, first = self.a, None
         for step in range(1, a.steps + 1):
-            mark, waited = time.monotonic(), 0.0  # waiting for a batch is counted as it happens (a timed-out run waits last)
+            # waiting for a batch is counted as it happens (a timed-out run waits last)
+            mark, waited = time.monotonic(), 0.0
             while True:
                 body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (a.steps - step + 1) * self.batch}
                 status, raw = await self.call("POST", "/v1/batches/lease", json=body)
