@@ -76,6 +76,11 @@ def test_the_window_by_hand():
     assert room(4, 1, 4.9, 5.1, 0, [(1.9, 2.1, 0, 3)], 1, 4, 1, None) == 4    # after it: pushes nothing, 3 + 4 <= 8
     assert room(4, 1, 2.0, math.inf, 0, [(4.9, 5.1, 0, 3)], 1, 4, 1, None) == 1  # its timing unknown: both ways
     assert room(4, 1, 0.19, 0.21, 0, [(1.9, 2.1, 0, 5)], 1, 4, 1, None) == 4  # one out of its window already: no bound
+    # two open grants that may each come first: a (version 0, window 4) and b (version 1), admitted as one that
+    # may overtake a (a's slack 2 went to it). A third that may overtake a has no slack left: a's window is
+    # full counting b, though b is expected after a (counting only the expected order gave it 2: a came stale)
+    assert room(4, 1, 0.5, 1.2, 0, [(0.0, 1.0, 0, 2), (0.5, 0.9, 1, 2)], 1, 4, 1, None) == 0
+    assert room(4, 1, 1.0, 1.2, 0, [(0.0, 1.0, 0, 2), (0.5, 0.9, 1, 2)], 1, 4, 1, None) == 4  # it comes after a
     # the trainer's demand bounds everything in flight
     assert room(4, 0, 0.7, 1.3, 2, [(0.3, 0.5, 0, 1)], 0, 4, 3, 5) == 2
     # a late grant may come any moment: before anything granted now

@@ -12,11 +12,14 @@ only among the first
 
     limit(v) = (max_staleness - base + v + 1) * batch
 
-groups leased from now on. What will be leased before a new grant's groups: the buffer, then the open grants
-in the order they are expected to arrive (each worker's measured round time after its grant). A grant of k
-groups at the latest version, expected at time a, is admitted when
-  - its own groups fit: the groups expected before it + k <= limit(latest),
-  - it pushes no open grant expected after it out of that grant's own window (their slack >= k),
+groups leased from now on (groups are leased in the order they arrive). What may be leased before a grant's
+groups: the buffer, then every open grant that may arrive before it (each worker's measured round time after
+its grant says when). A grant of k groups at the latest version is admitted when
+  - its own groups fit: the groups that may come before it + k <= limit(latest),
+  - it pushes no open grant it may arrive before out of that grant's own window: for each, the buffer, the
+    grant itself and every other open grant that may arrive before it, + k <= its limit. "Every other", not
+    only those expected before it: a grant admitted as one that may overtake it may do so (counting only the
+    expected order let two such grants each take the same slack, and a slow round came out a version too old),
   - and everything in flight fits in the trainer's remaining demand (groups_left on its lease requests;
     unknown: no bound). After the trainer's final version nothing is granted.
 k is the most that fits, up to what was asked (a partial grant); 0: wait. Arrival order is predicted from the
@@ -93,16 +96,18 @@ def window(max_staleness: int, base: int, version: int, batch: int) -> int:
 def room(n: int, version: int, lo: float, hi: float, buffered: int, in_flight: list[tuple[float, float, int, int]],
          base: int, batch: int, max_staleness: int, demand: int | None) -> int:
     """The most groups (<= n) a grant at `version`, expected between lo and hi, may have (module docstring).
-    in_flight: the open grants as (lo, hi, version, groups left), in the order they are expected."""
+    in_flight: the open grants as (lo, hi, version, groups left)."""
     total = buffered + sum(left for _, _, _, left in in_flight)
     best = n if demand is None else min(n, demand - total)
     ahead = buffered + sum(left for g_lo, _, _, left in in_flight if g_lo < hi)  # it may arrive before the new one
     best = min(best, window(max_staleness, base, version, batch) - ahead)
-    end = buffered
-    for _, g_hi, v, left in in_flight:
-        end += left
-        if g_hi > lo:  # it may arrive after the new grant: pushed back by it
-            slack = window(max_staleness, base, v, batch) - end
+    for i, (_, g_hi, v, left) in enumerate(in_flight):
+        if g_hi > lo:  # the new grant may arrive before it: pushed back by it
+            # what may be leased before its last group: the buffer, itself, and every other open grant that may
+            # arrive before it (not only those expected before it: each of them was admitted as possibly so)
+            before = buffered + left + sum(h_left for j, (h_lo, _, _, h_left) in enumerate(in_flight)
+                                           if j != i and h_lo < g_hi)
+            slack = window(max_staleness, base, v, batch) - before
             if slack >= 0:  # one already out of its window is lost either way; it does not block the rest
                 best = min(best, slack)
     return max(0, best)
@@ -124,10 +129,11 @@ class Flight:
         by_lo = sorted((g[0], g[3]) for g in in_flight)  # "ahead of a new grant": those that may come before its hi
         self.lo = [x for x, _ in by_lo]
         self.left_before = [0, *itertools.accumulate(left for _, left in by_lo)]
-        pushed, end = [], buffered  # "pushed by a new grant": those that may come after its lo, with their slack
-        for _, g_hi, v, left, _ in in_flight:
-            end += left
-            slack = window(max_staleness, base, v, batch) - end
+        pushed = []  # "pushed by a new grant": those that may come after its lo, with their slack
+        for g_lo, g_hi, v, left, _ in in_flight:
+            # before its last group: the buffer, every open grant that may arrive before it, itself (counted once)
+            before = buffered + self.left_before[bisect.bisect_left(self.lo, g_hi)] + (0 if g_lo < g_hi else left)
+            slack = window(max_staleness, base, v, batch) - before
             pushed.append((g_hi, slack if slack >= 0 else math.inf))  # out of its window already: no bound
         pushed.sort()
         self.hi = [h for h, _ in pushed]
