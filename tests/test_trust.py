@@ -150,11 +150,13 @@ def test_a_liar_beside_an_honest_worker_is_caught_every_way_and_quarantined(tiny
     liar = Worker(hostile, p.url, mallory, AutoTokenizer.from_pretrained(tiny_model), p, bucket, said, done)
     liar.start()
     try:
-        train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "200",
+        train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", "100000",
                                   "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
                                  env={**os.environ, "RUN_NAME": run_name, "PROXY_URL": p.url, "PROXY_TOKEN": p.token,
                                       "OMP_NUM_THREADS": "1"}, stdout=open(tmp_path / "train.log", "w"), stderr=subprocess.STDOUT)
-        liar.join(timeout=600)  # the trainer runs until the liar is done (its steps: more than it needs)
+        # the trainer runs until the liar is done (stopped below; a bound on its steps could end it first: with 200,
+        # a lie dropped stale in the buffer was made afresh after the trainer had finished, and waited for room)
+        liar.join(timeout=600)
         assert done, "the liar did not finish: " + repr(said) + (tmp_path / "train.log").read_text()[-3000:]
     finally:
         stop(train)

@@ -54,10 +54,14 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
         waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
         never audited: made and sent afresh. then(group), if given, runs once the proxy has taken the group (while
         its prompt lease is surely still open: a lease is let go once its groups would be stale)."""
+        def send():  # the honest worker keeps the buffer full: 429 until the trainer leases. Each try claims the
+            nonlocal g  # latest version, so that a group that waited for room does not go in already stale
+            g = {**g, "policy_version": latest()}
+            return (r := me.post("/v1/groups", json=g)).status_code != 429 and r
+
         for _ in range(8):
             g, before = make(), checks()
-            r = wait_for(lambda: (r := me.post("/v1/groups", json=g)).status_code != 429 and r, 120, every=0.5,
-                         msg="room in the buffer")  # the honest worker keeps it full: 429 until the trainer leases
+            r = wait_for(send, 120, every=0.5, msg="room in the buffer")
             if r.status_code == 409:
                 break
             assert r.status_code == 200 and r.json()["status"] in ("accepted", "stale"), r.text
