@@ -38,9 +38,11 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
 
     def crafted(version: int, inflate=False, other_prompt=False, logprobs=None) -> dict:
         lease_, i = lease()
-        text = "I think the answer is 7"
-        ids = tok.encode(text, add_special_tokens=False)
-        honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+        for text in ("I think the answer is 7", "I think the answer is 8"):  # an inflated reward must be a lie:
+            ids = tok.encode(text, add_special_tokens=False)                # not 7 where the sum is 7
+            honest = task.reward(tok.decode(ids, skip_special_tokens=True), i)[0]
+            if not (inflate and honest == 1.0):
+                break
         nth = next(count)  # each group's completions its own: the same ones again would be refused as a replay
         comps = [{"token_ids": ids, "logprobs": [(logprobs or -11.0) - 0.01 * k - 1e-4 * nth] * len(ids),
                   "reward": 1.0 if inflate else honest, "finish_reason": "stop"} for k in range(size)]
