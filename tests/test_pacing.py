@@ -92,7 +92,7 @@ def test_the_window_by_hand():
 def test_the_indexed_pass_grants_exactly_what_room_does():
     """Flight (one pass's open grants indexed, O(log grants) a request) against room() itself, over random
     states: open grants of every timing (late ones, unknown round times), versions in and out of their
-    windows, buffers and demands, and requests whose worker holds an open grant (those take room()'s path).
+    windows, buffers and demands, and requests whose worker holds an open grant (those index the others afresh).
     Each answer equal."""
     rng = random.Random(2412)
     for trial in range(400):
