@@ -2,6 +2,7 @@
 only when the round it generates can still be trained within max_staleness and within what the trainer will
 still lease; otherwise it waits. Under joins, leaves, a crashed worker, a trainer restart and a proxy restart,
 and never after the trainer's last batch."""
+import asyncio
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import pytest
 import common
 import journal
 from ledger import Ledger
-from pacing import Grant, Pacer, measure, room
+from pacing import Grant, Pacer, Waiting, measure, room
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 
 G = 4  # spawn's --group-size
@@ -141,6 +142,30 @@ def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     g = p.grant("slow", 2, 1, now=10.0)
     assert g.when(10.0 + max(rounds)) == (g.lo, g.hi)   # its slowest round's time: still expected, not late
     assert g.record()["dev_s"] == d and g.deadline >= g.hi
+
+
+def test_short_room_goes_to_the_fastest_worker_and_a_long_wait_moves_a_slow_one_up():
+    """Two workers wait, the slow one (8 s rounds) asked first; the window has room for one round of 4. The
+    fast one (1 s rounds) gets it. A slow worker that has waited 80 s counts as expecting 8 - 8 = 0 s: first."""
+    p = Pacer(max_staleness=1)
+    p.batch, p.round_s["slow"], p.round_s["fast"] = 4, (8.0, 0.0), (1.0, 0.0)
+
+    async def both(waited: float) -> dict:
+        w = Waiting()
+        tasks = {}
+        for key in ("slow", "fast"):
+            tasks[key] = asyncio.create_task(w.wait(key, 4, 0.2, lambda: None))
+            await asyncio.sleep(0)  # it is waiting before the next asks
+        now = time.monotonic()
+        w.since["slow"] -= waited
+        w.pace(p, latest=0, buffered=4, done=False, pending_version=0, now=now)  # window 8, 4 buffered: one round
+        got = {key: await t for key, t in tasks.items()}
+        assert "slow" not in w.since if got["slow"] else "fast" not in w.since  # a grant ends its wait
+        return {key: g.n if g else 0 for key, g in got.items()}
+
+    assert asyncio.run(both(0.0)) == {"slow": 0, "fast": 4}
+    p.grants.clear()
+    assert asyncio.run(both(80.5)) == {"slow": 4, "fast": 0}
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):

@@ -22,7 +22,8 @@ its grant says when). A grant of k groups at the latest version is admitted when
     expected order let two such grants each take the same slack, and a slow round came out a version too old),
   - and everything in flight fits in the trainer's remaining demand (groups_left on its lease requests;
     unknown: no bound). After the trainer's final version nothing is granted.
-k is the most that fits, up to what was asked (a partial grant); 0: wait. Arrival order is predicted from the
+k is the most that fits, up to what was asked (a partial grant); 0: wait. Waiting workers are tried fastest
+first (Waiting.order: where the window is short, it goes to the rounds that come back soonest). Arrival order is predicted from the
 worker's measured round time r and its mean deviation d, as TCP times a retransmission (RFC 6298): the groups
 come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant expected within that counts as
 ahead of the new one and as pushed by it). A worker whose rounds vary a lot thus gets a wide margin instead of
@@ -56,6 +57,7 @@ import bisect
 import itertools
 import math
 import statistics
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -368,13 +370,16 @@ def measure(old: tuple[float, float] | None, x: float) -> tuple[float, float]:
 
 
 class Waiting:
-    """The live proxy's paced prompt requests waiting for a grant, in the order they came (never journaled: a
+    """The live proxy's paced prompt requests waiting for a grant (never journaled: a
     restart drops the connections, and the workers ask again)."""
 
     MISSES = 32  # requests that do not fit, tried per pass: one slow worker does not hold up those behind it
+    AGING = 10.0   # a worker that has waited w seconds for a grant counts as expecting a round w / AGING shorter
 
-    def __init__(self):
+    def __init__(self, max_workers: int = 4096):
         self.asking: dict[int, tuple[str, int, asyncio.Future]] = {}
+        self.since: dict[str, float] = {}  # key -> when it began waiting for its next grant (monotonic)
+        self.max_workers = max_workers
 
     def __len__(self) -> int:
         return len(self.asking)
@@ -384,6 +389,10 @@ class Waiting:
         is over). `pace`: the proxy's call of pace() with its state."""
         fut = asyncio.get_running_loop().create_future()
         self.asking[id(fut)] = (key, n, fut)
+        if key not in self.since:
+            self.since[key] = time.monotonic()
+            if len(self.since) > self.max_workers:  # workers that left: the one that began waiting longest ago
+                del self.since[next(iter(self.since))]
         pace()
         try:
             await asyncio.wait([fut], timeout=wait_s)  # does not cancel it: a grant made at the deadline stands
@@ -394,11 +403,29 @@ class Waiting:
         fut.cancel()
         return None
 
+    def order(self, pacer: Pacer, flight: Flight | None, now: float) -> list[tuple[str, int, asyncio.Future]]:
+        """The waiting requests, the worker with the shortest expected round first (a new one at the fleet's
+        median; in the order they came where equal), less a tenth of how long it has waited (AGING).
+
+        Why fastest first: what may be in flight is bounded by the staleness window, in groups, so the groups
+        trained per second are what is in flight over the round time of those holding it (Little's law). In
+        the order they came, a slow worker's grant holds its share of the window through its whole long round;
+        fastest first, the room goes where it comes back soonest (the fleet simulation's trainer: 0.88 -> 0.95
+        busy, docs/fleet.md). Where there is room for every request, every one is granted, so only a worker that
+        would have slowed the run waits; which prompts are trained does not change (they are drawn at the grant).
+        Why the aging: a worker judged slow on one bad round (a cold start) would otherwise never get the round
+        that measures it again; after waiting ten times the difference it goes first."""
+        fleet = pacer.fleet_round() if flight is None else flight.fleet
+
+        def key(a: tuple[str, int, asyncio.Future]) -> float:
+            return (pacer.expected_round(a[0], fleet)[0] or 0.0) - (now - self.since.get(a[0], now)) / self.AGING
+        return sorted(self.asking.values(), key=key)
+
     def pace(self, pacer: Pacer, latest: int, buffered: int, done: bool, pending_version: int, now: float) -> None:
-        """Give the waiting workers the grants there is room for, in the order they asked; after MISSES that
+        """Give the waiting workers the grants there is room for, fastest first (order()); after MISSES that
         do not fit, the rest wait for the next pass. The run over (done): every one of them gets None."""
         flight, misses = pacer.flight(latest, buffered, now, pending_version), 0
-        for key, n, fut in list(self.asking.values()):
+        for key, n, fut in self.order(pacer, flight, now):
             if fut.done():
                 continue
             if done:
@@ -407,6 +434,7 @@ class Waiting:
             k = pacer.room(key, n, latest, buffered, now, flight, pending_version)
             if k > 0:
                 fut.set_result(pacer.grant(key, k, latest, now))
+                self.since.pop(key, None)
                 flight = pacer.flight(latest, buffered, now, pending_version)
             elif (misses := misses + 1) >= self.MISSES:
                 break
