@@ -144,28 +144,48 @@ def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     assert g.record()["dev_s"] == d and g.deadline >= g.hi
 
 
-def test_short_room_goes_to_the_fastest_worker_and_a_long_wait_moves_a_slow_one_up():
-    """Two workers wait, the slow one (8 s rounds) asked first; the window has room for one round of 4. The
-    fast one (1 s rounds) gets it. A slow worker that has waited 80 s counts as expecting 8 - 8 = 0 s: first."""
+def test_short_room_goes_to_the_fastest_worker():
+    """Two workers wait, the slow one (8 s rounds) asked first; the window has room for one round of 4: the fast
+    one (1 s rounds) gets it."""
     p = Pacer(max_staleness=1)
     p.batch, p.round_s["slow"], p.round_s["fast"] = 4, (8.0, 0.0), (1.0, 0.0)
 
-    async def both(waited: float) -> dict:
+    async def both() -> dict:
         w = Waiting()
         tasks = {}
         for key in ("slow", "fast"):
             tasks[key] = asyncio.create_task(w.wait(key, 4, 0.2, lambda: None))
             await asyncio.sleep(0)  # it is waiting before the next asks
-        now = time.monotonic()
-        w.since["slow"] -= waited
-        w.pace(p, latest=0, buffered=4, done=False, pending_version=0, now=now)  # window 8, 4 buffered: one round
-        got = {key: await t for key, t in tasks.items()}
-        assert "slow" not in w.since if got["slow"] else "fast" not in w.since  # a grant ends its wait
-        return {key: g.n if g else 0 for key, g in got.items()}
+        w.pace(p, latest=0, buffered=4, done=False, pending_version=0, now=0.0)  # window 8, 4 buffered: one round
+        return {key: g.n if (g := await t) else 0 for key, t in tasks.items()}
 
-    assert asyncio.run(both(0.0)) == {"slow": 0, "fast": 4}
+    assert asyncio.run(both()) == {"slow": 0, "fast": 4}
     p.grants.clear()
-    assert asyncio.run(both(80.5)) == {"slow": 4, "fast": 0}
+    p.round_s["slow"] = (0.5, 0.0)  # measured faster now: it goes first
+    assert asyncio.run(both()) == {"slow": 4, "fast": 0}
+
+
+def test_a_worker_back_from_a_crash_is_tried_before_the_others_its_old_grant_shuts_out():
+    """A worker crashed mid-round and asks again; its old grant (version 0, fills version 0's window: every new
+    grant would push it out) still holds its place. 33 faster workers wait too: more than a pass tries that do
+    not fit. It goes first, its new grant closes the old one, and the window opens again."""
+    p = Pacer(max_staleness=1)
+    p.batch, p.round_s["back"] = 4, (5.0, 0.0)
+    p.grant("back", 4, 0, now=0.0)  # version 0's window: (1 - 1 + 0 + 1) x 4 = 4 groups, all its own
+    fast = [f"fast-{i}" for i in range(Waiting.MISSES + 1)]
+    for key in fast:
+        p.round_s[key] = (1.0, 0.0)
+
+    async def all_ask() -> dict:
+        w = Waiting()
+        tasks = {key: asyncio.create_task(w.wait(key, 4, 0.2, lambda: None)) for key in fast + ["back"]}
+        await asyncio.sleep(0)
+        w.pace(p, latest=1, buffered=0, done=False, pending_version=0, now=1.0)
+        return {key: g.n for key, t in tasks.items() if (g := await t)}
+
+    got = asyncio.run(all_ask())
+    assert got.pop("back") == 4 and p.grants["back"].version == 1   # the old grant closed, a new one at version 1
+    assert sum(got.values()) == 4                                   # version 1's window: 8, one fast round beside it
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):

@@ -57,7 +57,6 @@ import bisect
 import itertools
 import math
 import statistics
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -374,12 +373,9 @@ class Waiting:
     restart drops the connections, and the workers ask again)."""
 
     MISSES = 32  # requests that do not fit, tried per pass: one slow worker does not hold up those behind it
-    AGING = 10.0   # a worker that has waited w seconds for a grant counts as expecting a round w / AGING shorter
 
-    def __init__(self, max_workers: int = 4096):
+    def __init__(self):
         self.asking: dict[int, tuple[str, int, asyncio.Future]] = {}
-        self.since: dict[str, float] = {}  # key -> when it began waiting for its next grant (monotonic)
-        self.max_workers = max_workers
 
     def __len__(self) -> int:
         return len(self.asking)
@@ -389,10 +385,6 @@ class Waiting:
         is over). `pace`: the proxy's call of pace() with its state."""
         fut = asyncio.get_running_loop().create_future()
         self.asking[id(fut)] = (key, n, fut)
-        if key not in self.since:
-            self.since[key] = time.monotonic()
-            if len(self.since) > self.max_workers:  # workers that left: the one that began waiting longest ago
-                del self.since[next(iter(self.since))]
         pace()
         try:
             await asyncio.wait([fut], timeout=wait_s)  # does not cancel it: a grant made at the deadline stands
@@ -403,9 +395,12 @@ class Waiting:
         fut.cancel()
         return None
 
-    def order(self, pacer: Pacer, flight: Flight | None, now: float) -> list[tuple[str, int, asyncio.Future]]:
-        """The waiting requests, the worker with the shortest expected round first (a new one at the fleet's
-        median; in the order they came where equal), less a tenth of how long it has waited (AGING).
+    def order(self, pacer: Pacer, flight: Flight | None) -> list[tuple[str, int, asyncio.Future]]:
+        """The waiting requests: first those whose worker still holds an open grant (a worker that crashed
+        mid-round and came back: granting it closes the old grant, so it can only make room, and it must not
+        wait behind MISSES others while its abandoned grant holds the window shut until the deadline), then the
+        worker with the shortest expected round first (a new one at the fleet's median; in the order they came
+        where equal).
 
         Why fastest first: what may be in flight is bounded by the staleness window, in groups, so the groups
         trained per second are what is in flight over the round time of those holding it (Little's law). In
@@ -413,19 +408,21 @@ class Waiting:
         fastest first, the room goes where it comes back soonest (the fleet simulation's trainer: 0.88 -> 0.95
         busy, docs/fleet.md). Where there is room for every request, every one is granted, so only a worker that
         would have slowed the run waits; which prompts are trained does not change (they are drawn at the grant).
-        Why the aging: a worker judged slow on one bad round (a cold start) would otherwise never get the round
-        that measures it again; after waiting ten times the difference it goes first."""
+        The cost: a worker measured slow (even on one bad round) waits whenever the window is short, and is
+        measured again only when there is room for it too. No aging: tried in that order, a pass stops after
+        MISSES requests that do not fit, and fit follows speed (a slow round has more that may come before it);
+        long-waiting slow workers at the head would hide the fast ones behind them."""
         fleet = pacer.fleet_round() if flight is None else flight.fleet
 
-        def key(a: tuple[str, int, asyncio.Future]) -> float:
-            return (pacer.expected_round(a[0], fleet)[0] or 0.0) - (now - self.since.get(a[0], now)) / self.AGING
+        def key(a: tuple[str, int, asyncio.Future]) -> tuple[bool, float]:
+            return a[0] not in pacer.grants, pacer.expected_round(a[0], fleet)[0] or 0.0
         return sorted(self.asking.values(), key=key)
 
     def pace(self, pacer: Pacer, latest: int, buffered: int, done: bool, pending_version: int, now: float) -> None:
         """Give the waiting workers the grants there is room for, fastest first (order()); after MISSES that
         do not fit, the rest wait for the next pass. The run over (done): every one of them gets None."""
         flight, misses = pacer.flight(latest, buffered, now, pending_version), 0
-        for key, n, fut in self.order(pacer, flight, now):
+        for key, n, fut in self.order(pacer, flight):
             if fut.done():
                 continue
             if done:
@@ -434,7 +431,6 @@ class Waiting:
             k = pacer.room(key, n, latest, buffered, now, flight, pending_version)
             if k > 0:
                 fut.set_result(pacer.grant(key, k, latest, now))
-                self.since.pop(key, None)
                 flight = pacer.flight(latest, buffered, now, pending_version)
             elif (misses := misses + 1) >= self.MISSES:
                 break
