@@ -23,10 +23,10 @@ its grant says when). A grant of k groups at the latest version is admitted when
   - and everything in flight fits in the trainer's remaining demand (groups_left on its lease requests;
     unknown: no bound). After the trainer's final version nothing is granted.
 k is the most that fits, up to what was asked (a partial grant); 0: wait. Waiting workers are tried fastest
-first (Waiting.order: where the window is short, it goes to the rounds that come back soonest). Arrival order is predicted from the
-worker's measured round time r and its mean deviation d, as TCP times a retransmission (RFC 6298): the groups
-come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant expected within that counts as
-ahead of the new one and as pushed by it). A worker whose rounds vary a lot thus gets a wide margin instead of
+first (Waiting.order: where the window is short, it goes to the rounds that come back soonest). Arrival order
+is predicted from the worker's measured round time r and its mean deviation d, as TCP times a retransmission
+(RFC 6298): the groups come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant
+expected within that counts as ahead of the new one and as pushed by it). A worker whose rounds vary a lot thus gets a wide margin instead of
 being taken for late while it is still generating; a worker whose round time is not known yet counts
 everything in flight as both.
 
