@@ -431,7 +431,8 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     # the buffer holds what the staleness window lets be in flight (pacing admits up to max_staleness batches;
     # a smaller buffer turned admitted rounds away with 429 at 1,000 workers, docs/fleet.md)
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
-             "--max-buffer", str(max(512, (a.max_staleness + 1) * batch)), "--max-connections", str(4 * n + 64), *(["--pace"] if pace else [])]
+             "--max-buffer", str(max(512, (a.max_staleness + 1) * batch)), "--max-connections", str(4 * n + 64),
+             *(["--pace"] if pace else [])]
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), *flags], env=env,
                              stdout=open(tmp / f"proxy-{n}-{pace}.log", "w"), stderr=subprocess.STDOUT)
     try:

@@ -26,9 +26,9 @@ k is the most that fits, up to what was asked (a partial grant); 0: wait. Waitin
 first (Waiting.order: where the window is short, it goes to the rounds that come back soonest). Arrival order
 is predicted from the worker's measured round time r and its mean deviation d, as TCP times a retransmission
 (RFC 6298): the groups come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant
-expected within that counts as ahead of the new one and as pushed by it). A worker whose rounds vary a lot thus gets a wide margin instead of
-being taken for late while it is still generating; a worker whose round time is not known yet counts
-everything in flight as both.
+expected within that counts as ahead of the new one and as pushed by it). A worker whose rounds vary a lot
+thus gets a wide margin instead of being taken for late while it is still generating; a worker whose round
+time is not known yet counts everything in flight as both.
 
 The trainer's speed does not enter the rule: versions come per batch, not per second, so where a group lands
 depends only on what arrives before it. Step time and round times say only when to expect things (the

@@ -54,8 +54,9 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
     def lie(kind: str, make, then=None) -> dict:
         """Send make()'s group; one the proxy takes must be caught by the trainer. A group that went stale while
         waiting for room, or in the buffer before the trainer leased it (the honest worker keeps it full), is
-        never audited: made and sent afresh; so is one whose prompt lease was let go while it waited. then(group), if given, runs once the proxy has taken the group (while
-        its prompt lease is surely still open: a lease is let go once its groups would be stale)."""
+        never audited: made and sent afresh; so is one whose prompt lease was let go while it waited. then(group),
+        if given, runs once the proxy has taken the group (while its prompt lease is surely still open: a lease is
+        let go once its groups would be stale)."""
         def send():  # the honest worker keeps the buffer full: 429 until the trainer leases. Each try claims the
             nonlocal g  # latest version, so that a group that waited for room does not go in already stale
             g = {**g, "policy_version": latest()}
