@@ -483,11 +483,14 @@ class LeaseResponse(BaseModel):
     buffer_size: int
     dropped_stale: int
     expires_in_s: float | None
+    waited_s: float
+    """how long this request waited for the groups (0: a batch was there); the rest of the answer's time is the
+    lease's journal write and the transfer (the fleet simulation tells the two apart, docs/fleet.md)"""
 
-def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int) -> Response:
+def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int, waited_s: float) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 33 kB per group
     head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.book.buffer), "dropped_stale": dropped,
-                       "expires_in_s": ARGS.lease_s if bid else None})
+                       "expires_in_s": ARGS.lease_s if bid else None, "waited_s": round(waited_s, 3)})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
 async def _until_disconnect(receive) -> None:
@@ -508,14 +511,16 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
     if book.pacing.requested(req.num_groups, req.groups_left):  # it waits for a batch: no version on its way (pacing.py)
         JOURNAL.append({"t": "demand", "groups_left": req.groups_left})  # not awaited: the next lease carries it too
     pace()
+    asked = time.monotonic()
     try:
         async with S.cond:
             before = book.counts["groups_dropped_stale"]
             await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or
                              book.leasable(req.num_groups, S.pending_version) is not None, req.wait_s)
+            waited = time.monotonic() - asked
             entries = None if gone.done() else book.leasable(req.num_groups, S.pending_version)
             if not entries:
-                return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest)
+                return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest, waited)
             bid, latest, left = uuid.uuid4().hex, S.latest, book.pacing.left_after(len(entries))
             book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest, left, at=time.monotonic())
             S.deadlines[bid] = time.monotonic() + ARGS.lease_s
@@ -538,7 +543,7 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
                     book.return_lease(bid)
                     JOURNAL.append({"t": "expire", "batch_id": bid})
                     S.cond.notify_all()
-        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, latest)
+        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, latest, waited)
     finally:
         gone.cancel()
 
