@@ -126,7 +126,7 @@ def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     window by grants made after its predicted end. A steady worker keeps the --pace-jitter margin."""
     p = Pacer(max_staleness=1)
     p.jitter = 0.3
-    assert measure(None, 0.26) == (0.26, 0.13)         # one round: the spread is unknown, half of it
+    assert measure(None, 0.26) == (0.26, 0.065)        # one round: the spread is unknown, a quarter of it
     rounds = [0.26, 0.7, 0.3, 0.75, 0.4, 0.65]
     state = None
     for x in rounds:

@@ -360,10 +360,14 @@ def ewma(old: float | None, new: float) -> float:
 
 
 def measure(old: tuple[float, float] | None, x: float) -> tuple[float, float]:
-    """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip:
-    the first round sets the deviation to half of it (its spread is unknown yet, so the margin is wide)."""
+    """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip.
+    The first round sets the deviation to a quarter of it, so the margin (4 deviations) is one round: a round
+    of up to twice the first is still expected. RFC 6298's half (up to three rounds) protected a worker's
+    first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of which
+    have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
+    (docs/fleet.md)."""
     if old is None:
-        return x, x / 2
+        return x, x / 4
     r, d = old
     return ewma(r, x), (1 - EWMA_DEV) * d + EWMA_DEV * abs(r - x)
 
