@@ -23,14 +23,14 @@ Per configuration it prints the trainer's utilisation (busy / (busy + waiting fo
 batch on; `steady`: the same before the last max_staleness + 1 steps, where pacing's demand bound lets no
 more be generated than the trainer will still lease, so the fleet may not run ahead of it; and the share of
 the waiting that the proxy spent waiting for groups, the rest being each lease's journal write and transfer,
-from the lease answers' waited_s), the staleness of what it leased, tokens generated but never leased (stale, refused, left over, or
-generated after the last step; a crashed worker's lost round is counted apart), how evenly prompts are served
-(the share of the prompts handed out that were trained: all, the hardest quarter, the easiest) and workers
-(rounds per worker, the share that never got one, the p99 wait for a grant), the proxy's CPU and the p99 of
-its answers (group submission, and /health probed every 100 ms: the event loop's lag), and bucket requests
-per second (from the S3 server's request log), and this simulator's own CPU (its one process drives every
-worker and the trainer: near 100%, its own delays would count as the proxy's). Writes everything as JSON to
---out.
+from the lease answers' waited_s), the staleness of what it leased, tokens generated but never leased
+(stale, refused, left over, or generated after the last step; a crashed worker's lost round is counted
+apart), how evenly prompts are served (the share of the prompts handed out that were trained: all, the
+hardest quarter, the easiest) and workers (rounds per worker, the share that never got one, the p99 wait for
+a grant), the proxy's CPU and the p99 of its answers (group submission, and /health probed every 100 ms: the
+event loop's lag), bucket requests per second (from the S3 server's request log), and this simulator's own
+CPU (its one process drives every worker and the trainer: near 100%, its own delays would count as the
+proxy's). Writes everything as JSON to --out.
 """
 from __future__ import annotations
 
@@ -168,9 +168,9 @@ class Fleet:
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
-                  "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [], "submit": [],
-                  "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0, "trainer_busy": 0.0, "staleness": {}, "handed": {}, "trained": {},
-                  "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
+                  "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
+                  "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0, "trainer_busy": 0.0,
+                  "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
 
     def fail(self, what: str) -> None:
         if len(self.m["errors"]) < 10:
@@ -391,7 +391,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
     rounds = list(m["rounds"].values()) + [0] * (f.n - len(m["rounds"]))
     busy, wait = m["trainer_busy"], m["trainer_wait"]
     # before the drain: the steps whose batch could come from a fleet free to run ahead (Args docstring)
-    head = max(0, len(m["step_busy"]) - (f.a.max_staleness + 1))
+    head = max(0, min(len(m["step_busy"]), f.a.steps - (f.a.max_staleness + 1)))
     s_busy, s_wait = sum(m["step_busy"][:head]), sum(m["step_waits"][:head])
     # what no admission rule can beat (Args.round_scale), and how much faster the fleet offers rounds than the
     # trainer takes them (> 1: the fleet generates faster than the trainer consumes), from the medians drawn
@@ -465,15 +465,16 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
 def line(r: dict) -> str:
     h = r["staleness"]
     return (f"{r['workers']:5d} {'on ' if r['pace'] else 'off'} batch {r['batch']:4d}  util {r['utilisation'] or 0:.3f} "
-            f"(steady {r['utilisation_steady'] or 0:.3f}; waiting for groups {100 * (r['wait_for_groups_share'] or 0):.0f}% "
-            f"of the wait) "
+            f"(steady {r['utilisation_steady'] or 0:.3f}; "
+            f"waiting for groups {100 * (r['wait_for_groups_share'] or 0):.0f}% of the wait) "
             f"(ceiling {r['ceiling']:.2f}; round {r['round_s_median']:.1f} s, step {r['step_s_median']:.1f} s, "
             f"supply/demand {r['supply_over_demand']:.1f})  "
             f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
             f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
             f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "
             f"rounds/worker {r['rounds_per_worker']} none {r['workers_without_a_round']}  "
-            f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  proxy cpu {100 * r['proxy_cpu']:.0f}% (sim {100 * r['sim_cpu']:.0f}%)  "
+            f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  "
+            f"proxy cpu {100 * r['proxy_cpu']:.0f}% (sim {100 * r['sim_cpu']:.0f}%)  "
             f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms  "
             f"bucket {r['bucket_rps']:.0f} req/s  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
 
