@@ -169,7 +169,7 @@ class Fleet:
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
-                  "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0, "trainer_busy": 0.0,
+                  "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0}
 
     def fail(self, what: str) -> None:
@@ -337,8 +337,7 @@ class Fleet:
             status, raw = await self.call("POST", f"/v1/batches/{got['batch_id']}/ack")
             if status != 200:
                 self.fail(f"ack: {status} {raw[:200]}")
-            self.m["trainer_busy"] += time.monotonic() - t1
-            self.m["step_busy"].append(round(time.monotonic() - t1, 3))
+            self.m["step_busy"].append(time.monotonic() - t1)
         self.done.set()
 
     async def probe(self) -> None:
@@ -389,7 +388,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
     q = max(1, len(by_hard) // 4)
     share = lambda ps: sum(min(1, m["trained"].get(p, 0)) for p in ps) / max(1, len(ps))  # noqa: E731
     rounds = list(m["rounds"].values()) + [0] * (f.n - len(m["rounds"]))
-    busy, wait = m["trainer_busy"], m["trainer_wait"]
+    busy, wait = sum(m["step_busy"]), m["trainer_wait"]  # (the wait includes a timed-out run's last, unfinished step)
     # before the drain: the steps whose batch could come from a fleet free to run ahead (Args docstring)
     head = max(0, min(len(m["step_busy"]), f.a.steps - (f.a.max_staleness + 1)))
     s_busy, s_wait = sum(m["step_busy"][:head]), sum(m["step_waits"][:head])
@@ -420,7 +419,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
             "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
-            "sim_cpu": round(m.get("sim_cpu", 0.0), 3),
+            "sim_cpu": round(m["sim_cpu"], 3),
             "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"]}
 
 
