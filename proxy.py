@@ -117,10 +117,14 @@ class Args:
     pace: bool = False
     """--pace: grant a worker that asks with wait_s prompts only when its round can still be trained within
     max_staleness and what the trainer will still lease (pacing.py); it waits otherwise. Off (every prompt lease
-    at once) unless asked for: the local launcher asks; it does not yet scale to 1,000 workers (docs/fleet.md),
-    and a worker that refuses a version (corrupt, another LoRA shape) is held up by grants counting on it"""
+    at once) unless asked for: the local launcher asks. It holds at 1,000 simulated workers (docs/fleet.md); a
+    worker that refuses a version (corrupt, another LoRA shape) is held up by grants counting on it"""
     grant_s: float = 120.0
     """a grant holds its place for this long after 3 of its worker's round times (or its margin, if longer); then it is given up"""
+    poll_grace_s: float = 5.0
+    """a worker whose version long-poll (sent with its worker_id) closed unanswered, and who opens no new one
+    within this many seconds, is taken for gone: its open grant no longer covers the trainer's remaining demand
+    (the last batches need not wait --grant-s for a crashed worker)"""
     pace_jitter: float = 0.3
     """pacing's least margin on the predicted arrival order, as a share of the worker's round time (4 mean deviations of its round time where wider)"""
     route: routing.Limits = field(default_factory=routing.Limits)
@@ -150,6 +154,9 @@ class State:
     incarnation: int = 0
     run_id: str = "local"                           # a hash of the bucket, endpoint and run: names none of them
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # the version long-polls wait on their own condition, notified only when a version is registered: on S.cond,
+    # every group accepted woke every poller (at 1,000 workers, hundreds of groups a second x 1,000 polls)
+    versions: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @property
     def latest(self) -> int:
@@ -213,7 +220,7 @@ def take_over(live: dict) -> None:
     S.deadlines = {b: time.monotonic() + h.lease_s for b, h in S.book.leases.items()}
 
 def pacing_options(book: Book) -> None:
-    book.pacing.grant_s, book.pacing.jitter = ARGS.grant_s, ARGS.pace_jitter
+    book.pacing.grant_s, book.pacing.jitter, book.pacing.poll_grace_s = ARGS.grant_s, ARGS.pace_jitter, ARGS.poll_grace_s
 
 def fatal_foreign_writer(msg: str) -> None:
     print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
@@ -493,12 +500,14 @@ def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: in
                        "expires_in_s": ARGS.lease_s if bid else None, "waited_s": round(waited_s, 3)})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
-async def _until_disconnect(receive) -> None:
-    """Returns when the client goes away (its body was read already: receive() has nothing else to give)."""
+async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> None:
+    """Returns when the client goes away (its body was read already: receive() has nothing else to give); wakes
+    those waiting on `cond` (S.cond by default)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    async with S.cond:
-        S.cond.notify_all()
+    cond = S.cond if cond is None else cond
+    async with cond:
+        cond.notify_all()
 
 BatchId = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 
@@ -655,19 +664,42 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
         async with S.cond:
             dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
             S.cond.notify_all()
+        async with S.versions:
+            S.versions.notify_all()
         pace()  # a new version: room for rounds generated with it (and after the final one, nothing)
         return {"latest_version": S.latest, "dropped_stale": dropped}
 
 @app.get("/v1/adapters/latest", openapi_extra=scope("worker"))
-async def latest_adapter(after: int = Query(-1, ge=-1, le=10**9), wait_s: float = Query(0.0, ge=0.0, le=300.0)) -> dict:
+async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**9),
+                         wait_s: float = Query(0.0, ge=0.0, le=300.0),
+                         worker_id: str | None = Query(None, min_length=1, max_length=128,
+                                                       pattern=r"^[A-Za-z0-9_.:-]+$")) -> dict:
     """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
-    proxy registered it, on its own clock (null if it did not, e.g. before a restart)."""
-    async with S.cond:
-        await wait_until(lambda: S.latest > after or S.book.done, wait_s)
-        v = S.book.versions.last
-        return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
-                "max_staleness": ARGS.max_staleness,
-                "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
+    proxy registered it, on its own clock (null if it did not, e.g. before a restart). worker_id (as in its
+    groups): the poll is the worker's sign of life for pacing; its connection closing unanswered, with no new
+    poll within --poll-grace-s, takes the worker for gone (pacing.py)."""
+    who = request.scope["principal"]
+    key = None if worker_id is None or wait_s <= 0 else worker_key(None if who.name == ADMIN else who.name, worker_id)
+    gone = None
+    if key is not None:
+        S.book.pacing.polling(key)
+        gone = asyncio.create_task(_until_disconnect(request.receive, S.versions))
+    deadline = time.monotonic() + wait_s
+    try:
+        async with S.versions:  # only register() (a new version, or the final one) and a disconnect notify it
+            while not (S.latest > after or S.book.done or (gone is not None and gone.done())):
+                if (left := deadline - time.monotonic()) <= 0:
+                    break
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(S.versions.wait(), timeout=left)
+    finally:
+        if key is not None:
+            S.book.pacing.polled(key, time.monotonic(), dropped=gone.done())
+            gone.cancel()
+    v = S.book.versions.last
+    return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
+            "max_staleness": ARGS.max_staleness,
+            "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
 
 def registered(version: int) -> None:
     if DOWNLOADS is None:

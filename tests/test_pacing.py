@@ -8,6 +8,7 @@ import math
 import os
 import random
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -186,6 +187,68 @@ def test_a_worker_back_from_a_crash_is_tried_before_the_others_its_old_grant_shu
     got = asyncio.run(all_ask())
     assert got.pop("back") == 4 and p.grants["back"].version == 1   # the old grant closed, a new one at version 1
     assert sum(got.values()) == 4                                   # version 1's window: 8, one fast round beside it
+
+
+def test_a_worker_whose_poll_dropped_is_taken_for_gone_after_the_grace_unless_it_polls_again():
+    """The version long-poll is a worker's sign of life: its connection closing unanswered (a dead process),
+    with no new poll within poll_grace_s, takes the worker for gone, and its grant no longer covers the
+    trainer's demand (others are granted it); a poll within the grace keeps it, and an answered poll (the
+    worker fetches the new version, then polls again) is not a drop."""
+    p = Pacer(max_staleness=5)
+    p.poll_grace_s, p.batch, p.demand = 5.0, 4, 16
+    for key in ("dead", "blip", "answered", "silent"):
+        p.grant(key, 4, 0, now=0.0, round_s=10.0, dev_s=0.0)   # deadline: grant_s after 3 rounds, t = 60
+    for key in ("dead", "blip", "answered"):
+        p.polling(key)
+    p.polling("blip")                                           # two polls open: one dropping is no sign
+    p.polled("blip", 1.0, dropped=True)
+    p.polled("dead", 1.0, dropped=True)
+    p.polled("answered", 1.0, dropped=False)
+    p.polling("stranger")                                       # no grant: a dropped poll leaves nothing behind
+    p.polled("stranger", 1.0, dropped=True)
+    assert set(p.dropped) == {"dead"} and not {"stranger", "answered"} & set(p.polls)
+    assert p.expire(5.9) == [] and p.open_demand() == 16        # within the grace
+    p.polled("blip", 2.0, dropped=True)                         # its last open poll dropped too ...
+    p.polling("blip")                                           # ... and it came back at once (a network blip)
+    assert p.expire(6.0) == [] and len(p.grants) == 4           # it keeps its place in the window ...
+    assert [k for k, g in p.grants.items() if g.gone] == ["dead"] and p.stats()["groups_gone"] == 4
+    assert p.open_demand() == 20 and p.open_demand("dead") == 16   # ... not the demand (but for its own request)
+    # a new worker: 16 groups in flight cover the demand of 16, but 4 of them will not come
+    assert p.room("new", 8, latest=0, buffered=0, now=6.0) == 4
+    assert p.room("new", 8, latest=0, buffered=0, now=6.0, flight=p.flight(0, 0, 6.0)) == 4
+    assert p.room("dead", 8, latest=0, buffered=0, now=6.0) == 4   # back after all: its new grant closes the old
+    assert p.expire(59.0) == [] and not p.dropped
+    assert {g.key for g in p.expire(60.0)} == {"dead", "blip", "answered", "silent"}   # the deadline, as before
+    assert p.stats()["groups_expired"] == 16
+
+
+def test_a_dead_workers_grant_is_granted_again_within_the_grace_not_at_its_deadline(bucket, spawn):
+    """Through the real proxy: the trainer's remaining demand is covered by the buffer and two workers'
+    grants, and both workers long-poll for versions with their worker_id. One dies (its poll's connection
+    closes); within --poll-grace-s and a pass, a waiting worker is granted its share. The live one's grant
+    stays."""
+    p = spawn("--pace", "--max-staleness", "3", "--poll-grace-s", "1", "--grant-s", "300")
+    lease(p, 4, left=12)
+    assert len(ask(p, "w1")["indices"]) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4   # w1's round time
+    assert len(ask(p, "w1")["indices"]) == 4 and len(ask(p, "w2")["indices"]) == 4   # the demand: 12 covered
+    polls = {}
+    for w in ("w1", "w2"):  # raw sockets: closing one is what the kernel does for a process that died
+        s = socket.create_connection(("127.0.0.1", p.port))
+        s.sendall(f"GET /v1/adapters/latest?after=0&wait_s=60&worker_id={w} HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {p.token}\r\n\r\n".encode())
+        polls[w] = s
+    time.sleep(0.5)
+    assert ask(p, "w3", wait_s=0.3)["indices"] == []         # nothing more while both are alive
+    polls["w1"].close()
+    t0 = time.monotonic()
+    got = ask(p, "w3", wait_s=15)
+    assert len(got["indices"]) == 4 and time.monotonic() - t0 < 5   # grace 1 s + the housekeeping's second
+    st = p.stats()["pacing"]
+    assert st["groups_gone"] == 4 and st["groups_expired"] == 0 and st["open_grants"] == 3  # w1's until its deadline
+    assert deliver(p, "w2", 0, 4) + deliver(p, "w3", 0, 4) == ["accepted"] * 8
+    assert all(lease(p, 4, left=12 - 4 * i)["batch_id"] for i in range(3))
+    assert p.stats()["groups_dropped_stale"] == 0
+    polls["w2"].close()
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):

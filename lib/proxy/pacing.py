@@ -39,7 +39,14 @@ overtake a grant and push it out of its window; a worker much slower than the ot
 its groups still fit, so while the rest of the fleet keeps the trainer busy it waits. A grant whose worker
 never delivers (a crash) holds its place until its deadline (grant_s after 3 round times of its worker, or
 after its margin if longer), or until the same worker is granted again: a worker asks for its next
-grant only after sending its round, so a new request closes the worker's earlier grant. A trainer that stops
+grant only after sending its round, so a new request closes the worker's earlier grant. A worker that
+long-polls for new versions with its worker_id (rollout.py does, all through its rounds) says it is alive:
+one whose poll's connection closes before the answer (its process died: the kernel closes its sockets),
+with no new poll within poll_grace_s, is taken for gone (polling/polled). Its grant then no longer covers
+the trainer's remaining demand, so the last batches are granted to others instead of waiting for the
+deadline; it keeps its place in the staleness window like any grant (giving that up as well let more
+unmeasured workers in, and the trainer waited more: docs/fleet.md). A worker lost without its connection
+closing (a host gone) waits for the deadline. A trainer that stops
 leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
 last guard (a group that arrives too stale anyway is dropped and counted).
 
@@ -78,6 +85,7 @@ class Grant:
     lo: float = 0.0        # its groups are expected between lo and hi (round time -+ margin; unknown: hi = inf)
     hi: float = 0.0
     deadline: float = 0.0  # after this it holds no place
+    gone: bool = False     # its worker is taken for gone: it no longer covers the trainer's demand (live only)
 
     def when(self, now: float) -> tuple[float, float]:
         """When its groups may come, as seen at `now`: a late grant any moment (before any grant made now:
@@ -126,6 +134,7 @@ class Flight:
                  max_staleness: int):
         self.base, self.batch, self.max_staleness, self.buffered = base, batch, max_staleness, buffered
         self.fleet: tuple[float | None, float | None] | None = None  # Pacer.fleet_round() for this pass
+        self.demand: int | None = None  # Pacer.open_demand() for this pass
         self.keys = {g[4] for g in in_flight}
         self.total = buffered + sum(g[3] for g in in_flight)
         by_lo = sorted((g[0], g[3]) for g in in_flight)  # "ahead of a new grant": those that may come before its hi
@@ -165,7 +174,10 @@ class Pacer:
         self.grant_s, self.jitter = 30.0, 0.5     # set by the proxy from its options
         self.step_s: float | None = None          # lease -> the next version's registration
         self.leased_at: float | None = None
-        self.live = dict.fromkeys(("waits", "groups_expired"), 0)
+        self.live = dict.fromkeys(("waits", "groups_expired", "groups_gone"), 0)
+        self.poll_grace_s = 5.0                   # set by the proxy: a dropped poll not renewed within this is gone
+        self.polls: dict[str, int] = {}           # key -> its long-polls open now
+        self.dropped: dict[str, float] = {}       # key -> when its last open poll's connection closed unanswered
 
     # ---- the trainer ------------------------------------------------------------------------------------
     def requested(self, num_groups: int, groups_left: int | None) -> bool:
@@ -241,8 +253,15 @@ class Pacer:
         if not self.batch:
             return None
         flight = Flight(self.in_flight(now), buffered, self.base(latest, pending_version), self.batch, self.max_staleness)
-        flight.fleet = self.fleet_round()
+        flight.fleet, flight.demand = self.fleet_round(), self.open_demand()
         return flight
+
+    def open_demand(self, key: str | None = None) -> int | None:
+        """The demand to grant against: groups of a grant whose worker is gone do not cover it (they will not
+        come; the last batches are granted to others), except `key`'s own (its request closes that grant)."""
+        if self.demand is None:
+            return None
+        return self.demand + sum(g.left for g in self.grants.values() if g.gone and g.key != key)
 
     def room(self, key: str, n: int, latest: int, buffered: int, now: float, flight: Flight | None = None,
              pending_version: int = 0) -> int:
@@ -252,13 +271,13 @@ class Pacer:
             return 0
         lo, hi = self.expected_at(now, *self.expected_round(key, None if flight is None else flight.fleet))
         if flight is not None and key not in flight.keys:
-            return flight.room(n, latest, lo, hi, self.demand)
+            return flight.room(n, latest, lo, hi, flight.demand)
         others = [g for g in self.in_flight(now) if g[4] != key]  # its own open grant: closed by this one
         if flight is not None:  # the others indexed afresh: room()'s loop is O(grants^2), 37 ms at 1,000 grants
             flight = Flight(others, buffered, flight.base, flight.batch, self.max_staleness)
-            return flight.room(n, latest, lo, hi, self.demand)
+            return flight.room(n, latest, lo, hi, self.open_demand(key))
         return room(n, latest, lo, hi, buffered, [g[:4] for g in others], self.base(latest, pending_version),
-                    self.batch or n, self.max_staleness, self.demand)
+                    self.batch or n, self.max_staleness, self.open_demand(key))
 
     def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None,
               dev_s: float | None = None) -> Grant:
@@ -298,13 +317,34 @@ class Pacer:
                 while len(self.round_s) > self.max_workers:
                     self.round_s.popitem(last=False)
 
+    def polling(self, key: str) -> None:
+        """`key` opened a long-poll for new versions: it is alive."""
+        self.polls[key] = self.polls.get(key, 0) + 1
+        self.dropped.pop(key, None)
+
+    def polled(self, key: str, now: float, dropped: bool) -> None:
+        """`key`'s long-poll ended: answered, or (dropped) its connection closed first. A worker polls again at
+        once after an answer (after fetching a new version), but not after its process died."""
+        if (left := self.polls.get(key, 0) - 1) > 0:
+            self.polls[key] = left
+            return
+        self.polls.pop(key, None)
+        if dropped and key in self.grants:  # (only a grant can be given up: a client's worker ids cost no memory)
+            self.dropped[key] = now
+
     def expire(self, now: float) -> list[Grant]:
-        """Grants past their deadline hold no place any more; returns them."""
-        gone = [g for g in self.grants.values() if g.deadline <= now]
-        for g in gone:
+        """Grants whose worker is gone (its poll dropped, none since for poll_grace_s) no longer cover the
+        trainer's demand; grants past their deadline hold no place any more (returned)."""
+        for k in [k for k, at in self.dropped.items() if now - at >= self.poll_grace_s]:
+            del self.dropped[k]  # (a worker back within the grace polled again: polling() forgot the drop)
+            if (g := self.grants.get(k)) is not None and not g.gone:
+                g.gone = True
+                self.live["groups_gone"] += g.left
+        out = [g for g in self.grants.values() if g.deadline <= now]
+        for g in out:
             del self.grants[g.key]
             self.live["groups_expired"] += g.left
-        return gone
+        return out
 
     def retry_s(self, now: float) -> float:
         """What a worker refused a grant is told to wait: until the next version is expected (a batch's step
