@@ -44,9 +44,9 @@ long-polls for new versions with its worker_id (rollout.py does, all through its
 one whose poll's connection closes before the answer (its process died: the kernel closes its sockets),
 with no new poll within poll_grace_s, is taken for gone (polling/polled). Its grant then no longer covers
 the trainer's remaining demand, so the last batches are granted to others instead of waiting for the
-deadline; it keeps its place in the staleness window like any grant (giving that up as well let more
-unmeasured workers in, and the trainer waited more: docs/fleet.md). A worker lost without its connection
-closing (a host gone) waits for the deadline. A trainer that stops
+deadline; it keeps its place in the staleness window like any grant (giving that up as well measured
+worse at 1,000 simulated workers: docs/fleet.md). A worker lost without its connection closing (a host
+gone) waits for the deadline. A trainer that stops
 leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
 last guard (a group that arrives too stale anyway is dropped and counted).
 
@@ -329,7 +329,7 @@ class Pacer:
             self.polls[key] = left
             return
         self.polls.pop(key, None)
-        if dropped and key in self.grants:  # (only a grant can be given up: a client's worker ids cost no memory)
+        if dropped and key in self.grants:  # (only a grant is affected: a client's worker ids cost no memory)
             self.dropped[key] = now
 
     def expire(self, now: float) -> list[Grant]:
