@@ -169,7 +169,8 @@ class AdapterSync(threading.Thread):
         while not self.done:
             try:
                 # with worker_id the open poll is this worker's sign of life: if the process dies, its connection
-                # closes and the proxy gives up the worker's grant within seconds, not after --grant-s (pacing.py)
+                # closes and within seconds the proxy grants this worker's share of the trainer's demand to
+                # others, not after --grant-s (pacing.py)
                 r = self.client.get("/v1/adapters/latest", after=self.seen, wait_s=self.args.poll_s,
                                     worker_id=self.args.worker_id)
             except Exception as e:  # proxy down: keep serving what we have, try again
