@@ -181,14 +181,16 @@ def expire_leases(now: float) -> None:
         # groups ends it; an expiry never needs to be durable before anything else
         JOURNAL.append({"t": "expire", "batch_id": bid})
 
-async def wait_until(ready, wait_s: float) -> bool:
-    """Under S.cond: wait up to wait_s for ready() (re-checked on every notify, at least once a second)."""
+async def wait_until(ready, wait_s: float, cond: asyncio.Condition | None = None, every_s: float = 1.0) -> bool:
+    """Under `cond` (S.cond by default): wait up to wait_s for ready(), re-checked on every notify and at least
+    every every_s (a ready() that changes with the clock; one that only a notify changes needs no re-check)."""
+    cond = S.cond if cond is None else cond
     deadline = time.monotonic() + wait_s
     while not ready():
         if (left := deadline - time.monotonic()) <= 0:
             return False
         with suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(S.cond.wait(), timeout=min(left, 1.0))
+            await asyncio.wait_for(cond.wait(), timeout=min(left, every_s))
     return True
 
 def stats() -> dict:
@@ -684,14 +686,10 @@ async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**
     if key is not None:
         S.book.pacing.polling(key)
         gone = asyncio.create_task(_until_disconnect(request.receive, S.versions))
-    deadline = time.monotonic() + wait_s
     try:
         async with S.versions:  # only register() (a new version, or the final one) and a disconnect notify it
-            while not (S.latest > after or S.book.done or (gone is not None and gone.done())):
-                if (left := deadline - time.monotonic()) <= 0:
-                    break
-                with suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(S.versions.wait(), timeout=left)
+            await wait_until(lambda: S.latest > after or S.book.done or (gone is not None and gone.done()), wait_s,
+                             S.versions, every_s=wait_s)
     finally:
         if key is not None:
             S.book.pacing.polled(key, time.monotonic(), dropped=gone.done())

@@ -206,6 +206,8 @@ class Fleet:
                 if time.monotonic() > leaves_at:
                     self.m["leave"] += 1
                     return
+                if sync.done():  # relaunched after a crash: a new process, a new poll
+                    sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
                 t0 = time.monotonic()
                 body = {"dataset": "sim", "size": a.dataset, "n": a.prompts_per_round, "worker_id": wid, "wait_s": 5.0}
                 status, raw = await self.call("POST", "/v1/prompts/lease", net, json=body)
@@ -237,10 +239,6 @@ class Fleet:
                     self.m["lost_tokens"] += round(tokens * a.group_size * len(idx))
                     sync.cancel()  # a dead process's poll connection closes (the proxy's sign that it is gone)
                     await asyncio.sleep(2 * round_s)
-                    if time.monotonic() > leaves_at:  # (not relaunched)
-                        self.m["leave"] += 1
-                        return
-                    sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
                     continue
                 self.m["round_s"].append(round_s)
                 await asyncio.sleep(round_s)
