@@ -35,6 +35,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
@@ -202,6 +204,15 @@ class AdapterSync(threading.Thread):
         with self.lock:
             got, self.ready = self.ready, None
             return got
+
+    def prune(self, in_use: int) -> None:
+        """Deletes the files of every version older than the one in use. A days-long run publishes thousands
+        of versions and each is a full adapter on disk; once a newer one is swapped in, no engine reads an
+        older one again (vLLM and the servers load a version when it is swapped in, the hf backend holds
+        its tensors in memory). Newer ones, being downloaded or waiting, are left alone."""
+        for name in os.listdir(self.workdir):
+            if re.fullmatch(r"v\d{6}", name) and int(name[1:]) < in_use:
+                shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
 
 
 def registered_at(answer: dict) -> float | None:
@@ -407,6 +418,7 @@ def main(args: Args) -> None:
             else:
                 model = swap_in(model, new)
             version, published, first_round_of_version = new["version"], new["published"], True
+            sync.prune(version)
             row["perf/swap_s"] = time.time() - t0
             row["rollout/swap_wait_s"] = time.monotonic() - new["ready"]  # verified -> in use (a boundary reached)
             if mid_round and published is not None:
@@ -417,6 +429,7 @@ def main(args: Args) -> None:
         except (AdapterError, ServerDown) as e:  # refused (another LoRA shape, a server's refusal): serve ours
             what = "refused" if isinstance(e, AdapterError) else "could not load"
             log.info(f"{what} version {new['version']}, keeping version {version}: {e}")
+            shutil.rmtree(new["dir"], ignore_errors=True)  # never tried again: a newer version is waited for
         return True
 
     swaps: list[tuple[int, int]] = []  # this round's mid-round swaps: (first token index, version)
@@ -568,6 +581,7 @@ def main(args: Args) -> None:
         sync.done = True
         spool.flush(client)
     metrics.flush()
+    shutil.rmtree(sync.workdir, ignore_errors=True)  # the downloaded adapters: the bucket keeps every version
     log.info(f"stopped after {rounds} rounds")
 
 

@@ -357,3 +357,14 @@ def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_prox
     assert len(sync) == 1 and 0 <= sync[0] < 120, rows
     assert len(lag) == 1 and sync[0] <= lag[0] < 240, rows
     assert rows[-1]["time"] > time.time() + 3000  # the worker's clock really was an hour ahead
+
+
+def test_a_worker_deletes_the_adapter_versions_it_will_not_load_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
+    sync = rollout.AdapterSync(rollout.Args(model="m"), None, None)
+    for name in ("v000001", "v000002", "v000003", "v000005", "v1-notes"):
+        os.makedirs(os.path.join(sync.workdir, name))
+        open(os.path.join(sync.workdir, name, "adapter_model.safetensors"), "w").close()
+    sync.prune(3)  # v3 in use, v5 downloaded: v1 and v2 will never be read again
+    assert sorted(os.listdir(sync.workdir)) == ["v000003", "v000005", "v1-notes"]
+    assert os.listdir(os.path.join(sync.workdir, "v000003")) == ["adapter_model.safetensors"]

@@ -50,22 +50,37 @@ class Role:
 def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *rollout_extra: str) -> None:
     """One rollout worker (`rollout_extra` added to its flags) and the trainer on the tiny model against
     `proxy`, `steps` steps of 2 groups of 4; both must exit 0, the worker by itself once the trainer
-    registered its final version. Its log: logdir/rollout.log."""
+    registered its final version. Logs: logdir/rollout.log and logdir/train.log. The worker's temporary
+    folder (logdir/tmp) is watched: it keeps at most 3 adapter versions on disk at any time (the one in use,
+    one waiting, one downloading) and leaves none behind."""
+    tmp = logdir / "tmp"
+    tmp.mkdir()
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
            "OMP_NUM_THREADS": "1"}
     log = open(logdir / "rollout.log", "w")
     worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
                                "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1",
-                               *rollout_extra], env=env, stdout=log, stderr=log)
+                               *rollout_extra], env={**env, "TMPDIR": str(tmp)}, stdout=log, stderr=log)
+    on_disk, train = 0, None  # the most adapter versions the worker held on disk at once
     try:
-        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(steps),
-                                "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5", "--no-skip-zero-std"],
-                               env=env, capture_output=True, text=True, timeout=600)
-        assert train.returncode == 0, train.stderr[-3000:]
+        train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps",
+                                  str(steps), "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5",
+                                  "--no-skip-zero-std"], env=env, stdout=open(logdir / "train.log", "w"),
+                                 stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while train.poll() is None:
+            assert time.time() - t0 < 600, "the trainer did not finish in 600 s"
+            on_disk = max([on_disk] + [len(list(d.glob("v*"))) for d in tmp.glob("adapters-*")])
+            time.sleep(0.1)
+        assert train.returncode == 0, (logdir / "train.log").read_text()[-3000:]
         worker.wait(timeout=120)  # exits by itself once the trainer registers its final version
     finally:
         stop(worker)
+        if train is not None:
+            stop(train)
     assert worker.returncode == 0, (logdir / "rollout.log").read_text()[-3000:]
+    assert 1 <= on_disk <= 3, f"the worker held {on_disk} adapter versions on disk at once"
+    assert not list(tmp.iterdir()), f"the worker left {sorted(p.name for p in tmp.iterdir())} behind"
 
 
 def worker_refuses_v2(tiny_model: str, proxy, run_name: str, tmp_path: Path, publish_v2, said: str,
