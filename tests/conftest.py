@@ -51,6 +51,20 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_tmpdir(tmp_path_factory):
+    """The processes the tests start write their temporary files under pytest's own temporary folder (kept
+    for the last three sessions, then deleted): a process a test kills on purpose cannot clean up after
+    itself, and its leftovers would otherwise stay in /tmp for good."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmpdir"))
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(scope="session")
 def s3_env(tmp_path_factory):
     """A moto S3 server on loopback; the environment every role reads its bucket from."""
