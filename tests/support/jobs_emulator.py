@@ -248,6 +248,13 @@ class JobsEmulator:
         _signal(job.proc, sig)
         job.proc.wait()
 
+    def pause(self, job_id: str) -> None:
+        """The job's processes stop being scheduled (a frozen host, a long GC pause): SIGSTOP; still RUNNING."""
+        _signal(self.jobs[job_id].proc, signal.SIGSTOP)
+
+    def resume(self, job_id: str) -> None:
+        _signal(self.jobs[job_id].proc, signal.SIGCONT)
+
     def expire(self, job_id: str) -> None:
         """The job's timeout is reached now."""
         self.jobs[job_id].deadline = time.time()
