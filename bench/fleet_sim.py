@@ -103,6 +103,8 @@ class Args:
     """a configuration stops after this many seconds, done or not"""
     dataset: int = 7473
     """prompts in the simulated dataset (GSM8K's train split)"""
+    commit_depth: int = 1
+    """the proxy's --commit-depth: journal puts in flight at once"""
     seed: int = 0
     out: str = "runs/fleet_sim.json"
     measure: str | None = None
@@ -466,6 +468,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     # a smaller buffer turned admitted rounds away with 429 at 1,000 workers, docs/fleet.md)
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
              "--max-buffer", str(max(512, (a.max_staleness + 1) * batch)), "--max-connections", str(4 * n + 64),
+             "--commit-depth", str(a.commit_depth),
              *(["--pace"] if pace else [])]
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), *flags], env=env,
                              stdout=open(tmp / f"proxy-{n}-{pace}.log", "w"), stderr=subprocess.STDOUT)
