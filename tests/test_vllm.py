@@ -82,7 +82,7 @@ def hot_swap(sync, engine, prompts, t_pub, timeout=120):
 
 
 @pytest.mark.timeout(1200)  # the engine's start on CPU, then two hot-swaps of up to 120 s each
-def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
+def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path, monkeypatch):
     proxy = start_proxy("--group-size", str(G))
     args = rollout.Args(proxy_url=proxy.url, proxy_token=proxy.token, backend="vllm", group_size=G,
                         max_new_tokens=MAX_NEW, temperature=T, poll_s=5.0, worker_id="lane", seed=1)
@@ -108,7 +108,10 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path):
     print(f"\nbase: |vLLM - trainer| logprob mean {base_mean:.2e} max {base_max:.2e}")
     assert base_mean < MEAN_TOL and base_max < MAX_TOL
 
-    # the worker's own sync thread against the real proxy and S3 bucket
+    # the worker's own sync thread against the real proxy and S3 bucket; its adapter folder under tmp_path
+    # (pytest rotates it), since in this process nothing removes it as rollout.py does at exit
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path / "tmp"))
     sync = rollout.AdapterSync(args, proxy_client.ProxyClient(proxy.url, proxy.token), bucket)
     sync.start()
     d1, d2 = tmp_path / "v1", tmp_path / "v2"
