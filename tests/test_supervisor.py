@@ -292,7 +292,7 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         wait_for(lambda: (proxy_client.read_proxy_endpoint(bucket) or {}).get("job_id") == proxy2.id, 180, "new record")
         t_recorded = time.time()
         # 2. meanwhile a worker's job reaches its timeout; the supervisor relaunches it. The trainer is
-        # frozen meanwhile (SIGSTOP; its leases last 300 s): on a fast machine it ran the remaining 21
+        # frozen until then (SIGSTOP; its leases last 300 s): on a fast machine it ran the remaining 21
         # steps in the 4 s the supervisor took to see the expiry, and a finished run relaunches nobody
         (trainer,) = emu.by_role("trainer")
         emu.pause(trainer.id)

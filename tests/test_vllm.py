@@ -110,8 +110,7 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path, monkeypatch):
 
     # the worker's own sync thread against the real proxy and S3 bucket; its adapter folder under tmp_path
     # (pytest rotates it), since in this process nothing removes it as rollout.py does at exit
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
     sync = rollout.AdapterSync(args, proxy_client.ProxyClient(proxy.url, proxy.token), bucket)
     sync.start()
     d1, d2 = tmp_path / "v1", tmp_path / "v2"
