@@ -24,7 +24,8 @@ server's own limits are serving.py; checking published versions and handing thei
 without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
 (per participant and worker) is participants.py. What a participant's group is checked for on arrival (the
 prompt lease it answers, a replay of another group) is receipts.py; who failed checks, here or in the
-trainer's audit, and who is quarantined for it, is quarantine.py (docs/trust.md).
+trainer's audit, and who is quarantined for it, is quarantine.py (docs/trust.md). The routes' bodies and answers
+are wire.py; /metrics is telemetry.py.
 """
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ from typing import Literal
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import Bucket, BucketError, ConflictError, TrajectoryGroup
@@ -64,7 +63,11 @@ from receipts import fingerprint
 from serving import Limits, serve
 from snapshots import Keeper
 import routing
+import telemetry
 from runconfig import record_config
+from telemetry import COMMIT, STALENESS
+from wire import (GROUP_BODY, AuditReport, BatchId, LeaseRequest, LeaseResponse, PromptLeaseRequest, RegisterRequest,
+                  SubmitResponse)
 
 @dataclass
 class Args:
@@ -231,26 +234,13 @@ def fatal_foreign_writer(msg: str) -> None:
 def counters_trailer() -> list[dict]:  # every commit ends with them: a restart loses no count an answer reported
     return [{"t": "counters", "counters": S.counters, "staleness_hist": dict(S.book.staleness_hist)}]
 
-# ---- metrics: request latency and staleness as histograms; the state's numbers read at scrape time ----
-REGISTRY = CollectorRegistry()
-LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["method", "route"], registry=REGISTRY,
-                    buckets=(.001, .0025, .005, .01, .025, .05, .1, .15, .25, .5, 1, 2.5, 5, 10, 30, 60))  # .15: the p99 target
-COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY,
-                   buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
-STALENESS = Histogram("proxy_lease_staleness_versions", "staleness of leased groups (latest - policy_version)",
-                      registry=REGISTRY, buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 JOURNAL = journal.Writer(None, 0)
 
-class StateCollector:
-    def collect(self):
-        yield from (CounterMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v) for k, v in S.counters.items())
-        for k, v in (("buffer_size", len(S.book.buffer)), ("open_leases", len(S.book.leases)), ("latest_version", S.latest),
-                     ("pending_writes", len(JOURNAL.queue)), ("peak_rss_mb", peak_rss_mb())):
-            yield GaugeMetricFamily(f"proxy_{k}", k.replace("_", " "), value=v)
-        yield from S.senders.collect()
-        yield from S.book.quarantine.collect()
-
-REGISTRY.register(StateCollector())
+# /metrics (telemetry.py): the histograms are observed as things happen, the state's numbers read at scrape time
+telemetry.install(lambda: S.counters,
+                  lambda: {"buffer_size": len(S.book.buffer), "open_leases": len(S.book.leases), "latest_version": S.latest,
+                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb()},
+                  lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
 
 # ---- app ------------------------------------------------------------------------------------------
 async def _housekeeping() -> None:
@@ -264,13 +254,10 @@ async def _housekeeping() -> None:
             row = {"buffer/size": len(S.book.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
             await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
 
-def _observe(scope: dict, seconds: float) -> None:
-    LATENCY.labels(scope["method"], getattr(scope.get("route"), "path", "other")).observe(seconds)
-
 @asynccontextmanager
 async def lifespan(app: FastAPI):
     global BUCKET, METRICS, JOURNAL, DOWNLOADS, KEEPER
-    POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), _observe
+    POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), telemetry.observe_request
     POLICY.tokens = access.Tokens(None, ARGS.token)
     POLICY.suspended = lambda name: S.book.quarantine.reason(name)  # a quarantined participant's token is refused
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
@@ -345,15 +332,6 @@ app.add_middleware(access.guard, policy=POLICY)
 async def health() -> dict:
     return {"ok": True, "latest_version": S.latest}
 
-class SubmitResponse(BaseModel):
-    status: str  # accepted | duplicate | stale
-    duplicate: bool
-    buffer_size: int
-
-# the body is parsed by pydantic-core straight from bytes (4x cheaper than json.loads + validate on a
-# 33 kB group); its schema in /openapi.json is the one FastAPI registers for LeaseResponse.groups
-_GROUP_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TrajectoryGroup"}}}}}
-
 async def journaled(gid: str, rec: bytes | dict | list, then=lambda: None):
     """Write a record (or several, in one commit) about group `gid`, then return then() at once: before anything
     else runs, so that a second submission of the group, waiting for this write, finds what it did."""
@@ -381,7 +359,7 @@ async def record_checks(checked: dict[str, int], failures: list[tuple[str, str, 
     return {r["participant"] for r in recs[bool(checked):]
             if S.book.fail(r["participant"], r["group_id"], r["check"], r["detail"], r["limit"], r["at"])}
 
-@app.post("/v1/groups", response_model=SubmitResponse, openapi_extra={**_GROUP_BODY, **scope("worker", large_body=True)})
+@app.post("/v1/groups", response_model=SubmitResponse, openapi_extra={**GROUP_BODY, **scope("worker", large_body=True)})
 async def submit_group(request: Request) -> SubmitResponse:
     """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full.
     A 200 `accepted` means the group is in the bucket, recorded with the participant whose token sent it."""
@@ -469,33 +447,6 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.cond.notify_all()
     return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(book.buffer))
 
-class Strict(BaseModel):
-    # an unknown field is a mistake worth a 422; so is a number sent as a string, a float for an int, or a bool
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-class LeaseRequest(Strict):
-    num_groups: int = Field(ge=1, le=1024)
-    wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
-    groups_left: int | None = Field(default=None, ge=0, le=10**9)
-    """the groups the trainer will still lease, this batch's included (pacing grants no round beyond them)"""
-
-class LeasedGroup(TrajectoryGroup):
-    prompt_dataset: str | None = None
-    """the dataset of the prompt lease it answers, as this proxy leased it (a participant's groups)"""
-    participant: str | None = None
-    """who submitted it (absent: the run's own jobs, on the admin token)"""
-
-class LeaseResponse(BaseModel):
-    batch_id: str | None
-    groups: list[LeasedGroup]
-    latest_version: int
-    buffer_size: int
-    dropped_stale: int
-    expires_in_s: float | None
-    waited_s: float
-    """how long this request waited for the groups (0: a batch was there); the rest of the answer's time is the
-    lease's journal write and the transfer (the fleet simulation tells the two apart, docs/fleet.md)"""
-
 def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int, waited_s: float) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 33 kB per group
     head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.book.buffer), "dropped_stale": dropped,
@@ -510,8 +461,6 @@ async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> N
     cond = S.cond if cond is None else cond
     async with cond:
         cond.notify_all()
-
-BatchId = Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 
 @app.post("/v1/batches/lease", response_model=LeaseResponse, openapi_extra=scope("trainer"))
 async def lease_batch(req: LeaseRequest, request: Request) -> Response:
@@ -583,16 +532,6 @@ async def ack_batch(batch_id: str = BatchId) -> dict:
         raise
     return {"acked": groups}
 
-class AuditFailure(Strict):
-    group_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    check: Literal["reward", "prompt", "logprobs"]
-    detail: str = Field(min_length=1, max_length=2000)
-
-class AuditReport(Strict):
-    checked: list[str] = Field(default_factory=list, max_length=1024)
-    """every group of the batch the trainer audited, passed or failed"""
-    failures: list[AuditFailure] = Field(default_factory=list, max_length=1024)
-
 @app.post("/v1/batches/{batch_id}/audit", openapi_extra=scope("trainer"))
 async def audit_batch(req: AuditReport, batch_id: str = BatchId) -> dict:
     """The trainer's audit of an open batch (lib/train/audit.py): the groups it checked, and those that failed
@@ -636,13 +575,6 @@ async def renew_batch(batch_id: str = BatchId) -> dict:
             S.book.renew(batch_id, held.lease_s)
         raise
     return {"batch_id": batch_id, "expires_in_s": ARGS.lease_s}
-
-class RegisterRequest(Strict):
-    version: int = Field(ge=1, le=10**9)
-    step: int = Field(ge=0, le=10**12)
-    published_at: float = Field(ge=0, le=1e11)
-    final: bool = False
-    """the trainer is done: workers stop after this version; nothing registers after it"""
 
 @app.post("/v1/adapters", openapi_extra=scope("trainer"))
 async def register_adapter(req: RegisterRequest) -> dict:
@@ -717,17 +649,6 @@ async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES]
     """One file of a registered version, streamed from the bucket by the proxy (503 when --max-downloads are under way)."""
     registered(version)
     return await DOWNLOADS.stream(version, name)
-
-class PromptLeaseRequest(Strict):
-    dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
-    size: int = Field(ge=1, le=1 << 22)
-    n: int = Field(ge=1, le=4096)
-    # pacing (pacing.py): a worker that sends wait_s asks for a grant, and waits up to wait_s for one
-    worker_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    """the worker asking (as in its groups); needed with wait_s"""
-    wait_s: float | None = Field(default=None, ge=0.0, le=60.0)
-    """ask for a grant: the answer comes once the round can still be trained (at most n prompts), or after
-    wait_s with none (retry_s: when to ask again). Absent: n prompts at once, unpaced, as before"""
 
 @app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
 async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
@@ -827,7 +748,7 @@ async def get_state() -> dict:
 @app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:
     """Prometheus text exposition (scrape with a trainer or admin token as a bearer token)."""
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Response(telemetry.exposition(), media_type=telemetry.MEDIA_TYPE)
 
 routing.install(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
