@@ -466,9 +466,19 @@ async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> N
 async def lease_batch(req: LeaseRequest, request: Request) -> Response:
     """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive; an empty
     answer (batch_id null) if they did not. A client that gives up waiting takes nothing."""
+    if req.after_version is not None and req.after_version > S.latest + 1:
+        raise HTTPException(409, f"after_version {req.after_version} is more than one past the latest registered "
+                                 f"version {S.latest}: register the versions before it first")
     gone = asyncio.create_task(_until_disconnect(request.receive))
     book = S.book
-    if book.pacing.requested(req.num_groups, req.groups_left):  # it waits for a batch: no version on its way (pacing.py)
+
+    def trains_from() -> int:
+        """The version this batch will be trained from: the latest, or the one the trainer registers before it
+        (a batch asked for while it trains the one before: after_version). The staleness filter counts from it."""
+        return max(S.latest, req.after_version or 0)
+
+    # no version on its way (a trainer restarted while holding a batch never registers it), or one (pacing.py)
+    if book.pacing.requested(req.num_groups, req.groups_left, trains_from() - S.latest):
         JOURNAL.append({"t": "demand", "groups_left": req.groups_left})  # not awaited: the next lease carries it too
     pace()
     asked = time.monotonic()
@@ -476,14 +486,15 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
         async with S.cond:
             before = book.counts["groups_dropped_stale"]
             await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or
-                             book.leasable(req.num_groups, S.pending_version) is not None, req.wait_s)
+                             book.leasable(req.num_groups, max(S.pending_version, trains_from())) is not None, req.wait_s)
             waited = time.monotonic() - asked
-            entries = None if gone.done() else book.leasable(req.num_groups, S.pending_version)
+            entries = None if gone.done() else book.leasable(req.num_groups, max(S.pending_version, trains_from()))
             if not entries:
                 return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest, waited)
-            bid, latest, left = uuid.uuid4().hex, S.latest, book.pacing.left_after(len(entries))
+            bid, latest, left = uuid.uuid4().hex, trains_from(), book.pacing.left_after(len(entries))
             book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest, left, at=time.monotonic())
             S.deadlines[bid] = time.monotonic() + ARGS.lease_s
+            # "latest": the version that trains it (the staleness histogram; replay counts the batches held from it)
             fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries], "lease_s": ARGS.lease_s,
                                   "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest,
                                   **({} if left is None else {"left": left})})
@@ -503,7 +514,7 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
                     book.return_lease(bid)
                     JOURNAL.append({"t": "expire", "batch_id": bid})
                     S.cond.notify_all()
-        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, latest, waited)
+        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, S.latest, waited)
     finally:
         gone.cancel()
 
@@ -531,6 +542,19 @@ async def ack_batch(batch_id: str = BatchId) -> dict:
         S.deadlines[batch_id] = deadline
         raise
     return {"acked": groups}
+
+@app.post("/v1/batches/{batch_id}/release", openapi_extra=scope("trainer"))
+async def release_batch(batch_id: str = BatchId) -> dict:
+    """The trainer will not train this batch (it stops with the next one asked for ahead, lib/train/batches.py):
+    its groups go back to the front of the buffer now, not when the lease runs out."""
+    async with S.cond:
+        held = open_lease(batch_id)
+        del S.deadlines[batch_id]
+        S.book.return_lease(batch_id)
+        S.cond.notify_all()
+        # not awaited, as an expiry: if this write is lost, replay gives the lease a fresh lease_s
+        JOURNAL.append({"t": "expire", "batch_id": batch_id})
+    return {"released": len(held.ids)}
 
 @app.post("/v1/batches/{batch_id}/audit", openapi_extra=scope("trainer"))
 async def audit_batch(req: AuditReport, batch_id: str = BatchId) -> dict:

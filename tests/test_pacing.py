@@ -99,7 +99,7 @@ def test_the_indexed_pass_grants_exactly_what_room_does():
     rng = random.Random(2412)
     for trial in range(400):
         p, now = Pacer(max_staleness=rng.choice([0, 1, 3])), 100.0
-        p.batch, p.training = rng.choice([4, 8, 16]), rng.random() < 0.5
+        p.batch, p.held = rng.choice([4, 8, 16]), int(rng.random() < 0.5)
         p.demand = rng.choice([None, rng.randrange(0, 200)])
         latest = rng.randrange(0, 6)
         for i in range(rng.randrange(0, 40)):
@@ -307,6 +307,82 @@ def test_a_trainer_restarted_while_holding_a_batch_does_not_stall_the_workers(bu
     assert lease(p, 4, left=40)["batch_id"] is None       # the restarted trainer asks for a batch
     assert len(ask(p, "w1")["indices"]) == 4              # version 0 is again what the next batch is trained from
     assert p.stats()["groups_dropped_stale"] == 0
+
+
+def test_a_batch_asked_for_while_the_trainer_trains_counts_from_the_version_before_it(bucket, spawn):
+    """train.py's prefetch: the next batch asked for with after_version (the version the trainer registers
+    before it trains it). The staleness filter, the histogram and pacing count from that version; so does a
+    restarted proxy."""
+    p = spawn("--pace", "--max-staleness", "1", "--lease-s", "300")
+
+    def unpaced(k: int, version: int) -> None:  # a worker that asks for prompts without wait_s: never held back
+        p.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": k, "worker_id": "u"})
+        deliver(p, "u", version, k)
+
+    lease(p, 4, left=16)
+    assert len(ask(p, "w1")["indices"]) == 4
+    deliver(p, "w1", 0, 4)
+    first = lease(p, 4, left=16)
+    assert first["batch_id"] and p.stats()["pacing"]["trainer_batches_held"] == 1
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 4, "after_version": 2})
+    assert r.status_code == 409 and "after_version 2" in r.text and "latest registered version 0" in r.text
+
+    # the second batch, asked for while the first trains: trained from version 1, so two batches are held whose
+    # versions are not registered, and a round of version 0 (trained from version 2 at best) is not granted
+    unpaced(4, 0)
+    second = p.http.post("/v1/batches/lease", json={"num_groups": 4, "groups_left": 12, "after_version": 1}).json()
+    assert second["batch_id"] and second["latest_version"] == 0
+    assert p.stats()["pacing"]["trainer_batches_held"] == 2
+    assert ask(p, "w2", wait_s=0.2)["indices"] == []
+    os.kill(p.proc.pid, signal.SIGKILL)                     # a restart counts the same from the journal
+    p.proc.wait()
+    p = spawn("--pace", "--max-staleness", "1", "--lease-s", "300")
+    assert p.stats()["pacing"]["trainer_batches_held"] == 2
+    register(bucket, p, 1)
+    assert p.http.post(f"/v1/batches/{first['batch_id']}/ack").status_code == 200
+    assert p.stats()["pacing"]["trainer_batches_held"] == 1
+
+    # the third, asked for while the second trains (after version 2): a round of version 0 is too stale for it,
+    # so it is passed over, not dropped (version 2 may yet fail to register) ...
+    unpaced(4, 0)
+    ahead = {"num_groups": 4, "groups_left": 8, "after_version": 2}
+    assert p.http.post("/v1/batches/lease", json={**ahead, "wait_s": 0.3}).json()["batch_id"] is None
+    assert p.stats()["groups_dropped_stale"] == 0 and p.stats()["buffer_size"] == 4
+    # ... and dropped when version 2 comes; a round of version 2 answers the request waiting (whether it came
+    # before the registration or after, it is trained from version 2)
+    waiting = Worker(lambda: p.http.post("/v1/batches/lease", json={**ahead, "wait_s": 30}).json())
+    waiting.start()
+    register(bucket, p, 2)
+    assert p.stats()["groups_dropped_stale"] == 4
+    assert p.http.post(f"/v1/batches/{second['batch_id']}/ack").status_code == 200
+    assert len(ask(p, "w1")["indices"]) == 4
+    deliver(p, "w1", 2, 4)
+    third = waiting.join(30)
+    assert [g["policy_version"] for g in third["groups"]] == [2] * 4 and third["latest_version"] == 2
+    assert p.stats()["pacing"]["trainer_batches_held"] == 1
+    # staleness counted from the version each batch is trained from: the second's groups were one version old
+    assert p.stats()["staleness_hist"] == {"0": 8, "1": 4}
+
+
+def test_a_batch_asked_for_ahead_and_released_goes_back_at_once(bucket, spawn):
+    """A trainer that stops with its next batch asked for ahead releases it (train.py): its groups are leasable
+    again at once, in their order, also after a proxy restart; the lease is closed for good."""
+    p = spawn("--lease-s", "300")
+    deliver(p, "w1", 0, 4)
+    got = lease(p, 4, left=None)
+    assert got["batch_id"] and p.stats()["buffer_size"] == 0
+    r = p.http.post(f"/v1/batches/{got['batch_id']}/release")
+    assert r.status_code == 200 and r.json() == {"released": 4}
+    assert p.stats()["buffer_size"] == 4
+    for route in ("ack", "renew", "release"):
+        assert p.http.post(f"/v1/batches/{got['batch_id']}/{route}").status_code == 410
+    assert p.http.post("/v1/batches/0123456789abcdef/release").status_code == 404
+    deliver(p, "w1", 0, 1)  # its commit comes after the release's in the journal
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    p = spawn("--lease-s", "300")
+    again = lease(p, 5, left=None)
+    assert [g["group_id"] for g in again["groups"][:4]] == [g["group_id"] for g in got["groups"]]
 
 
 def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):

@@ -70,6 +70,7 @@ def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
     lease = trainer.post("/v1/batches/lease", json={"num_groups": 1}).json()
     for method, path, body in [("POST", "/v1/batches/lease", {"num_groups": 1}),
                                ("POST", f"/v1/batches/{lease['batch_id']}/renew", None),
+                               ("POST", f"/v1/batches/{lease['batch_id']}/release", None),
                                ("POST", f"/v1/batches/{lease['batch_id']}/ack", None),
                                ("POST", "/v1/adapters", {"version": 2, "step": 2, "published_at": 1.0}),
                                ("GET", "/v1/stats", None), ("GET", "/metrics", None),

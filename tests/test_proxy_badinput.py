@@ -97,6 +97,10 @@ CASES = [
     ("renew of an acked batch", "POST", "/v1/batches/{acked}/renew", {}, 409, "already acked"),
     ("renew of an expired lease", "POST", "/v1/batches/{expired}/renew", {}, 410, "expired"),
     ("renew with a hostile batch id", "POST", "/v1/batches/a;b/renew", {}, 422, "batch_id"),
+    ("release of an unknown batch", "POST", "/v1/batches/0123456789abcdef/release", {}, 404, "no open lease"),
+    ("release of an acked batch", "POST", "/v1/batches/{acked}/release", {}, 409, "already acked"),
+    ("release of an expired lease", "POST", "/v1/batches/{expired}/release", {}, 410, "expired"),
+    ("release with a hostile batch id", "POST", "/v1/batches/a;b/release", {}, 422, "batch_id"),
     # a group cannot say who sent it
     ("a group naming its participant", "POST", "/v1/groups", {"json": group(participant="bob")}, 422, "participant"),
     # the open paths take no body at all, without reading it

@@ -167,19 +167,23 @@ class Book:
 
     def leasable(self, n: int, pending_version: int = 0) -> list | None:
         """The oldest n groups that may be leased, or None while fewer wait. While version `pending_version`
-        is being registered, groups it will make stale are passed over (a lease decided now comes after that
-        version in the log), not dropped: the registration may yet fail."""
+        is being registered, or is the one a batch asked for ahead will be trained from, groups it will make
+        stale are passed over (a lease decided now comes after that version in the log), not dropped: the
+        registration may yet fail."""
         if pending_version <= self.latest:
             return list(islice(self.buffer.values(), n)) if len(self.buffer) >= n else None
-        fresh = [it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)]
-        return fresh[:n] if len(fresh) >= n else None
+        if len(self.buffer) < n:  # (asked on every arrival while a lease waits: the cheap answer first)
+            return None
+        fresh = list(islice((it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)), n))
+        return fresh if len(fresh) == n else None
 
     def lease(self, bid: str, ids: list[str], lease_s: float, latest: int | None = None, left: int | None = None,
               at: float | None = None) -> list:
-        """Groups `ids` out of the buffer into the open lease `bid`, leased when `latest` was the latest
-        version (for the staleness histogram); returns their items. A group another open lease names means
-        that lease ran out and its expiry was never journaled (replay): it is returned first. left: the
-        trainer's demand after this lease, as journaled; at: the live proxy's clock (pacing.py)."""
+        """Groups `ids` out of the buffer into the open lease `bid`, to be trained from version `latest` (the
+        latest one, or the next for a batch the trainer asked for while it trains the one before: for the
+        staleness histogram, and how many batches the trainer holds, pacing.py); returns their items. A group
+        another open lease names means that lease ran out and its expiry was never journaled (replay): it is
+        returned first. left: the trainer's demand after this lease, as journaled; at: the live proxy's clock."""
         for b in {self.holder[g] for g in ids if g in self.holder}:
             self.return_lease(b)
         items = [self.buffer.pop(g) for g in ids if g in self.buffer]
@@ -190,7 +194,7 @@ class Book:
         v = self.latest if latest is None else latest
         for it in items:
             self.staleness_hist[v - it.version] = self.staleness_hist.get(v - it.version, 0) + 1
-        self.pacing.leased(len(ids), left, at)
+        self.pacing.leased(len(ids), left, at, held=max(1, v + 1 - self.latest))
         return items
 
     def renew(self, bid: str, lease_s: float) -> None:

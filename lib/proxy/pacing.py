@@ -5,9 +5,10 @@ with a grant from here; the Book holds one Pacer, so replay (ledger.py) follows 
 outstanding when the proxy restarts still holds its place after the restart.
 
 The rule, in groups leased from now on. The trainer leases `batch` groups at a time, oldest first, and one
-version follows each batch (publish_every 1). So the j-th batch leased from now (j = 0, 1, ...) is leased when
-the latest version is `base + j`, base = latest + 1 while the trainer holds a batch it leased since latest was
-registered (the next version comes before its next lease), else latest. A group of version v is then trainable
+version follows each batch (publish_every 1). So the j-th batch leased from now (j = 0, 1, ...) is trained
+from version `base + j`, base = latest + the batches the trainer holds whose versions are not registered yet
+(each one's version comes before the next batch is trained: 0, 1, or 2 for a trainer that asks for its next
+batch while it trains one, train.py's prefetch). A group of version v is then trainable
 only among the first
 
     limit(v) = (max_staleness - base + v + 1) * batch
@@ -167,7 +168,7 @@ class Pacer:
         # key -> measured (round time, its mean deviation), least recently used first
         self.round_s: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self.demand: int | None = None            # groups the trainer will still lease after what it holds (None: unknown)
-        self.training = False                     # it holds a batch leased since the latest version was registered
+        self.held = 0                             # batches it holds whose versions are not registered yet
         self.batch = 0                            # groups per lease (0: no lease request seen yet)
         self.counts = dict.fromkeys(("grants", "groups_granted", "groups_abandoned"), 0)  # what the journal implies
         # live only (this process's clock)
@@ -180,37 +181,45 @@ class Pacer:
         self.dropped: dict[str, float] = {}       # key -> when its last open poll's connection closed unanswered
 
     # ---- the trainer ------------------------------------------------------------------------------------
-    def requested(self, num_groups: int, groups_left: int | None) -> bool:
-        """A lease request: the trainer waits for a batch, so no version is on its way from a batch it holds
-        (a trainer restarted while holding one never registers it); it will still lease groups_left. True when
-        that changes the demand (a trainer's first request, or a restarted one's: the proxy journals it)."""
-        self.training, self.batch = False, num_groups
+    def requested(self, num_groups: int, groups_left: int | None, ahead: int = 0) -> bool:
+        """A lease request: the trainer holds `ahead` batches whose versions it has not registered yet (0: it waits
+        for a batch, so no version is on its way; a trainer restarted while holding one never registers it; 1:
+        it asks for its next batch while it trains one). It will still lease groups_left. True when that changes
+        the demand (a trainer's first request, or a restarted one's: the proxy journals it)."""
+        self.held, self.batch = ahead, num_groups
         if groups_left is None or groups_left == self.demand:
             return False
         self.demand = groups_left
         return True
 
-    def leased(self, n: int, left: int | None = None, at: float | None = None) -> None:
-        """A batch of n groups leased (live, or replayed: `left` as journaled, the demand after it)."""
-        self.training, self.batch = True, n  # a lease is all the groups asked for: the trainer's batch
+    def leased(self, n: int, left: int | None = None, at: float | None = None, held: int | None = None) -> None:
+        """A batch of n groups leased (live, or replayed: `left` as journaled, the demand after it). held: the
+        batches whose versions are not registered yet the trainer holds with it (1; 2 for one asked for while it
+        trains the one before; Book.lease knows it from the version that trains it). Its step begins now if the
+        trainer holds no other batch, else when the version before it is registered."""
+        self.batch = n  # a lease is all the groups asked for: the trainer's batch
         if left is not None:
             self.demand = left
         elif self.demand is not None:
             self.demand = max(0, self.demand - n)
-        if at is not None:
+        before = self.held if held is None else max(0, held - 1)
+        if at is not None and not before:
             self.leased_at = at
+        self.held = before + 1
 
     def unleased(self, n: int) -> None:
         """The lease's journal write failed: as if it had not happened."""
-        self.training = False
+        self.held = max(0, self.held - 1)
         if self.demand is not None:
             self.demand += n
 
     def registered(self, at: float | None = None) -> None:
-        self.training = False
+        """A version registered: the step that made it is over (its time measured from its start), the next
+        held batch's step (a prefetched one) begins."""
+        self.held = max(0, self.held - 1)
         if at is not None and self.leased_at is not None:
             self.step_s = ewma(self.step_s, at - self.leased_at)
-            self.leased_at = None
+        self.leased_at = at if self.held and at is not None else None
 
     def left_after(self, n: int) -> int | None:
         """The demand to journal with a lease of n groups."""
@@ -246,7 +255,7 @@ class Pacer:
     def base(self, latest: int, pending_version: int = 0) -> int:
         """room()'s base: a version being registered, or one coming from the batch the trainer holds, comes before
         its next lease."""
-        return max(latest + self.training, pending_version)
+        return max(latest + self.held, pending_version)
 
     def flight(self, latest: int, buffered: int, now: float, pending_version: int = 0) -> Flight | None:
         """The open grants indexed for one pass of requests (None while the trainer's batch is not known)."""
@@ -349,7 +358,7 @@ class Pacer:
     def retry_s(self, now: float) -> float:
         """What a worker refused a grant is told to wait: until the next version is expected (a batch's step
         time after the trainer leased it), else a second."""
-        if self.training and self.step_s is not None and self.leased_at is not None:
+        if self.held and self.step_s is not None and self.leased_at is not None:
             return round(min(30.0, max(0.5, self.leased_at + self.step_s - now)), 2)
         return 1.0
 
@@ -366,7 +375,7 @@ class Pacer:
     # ---- state --------------------------------------------------------------------------------------------
     def book_state(self) -> dict:
         """The part of state() the live proxy and a replay of its journal agree on at any moment (Book.state):
-        whether the trainer holds a batch and its batch size also follow its lease requests, not journaled."""
+        the batches the trainer holds and its batch size also follow its lease requests, not journaled."""
         d = self.state()
         return {k: d[k] for k in ("grants", "demand", "counts")}
 
@@ -374,7 +383,7 @@ class Pacer:
         """What the journal implies, as plain JSON values (a snapshot's; the live clock's part is not in it)."""
         return {"grants": [[g.key, g.n, g.left, g.version, g.round_s, g.dev_s] for g in self.grants.values()],
                 "round_s": [[k, r, d] for k, (r, d) in self.round_s.items()], "demand": self.demand,
-                "training": self.training, "batch": self.batch, "counts": dict(self.counts)}
+                "held": self.held, "batch": self.batch, "counts": dict(self.counts)}
 
     @classmethod
     def from_state(cls, d: dict | None, max_staleness: int, max_workers: int = 4096) -> Pacer:
@@ -383,13 +392,14 @@ class Pacer:
             # a snapshot from before deviations were measured has none: a grant's margin is then jitter x round_s
             p.grants = {g[0]: Grant(*g[:5], dev_s=g[5] if len(g) > 5 else None) for g in d["grants"]}
             p.round_s = OrderedDict((k, (r, rest[0] if rest else 0.0)) for k, r, *rest in d["round_s"])
-            p.demand, p.training, p.batch = d["demand"], d["training"], d["batch"]
+            # (a snapshot from before prefetch has "training": whether it held one)
+            p.demand, p.held, p.batch = d["demand"], int(d.get("held", d.get("training", 0))), d["batch"]
             p.counts.update(d["counts"])
         return p
 
     def stats(self) -> dict:
         return {"open_grants": len(self.grants), "groups_in_flight": sum(g.left for g in self.grants.values()),
-                "demand": self.demand, "trainer_holds_batch": self.training, "batch": self.batch,
+                "demand": self.demand, "trainer_batches_held": self.held, "batch": self.batch,
                 "step_s": None if self.step_s is None else round(self.step_s, 3),
                 "round_s_median": None if not self.round_s else round(statistics.median(r for r, _ in self.round_s.values()), 3),
                 **self.counts, **self.live}

@@ -38,6 +38,9 @@ class LeaseRequest(Strict):
     wait_s: float = Field(default=0.0, ge=0.0, le=300.0)
     groups_left: int | None = Field(default=None, ge=0, le=10**9)
     """the groups the trainer will still lease, this batch's included (pacing grants no round beyond them)"""
+    after_version: int | None = Field(default=None, ge=0)
+    """the version the trainer registers before it trains this batch: set when it asks for its next batch while
+    it trains one (train.py's prefetch); the staleness filter and pacing count from it. At most latest + 1."""
 
 
 class LeasedGroup(TrajectoryGroup):
