@@ -54,6 +54,7 @@ from tqdm import tqdm
 from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, token_versions,
                     zero_std_groups)
 from audit import Auditor, Options as AuditOptions
+from batches import lease, let_go, prefetch
 from metrics import Metrics
 from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls
 from proxy_client import ProxyClient, ProxyError
@@ -133,6 +134,9 @@ class Args:
     owner_ttl_s: float = 120.0
     """a different trainer may take over a run whose owner's heartbeat is older than this"""
     lease_wait_s: float = 30.0
+    prefetch: bool = True
+    """ask for the next batch while a step trains, so that its lease (the wait in the proxy's line, its journal
+    write, the transfer) overlaps the step (lib/train/batches.py)"""
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
@@ -318,36 +322,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 
 
 # ---------------------------------------------------------------------------------------------
-# a step's traffic: lease, publish, register, checkpoint + acks, and the final registration
-
-
-def lease(client: ProxyClient, args: Args, owner: Owner, trained: TrainedGroups, bar, stop: threading.Event,
-          step: int, audit=lambda got: (got["fresh"], {})) -> dict | None:
-    """Wait for a batch with something left to train on (the time spent here is the trainer starving
-    for rollouts); None once we are stopping. Adds `fresh` (the groups to train on: not trained already, and
-    passed by `audit`, which also returns its metrics, `audit`) and `skipped` (the ids of those left out as
-    already trained, from this batch and any passed over before it).
-    groups_left tells the proxy's pacing what we will still lease, so that no round is generated past it."""
-    skipped: list[str] = []
-    ask = {"num_groups": args.batch_groups, "wait_s": args.lease_wait_s,
-           "groups_left": (args.max_steps - step + 1) * args.batch_groups}
-    while not stop.is_set():
-        try:
-            got = client.post("/v1/batches/lease", ask)
-        except httpx.HTTPError:  # the client waits out outages: this means SIGTERM
-            return None
-        if not got["batch_id"]:
-            bar.set_postfix_str(f"waiting for rollouts (buffer {got['buffer_size']})")
-            owner.check()  # a starving trainer is alive: keep its heartbeat fresh, and notice a takeover
-            continue
-        got["fresh"], left_out = trained.hold(got)
-        skipped += left_out
-        if got["fresh"]:
-            got["fresh"], got["audit"] = audit(got)
-        if got["fresh"]:
-            return {**got, "skipped": skipped}
-        trained.trained_on(got)  # nothing (new, or that passed the audit) in it: acked with the next checkpoint's batches
-    return None
+# a step's traffic (its lease: batches.py): publish, register, checkpoint + acks, and the final registration
 
 
 def publish(bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int:
@@ -522,13 +497,18 @@ def main(args: Args) -> None:
     t_start, done, last_ckpt, ckpt_s, pushed = time.time(), state["step"], state["step"], None, -1
     bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
                total=args.max_steps)
+    ahead = None  # the next batch, asked for while this step trains
     for step in bar:
         t0 = time.time()
         got = lease(client, args, owner, trained, bar, stop, step,
-                    lambda got: auditor.check(got, got["fresh"], model, version, steps_since_publish == 0))
+                    lambda got: auditor.check(got, got["fresh"], model, version, steps_since_publish == 0), ahead)
+        ahead = None
         if got is None:
             break
         t1 = time.time()
+        if args.prefetch and step < args.max_steps:  # trained from the version this step publishes, if it does
+            ahead = prefetch(client, args, owner, trained, stop, step + 1,
+                             version + 1 if step % args.publish_every == 0 else None)
         groups, fresh, devs = got["fresh"], steps_since_publish == 0, {}
         opt.zero_grad(set_to_none=True)
         st = train_step(model, groups, args, version, fresh, devs)
@@ -575,6 +555,7 @@ def main(args: Args) -> None:
                    f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
         if stop.is_set():
             break
+    let_go(trained, ahead)
     if stop.is_set() and last_ckpt != done:  # SIGTERM while waiting for a batch
         checkpoint(bucket, owner, metrics, trained, model, opt, sched, done, version)
     final = register_final(client, bucket, owner, model, args, version, done) if done >= args.max_steps else None

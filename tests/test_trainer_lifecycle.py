@@ -300,3 +300,45 @@ def test_a_stalled_trainer_never_trains_a_group_twice(tiny_model, s3_env, tmp_pa
     assert got["steps"][-1] == 12 and steps(trainer)[-1] == 12
     assert got["skipped"], "no expired group came back: the test did not exercise the ledger"
     print("\nSTALL", json.dumps({"leases_expired": len(expired), "groups_left_out": len(got["skipped"])}))
+
+
+def test_a_trainer_stopped_while_it_holds_its_next_batch_gives_it_back(tiny_model, s3_env, tmp_path, run_name):
+    """SIGTERM while a step's checkpoint is under way and the next batch, asked for ahead (prefetch), is already
+    leased: the trainer checkpoints, acks, and releases the batch it will not train, so that nothing stays leased
+    for --lease-s (300 s here) and its successor gets those groups at once."""
+    moto_port = int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1])
+    armed, at_checkpoint, go = threading.Event(), threading.Event(), threading.Event()
+
+    def watch(event: str, line: str) -> bool:  # the trainer's bucket traffic held at a checkpoint once armed
+        if armed.is_set() and event == "request" and re.match(r"^PUT /\S+/checkpoints/step_", line):
+            armed.clear()
+            at_checkpoint.set()
+            go.wait(120)
+        return False
+
+    s3_fwd = Forwarder(moto_port, watch)
+    roles: dict = {}
+    try:
+        proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "300",
+                                    trainer_s3=f"http://127.0.0.1:{s3_fwd.port}")
+        env, trainer = roles["env"], roles["trainer"]
+        stats = lambda: httpx.get(env["PROXY_URL"] + "/v1/stats", headers={"X-Proxy-Token": env["PROXY_TOKEN"]}).json()  # noqa: E731
+        trainer.start("--max-steps", "1000", "--checkpoint-every", "1")
+        wait_for(lambda: len(steps(trainer)) >= 2, 300, "two steps", trainer)
+        armed.set()
+        wait_for(at_checkpoint.is_set, 120, "a checkpoint", trainer)
+        # the step's own batch (acked after this checkpoint) and the next one, leased while it is held
+        wait_for(lambda: stats()["open_leases"] == 2, 120, "the next batch leased ahead", trainer, alive=(proxy, worker))
+        trainer.proc.send_signal(signal.SIGTERM)
+        go.set()
+        assert trainer.proc.wait(timeout=120) == 0, trainer.text()[-3000:]
+        assert stats()["open_leases"] == 0, stats()
+        assert "not released" not in trainer.text()
+        released = lambda: [e for e in journal(common.Bucket(run=run_name))[1] if e["t"] == "expire"]  # noqa: E731
+        wait_for(lambda: len(released()) == 1, 30, "the release in the proxy's journal", alive=(proxy,))
+    finally:
+        go.set()
+        for r in roles.values():
+            if isinstance(r, Role) and r.proc is not None:
+                stop(r.proc)
+        s3_fwd.close()

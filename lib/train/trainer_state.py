@@ -201,6 +201,17 @@ class TrainedGroups:
                     for gid in groups:
                         self.trained.pop(gid, None)
 
+    def release(self, got: dict) -> None:
+        """A batch we will not train (we stop before its step): no longer renewed, and back in the proxy's
+        buffer now (best effort: else its lease runs out, --lease-s)."""
+        with self.lock:
+            self.renew_at.pop(got["batch_id"], None)
+        try:
+            self.renewer.post(f"/v1/batches/{got['batch_id']}/release")
+        except (ProxyError, httpx.HTTPError) as e:
+            self.say(f"the batch asked for ahead was not released ({type(e).__name__}): its groups go back to the "
+                     f"buffer when its lease runs out")
+
     def _renew_loop(self) -> None:
         while True:
             time.sleep(1.0)
