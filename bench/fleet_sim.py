@@ -16,9 +16,10 @@ the two files, real GETs), "generates", and posts its groups one by one (8 compl
 logprobs, the length drawn), honouring 429. Workers join late, leave, crash mid-round (the round is lost and
 its poll's connection closes; the worker comes back with the same id later, or has left by then) and some sit
 behind a slow network (every request delayed). The trainer does what train.py does: leases a batch (with
-groups_left), "trains" for the drawn step time, publishes a small real adapter version to the bucket (files,
-meta.json, latest.json: the proxy verifies them at registration), registers it, acks; the last version as
-final. A configuration ends at the trainer's last step, or after --timeout-s.
+groups_left; from the first on, the next one as each step begins, with after_version: train.py's prefetch),
+"trains" for the drawn step time, publishes a small real adapter version to the bucket (files, meta.json,
+latest.json: the proxy verifies them at registration), registers it, acks; the last version as final. A
+configuration ends at the trainer's last step, or after --timeout-s.
 
 Per configuration it prints the trainer's utilisation (busy / (busy + waiting for a batch), from its first
 batch on; `steady`: the same before the last max_staleness + 1 steps, where pacing's demand bound lets no
@@ -103,6 +104,9 @@ class Args:
     """a configuration stops after this many seconds, done or not"""
     dataset: int = 7473
     """prompts in the simulated dataset (GSM8K's train split)"""
+    prefetch: bool = True
+    """the trainer asks for its next batch as it begins a step (train.py's --prefetch), so that the lease's own
+    cost (the proxy's wait in line, its journal write, the answer's transfer) overlaps the step"""
     commit_depth: int = 1
     """the proxy's --commit-depth: journal puts in flight at once"""
     seed: int = 0
@@ -324,38 +328,55 @@ class Fleet:
         finally:
             fleet_loop.call_soon_threadsafe(self.done.set)
 
+    async def lease(self, http: aiohttp.ClientSession, step: int, after: int | None) -> tuple[dict, float]:
+        """Batch `step`, as train.py leases it (after: the version it registers first, for a batch asked for while
+        it trains the one before); with when its request went out (the last one, after empty answers)."""
+        while True:
+            body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (self.a.steps - step + 1) * self.batch,
+                    **({} if after is None else {"after_version": after})}
+            asked = time.monotonic()
+            status, raw = await self.call("POST", "/v1/batches/lease", http=http, json=body)
+            if status != 200:
+                self.fail(f"lease {status}: {raw[:200]}")
+                await asyncio.sleep(1)
+                continue
+            got = json.loads(raw)
+            if got["batch_id"]:
+                return got, asked
+
     async def trainer(self, http: aiohttp.ClientSession) -> None:
-        a, first = self.a, None
+        """The waiting counted is from the end of a step (its ack) to the next batch in hand; with --prefetch the
+        next batch is asked for as the step begins, so only what is left of that request's time is waited."""
+        a, first, pending, done_at = self.a, None, None, time.monotonic()
         for step in range(1, a.steps + 1):
-            # waiting for a batch is counted as it happens (a timed-out run waits last)
-            mark, waited = time.monotonic(), 0.0
-            while True:
-                body = {"num_groups": self.batch, "wait_s": 5.0, "groups_left": (a.steps - step + 1) * self.batch}
-                status, raw = await self.call("POST", "/v1/batches/lease", http=http, json=body)
-                if status != 200:
-                    self.fail(f"lease {status}: {raw[:200]}")
-                    await asyncio.sleep(1)
-                    continue
-                got, now = json.loads(raw), time.monotonic()
-                if first is not None:  # from its first batch on
-                    self.m["trainer_wait"] += now - mark
-                    self.m["trainer_wait_groups"] += got["waited_s"]  # of which the proxy waited for groups
-                    waited += now - mark
-                mark = now
-                if got["batch_id"]:
-                    break
+            if pending is None:
+                pending = asyncio.create_task(self.lease(http, step, None))
+            try:
+                got, asked = await pending
+            except asyncio.CancelledError:  # --timeout-s: the wait so far counts
+                if first is not None:
+                    self.m["trainer_wait"] += time.monotonic() - done_at
+                raise
+            t1, waited = time.monotonic(), 0.0
+            if first is not None:  # from its first batch on
+                waited = t1 - done_at
+                self.m["trainer_wait"] += waited
+                # of which the proxy waited for groups: its wait as far as it overlaps ours
+                self.m["trainer_wait_groups"] += min(waited, max(0.0, asked + got["waited_s"] - done_at))
             self.m["step_waits"].append(round(waited, 2))
-            t1 = time.monotonic()
             first = first or t1
+            trains_from = self.latest
             for g in got["groups"]:
-                s = got["latest_version"] - g["policy_version"]
+                s = trains_from - g["policy_version"]
                 self.m["staleness"][s] = self.m["staleness"].get(s, 0) + 1
                 self.m["leased"][g["group_id"]] = True
                 p = g["meta"]["prompt_index"]
                 self.m["trained"][p] = self.m["trained"].get(p, 0) + 1
+            v = self.latest + 1
+            # the next batch, asked for now: trained from the version this step makes
+            pending = asyncio.create_task(self.lease(http, step + 1, v)) if a.prefetch and step < a.steps else None
             self.m["step_s"].append(self.draw.step(step / a.steps) * a.time_scale)
             await asyncio.sleep(self.m["step_s"][-1])
-            v = self.latest + 1
             await asyncio.to_thread(common.publish_adapter, self.bucket, self.adapter, v, step, "sim")
             status, raw = await self.call("POST", "/v1/adapters", http=http, json={
                 "version": v, "step": step, "published_at": time.time(), "final": step == a.steps})
@@ -365,7 +386,8 @@ class Fleet:
             status, raw = await self.call("POST", f"/v1/batches/{got['batch_id']}/ack", http=http)
             if status != 200:
                 self.fail(f"ack: {status} {raw[:200]}")
-            self.m["step_busy"].append(time.monotonic() - t1)
+            done_at = time.monotonic()
+            self.m["step_busy"].append(done_at - t1)
 
     async def probe(self) -> None:
         while not self.done.is_set():
