@@ -136,9 +136,9 @@ def requests_seen(p) -> int:
                    if line.startswith("proxy_request_seconds_count{")))
 
 
-def test_the_74_cases_are_all_there():
-    """The README advertises 74 hostile requests: exactly these, each with its own name."""
-    assert len(CASES) == 74 and len({c[0] for c in CASES}) == 74
+def test_the_78_cases_are_all_there():
+    """The README advertises 78 hostile requests: exactly these, each with its own name."""
+    assert len(CASES) == 78 and len({c[0] for c in CASES}) == 78
 
 
 def test_bad_inputs_get_their_4xx_and_change_nothing(bucket, start_proxy):
@@ -164,7 +164,7 @@ def test_bad_inputs_get_their_4xx_and_change_nothing(bucket, start_proxy):
             wrong.append(f"{what}: {r.status_code} {r.text[:200]}")
         checked.append(what)
     assert not wrong, "\n".join(wrong)
-    assert checked == [c[0] for c in CASES] and len(checked) == 74
+    assert checked == [c[0] for c in CASES] and len(checked) == 78
     # and the proxy saw every one of them (plus the /metrics call above, which it observes once it has answered)
     assert requests_seen(p) - seen == len(CASES) + 1
     assert comparable(p.stats()) == before
