@@ -48,7 +48,7 @@ def prefetch(client: ProxyClient, args: Any, owner: Owner, trained: TrainedGroup
              step: int, after: int | None) -> Future:
     """ask_batch in a thread of its own, while this step trains: its Future. The lease is renewed from the
     moment it comes (trained.hold), as a step may outlast it. A daemon thread: a trainer that stops does not
-    wait for a long-poll, and a batch it never trained goes back to the buffer when its lease runs out."""
+    wait for a long-poll; a batch that came and will not be trained is released (let_go)."""
     fut: Future = Future()
 
     def run() -> None:
