@@ -176,13 +176,20 @@ DOWNLOADS: Downloads | None = None
 REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 POLICY = access.POLICY
 
+def end_lease(bid: str) -> bool:
+    """An open lease's groups back to the buffer (it ran out, its answer went unread, or the trainer released
+    it); False if it was not open. Under S.cond (the caller notifies). The journal's "expire" is not awaited: if
+    this write is lost, replay gives the lease a fresh lease_s, or a later lease of its groups ends it; an end
+    never needs to be durable before anything else."""
+    if S.deadlines.pop(bid, None) is None:
+        return False
+    S.book.return_lease(bid)
+    JOURNAL.append({"t": "expire", "batch_id": bid})
+    return True
+
 def expire_leases(now: float) -> None:
     for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
-        del S.deadlines[bid]
-        S.book.return_lease(bid)
-        # not awaited: if this write is lost, replay gives the lease a fresh lease_s, or a later lease of its
-        # groups ends it; an expiry never needs to be durable before anything else
-        JOURNAL.append({"t": "expire", "batch_id": bid})
+        end_lease(bid)
 
 async def wait_until(ready, wait_s: float, cond: asyncio.Condition | None = None, every_s: float = 1.0) -> bool:
     """Under `cond` (S.cond by default): wait up to wait_s for ready(), re-checked on every notify and at least
@@ -510,9 +517,7 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
             STALENESS.observe(latest - e.version)
         if gone.done():  # nobody will read this answer: give the groups back now, not after lease_s
             async with S.cond:
-                if S.deadlines.pop(bid, None) is not None:
-                    book.return_lease(bid)
-                    JOURNAL.append({"t": "expire", "batch_id": bid})
+                if end_lease(bid):
                     S.cond.notify_all()
         return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, S.latest, waited)
     finally:
@@ -549,11 +554,8 @@ async def release_batch(batch_id: str = BatchId) -> dict:
     its groups go back to the front of the buffer now, not when the lease runs out."""
     async with S.cond:
         held = open_lease(batch_id)
-        del S.deadlines[batch_id]
-        S.book.return_lease(batch_id)
+        end_lease(batch_id)
         S.cond.notify_all()
-        # not awaited, as an expiry: if this write is lost, replay gives the lease a fresh lease_s
-        JOURNAL.append({"t": "expire", "batch_id": batch_id})
     return {"released": len(held.ids)}
 
 @app.post("/v1/batches/{batch_id}/audit", openapi_extra=scope("trainer"))
