@@ -107,6 +107,9 @@ class Args:
     prefetch: bool = True
     """the trainer asks for its next batch as it begins a step (train.py's --prefetch), so that the lease's own
     cost (the proxy's wait in line, its journal write, the answer's transfer) overlaps the step"""
+    posts_together: bool = True
+    """a worker posts its round's groups at once, as rollout.py does (False: one by one, each waiting for the
+    journal commit of the one before, as rollout.py did before)"""
     commit_depth: int = 1
     """the proxy's --commit-depth: journal puts in flight at once"""
     seed: int = 0
@@ -176,7 +179,7 @@ class Fleet:
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
-                  "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
+                  "fetch_s": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0,
                   "polls": 0}
 
@@ -233,7 +236,9 @@ class Fleet:
                     self.m["handed"][p] = self.m["handed"].get(p, 0) + 1
                 want = max(got.get("version", 0), seen[0])  # the newest, as rollout.py takes between rounds
                 if want > held[0]:  # (a grant's version at least: the one it counts on) from the bucket
+                    t_fetch = time.monotonic()
                     await self.fetch(want, held, net)
+                    self.m["fetch_s"].append(time.monotonic() - t_fetch)
                 version = held[0]
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
@@ -249,8 +254,14 @@ class Fleet:
                 self.m["round_s"].append(round_s)
                 await asyncio.sleep(round_s)
                 self.m["rounds"][wid] = self.m["rounds"].get(wid, 0) + 1
-                for p in idx:
-                    await self.submit(wid, p, version, tokens, rng, net)
+                t_post = time.monotonic()
+                posts = [self.submit(wid, p, version, tokens, rng, net) for p in idx]
+                if a.posts_together:  # rollout.py's spool.flush: the round's groups at once (one journal commit)
+                    await asyncio.gather(*posts)
+                else:
+                    for post in posts:
+                        await post
+                self.m["post_s"].append(time.monotonic() - t_post)
         finally:
             sync.cancel()
 
@@ -271,7 +282,9 @@ class Fleet:
     async def fetch(self, version: int, held: list[int], net: float) -> None:
         """meta.json and the two adapter files of `version`, as rollout.py's sync thread gets them: the proxy's
         listing (GET /v1/adapters/{v}/files), then each file from the bucket by its presigned URL (real GETs)."""
+        t0 = time.monotonic()
         status, raw = await self.call("GET", f"/v1/adapters/{version}/files", net)
+        self.m["listing_s"].append(time.monotonic() - t0)
         if status != 200:
             self.fail(f"files of v{version}: {status} {raw[:200]}")
             return
@@ -448,6 +461,8 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
             "wait_for_groups_share": round(m["trainer_wait_groups"] / wait, 3) if wait else None,
             "round_s_median": round(r_med, 2), "step_s_median": round(s_med, 2), "ceiling": round(ceiling, 3),
             "supply_over_demand": round(supply, 2),
+            "fetch_s_median": pct(m["fetch_s"], .5), "listing_s_median": pct(m["listing_s"], .5), "post_s_median": pct(m["post_s"], .5),
+            "post_s_p90": pct(m["post_s"], .9),
             "staleness": hist, "staleness_max": max(m["staleness"], default=None),
             "tokens_generated": gen, "tokens_leased": leased,
             "never_leased": round(1 - leased / gen, 4) if gen else None, "lost_in_crashes_tokens": m["lost_tokens"],
@@ -512,7 +527,9 @@ def line(r: dict) -> str:
             f"(steady {r['utilisation_steady'] or 0:.3f}; "
             f"waiting for groups {100 * (r['wait_for_groups_share'] or 0):.0f}% of the wait) "
             f"(ceiling {r['ceiling']:.2f}; round {r['round_s_median']:.1f} s, step {r['step_s_median']:.1f} s, "
-            f"supply/demand {r['supply_over_demand']:.1f})  "
+            f"supply/demand {r['supply_over_demand']:.1f}; a round's fetch {r['fetch_s_median'] or 0:.2f} s "
+            f"(listing {r['listing_s_median'] or 0:.2f} s), "
+            f"posts {r['post_s_median'] or 0:.2f} s (p90 {r['post_s_p90'] or 0:.2f} s))  "
             f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
             f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
             f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "

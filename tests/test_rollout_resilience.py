@@ -38,6 +38,36 @@ def test_spool_survives_proxy_outage_and_resubmits_idempotently(start_proxy, tmp
     assert json.loads((tmp_path / "run1" / "w1" / "refused" / f"{bad['group_id']}.json").read_text()) == bad
 
 
+def journal_commits(p) -> int:
+    return int(next(float(line.rsplit(" ", 1)[1]) for line in p.http.get("/metrics").text.splitlines()
+                    if line.startswith("proxy_journal_commit_seconds_count")))
+
+
+def test_a_round_is_sent_at_once(start_proxy, tmp_path):
+    """A round's groups go to the proxy at once, so they share its journal writes: sent one by one (as before),
+    each of the 8 waited for a write of its own, 8 writes. And 429s that several threads wait out together
+    count once in `backpressure_s`."""
+    proxy = start_proxy("--group-size", "4")
+    spool = rollout.Spool(str(tmp_path), "run1", "w1", print)
+    groups = [group() for _ in range(8)]
+    for g in groups:
+        spool.add(g)
+    before = journal_commits(proxy)
+    assert sorted(spool.flush(proxy_client.ProxyClient(proxy.url, proxy.token))) == sorted(
+        (g["group_id"], "accepted") for g in groups)
+    commits = journal_commits(proxy) - before
+    assert 1 <= commits <= 5, commits  # the first alone, then seven together: typically 2-3 writes
+    assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 8
+
+    client = proxy_client.ProxyClient(proxy.url, proxy.token)
+    waits = [threading.Thread(target=client._count_wait, args=(1.0,)) for _ in range(8)]
+    for t in waits:
+        t.start()
+    for t in waits:
+        t.join()
+    assert 1.0 <= client.backpressure_s < 1.5, client.backpressure_s
+
+
 def test_adapter_that_does_not_fit_is_refused():
     args = rollout.Args(model="m", max_lora_rank=16)
     names = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp"}

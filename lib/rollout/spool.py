@@ -8,7 +8,9 @@ import contextlib
 import glob
 import json
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -113,22 +115,35 @@ class Spool:
                 os.remove(os.path.join(self.dir, name))
         return status
 
-    def flush(self, client: ProxyClient) -> list[tuple[str, str]]:
-        """Send what memory holds, then every spooled group, oldest first. The client waits out a
-        proxy outage; it gives up only when we are stopping, and then the rest stays on disk.
-        Returns (group_id, the proxy's status) per group sent."""
-        statuses = []
-        while self.held:
-            if (status := self._send(client, self.held[0], None)) is None:
-                return statuses
-            statuses.append((self.held.pop(0)["group_id"], status))
-        for name in self.pending():
-            if (group := self._read(name)) is None:
-                continue
+    def flush(self, client: ProxyClient, at_once: int = 8) -> list[tuple[str, str]]:
+        """Send what memory holds, then every spooled group, oldest first, `at_once` at a time. The proxy
+        answers a group once its journal line is in the bucket, and the groups that arrive together share
+        one journal write: a round's groups sent one by one would each wait for a write of their own (at
+        1,000 workers, about a second a round; docs/fleet.md). The first goes alone, so that an outage is
+        waited out, and said, by one call. The client waits out a proxy outage; it gives up only when we
+        are stopping, and then the rest stays on disk (or in memory). Returns (group_id, the proxy's
+        status) per group sent."""
+        items = [(g, None) for g in self.held] + [(None, name) for name in self.pending()]
+        if not items:
+            return []
+
+        stopped = threading.Event()  # the proxy unreachable and we are stopping: the rest stays
+
+        def send(item: tuple[dict | None, str | None]) -> tuple[str, str] | None:
+            group, name = item
+            if stopped.is_set() or (group is None and (group := self._read(name)) is None):
+                return None
             if (status := self._send(client, group, name)) is None:
-                break
-            statuses.append((group["group_id"], status))
-        return statuses
+                stopped.set()
+                return None
+            return group["group_id"], status
+        first, rest = send(items[0]), []
+        if len(items) > 1 and not stopped.is_set():
+            with ThreadPoolExecutor(min(at_once, len(items) - 1)) as pool:
+                rest = list(pool.map(send, items[1:]))
+        sent = {id(group) for (group, _), out in zip(items, [first, *rest]) if group is not None and out is not None}
+        self.held = [g for g in self.held if id(g) not in sent]
+        return [out for out in [first, *rest] if out is not None]
 
     def drop_all(self, why: str) -> None:
         """Forget what is left (the run is over: it would never be trained), saying how much."""

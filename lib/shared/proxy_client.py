@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -109,7 +110,9 @@ class ProxyClient:
             headers["Authorization"] = f"Bearer {auth}"
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=httpx.Timeout(10, read=120))
         self.patience_s = patience_s
-        self.backpressure_s = 0.0  # total time spent waiting on 429 answers
+        self.backpressure_s = 0.0  # total time spent waiting on 429 answers (wall time: calls from several
+        self._waits_until = 0.0    # threads that wait at once count once; see _count_wait)
+        self._waits_lock = threading.Lock()
         self.should_stop = lambda: False  # a stopping role gives up waiting (outage or 429)
         self.say = log
         self.resolve = resolve if resolve is not None else default_resolver()
@@ -163,13 +166,21 @@ class ProxyClient:
             if self.should_stop():
                 raise ProxyBusy(f"{method} {path}: buffer full and we are stopping")
             wait = float(r.headers.get("Retry-After", "1"))
-            self.backpressure_s += wait
+            self._count_wait(wait)
             time.sleep(wait)
         if 400 <= r.status_code < 500:
             raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
         if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
             raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
         return r.json()
+
+    def _count_wait(self, wait: float) -> None:
+        """Adds a 429's wait to `backpressure_s`, less what overlaps waits already counted (a worker sends a
+        round's groups from several threads at once: eight of them refused together wait one second, not eight)."""
+        with self._waits_lock:
+            now = time.monotonic()
+            self.backpressure_s += max(0.0, now + wait - max(now, self._waits_until))
+            self._waits_until = max(self._waits_until, now + wait)
 
     def get(self, path: str, **params) -> Any:
         return self._call("GET", path, params=params)
