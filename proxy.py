@@ -125,8 +125,8 @@ class Args:
     grant_s: float = 120.0
     """a grant holds its place for this long after 3 of its worker's round times (or its margin, if longer); then it is given up"""
     poll_grace_s: float = 5.0
-    """a worker whose version long-poll (sent with its worker_id) closed unanswered, and who opens no new one
-    within this many seconds, is taken for gone: its open grant no longer covers the trainer's remaining demand
+    """a worker whose version long-poll (sent with its worker_id) ended, answered or not, and who opens no new
+    one within this many seconds, is taken for gone: its open grant no longer covers the trainer's remaining demand
     (the last batches need not wait --grant-s for a crashed worker)"""
     pace_jitter: float = 0.3
     """pacing's least margin on the predicted arrival order, as a share of the worker's round time (4 mean deviations of its round time where wider)"""
@@ -636,8 +636,8 @@ async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**
                                                        pattern=r"^[A-Za-z0-9_.:-]+$")) -> dict:
     """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
     proxy registered it, on its own clock (null if it did not, e.g. before a restart). worker_id (as in its
-    groups): the poll is the worker's sign of life for pacing; its connection closing unanswered, with no new
-    poll within --poll-grace-s, takes the worker for gone (pacing.py)."""
+    groups): the poll is the worker's sign of life for pacing; with no new poll within --poll-grace-s of this
+    one's end (answered, or its connection closed), the worker is taken for gone (pacing.py)."""
     who = request.scope["principal"]
     key = None if worker_id is None or wait_s <= 0 else worker_key(None if who.name == ADMIN else who.name, worker_id)
     gone = None
@@ -650,7 +650,7 @@ async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**
                              S.versions, every_s=wait_s)
     finally:
         if key is not None:
-            S.book.pacing.polled(key, time.monotonic(), dropped=gone.done())
+            S.book.pacing.polled(key, time.monotonic())
             gone.cancel()
     v = S.book.versions.last
     return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -50,21 +49,22 @@ import httpx
 import torch
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import AdapterError, Bucket, BucketError, fetch_adapter, new_group_id
+from common import AdapterError, Bucket, new_group_id
+from adapter_sync import AdapterSync
 from engines import (HFTurns, ServerDown, ServerSampler, TokenTurns, VLLMSampler, default_backend, hf_chat,
                      hf_generate, published_lora_rank, sample, swap_in, vllm_rank)
 from environments import is_environment, load_environment
 from episodes import Budget, Renderer, group_of, run_episodes
 from metrics import Metrics
 from models import LOCAL_MODEL, encode_prompt, load_base
-from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy, proxy_adapter_meta
+from proxy_client import ProxyClient, ProxyError, proxy_adapter_meta
 from runconfig import record_config
 from spool import LocalMetrics, Spool, run_name
-
-log = logging.getLogger("rollout")
 from tasks import load_task
 
+log = logging.getLogger("rollout")
 GRANT_POLL_S = 5.0  # a paced prompt lease waits this long on the proxy for a grant, then we ask again
+
 
 @dataclass
 class Args:
@@ -144,98 +144,6 @@ class Args:
     """take a new adapter version during a round, not only after it: hf single-turn between two decode steps,
     episodes between two turns (every engine); each token records the version that sampled it, and the hf
     KV cache is recomputed under the new weights (vllm/server single-turn and verifiers: after the round)"""
-
-
-# ---------------------------------------------------------------------------------------------
-# adapter sync: a background thread long-polls the proxy, downloads and verifies the new version (from
-# the bucket, or without bucket keys through the URLs the proxy hands out), and reads its tensors; the
-# main loop swaps them in between generation rounds.
-
-
-class AdapterSync(threading.Thread):
-    def __init__(self, args: Args, client: ProxyClient, bucket: Bucket | None):
-        super().__init__(daemon=True)
-        self.args, self.client, self.bucket = args, client, bucket
-        self.seen = 0      # newest version downloaded and verified
-        self.failed = 0    # newest version that failed to download or verify (retried until a newer one is seen)
-        self.latest = 0    # newest version the proxy announced
-        self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
-        self.done = False
-        self.max_staleness = 3
-        self.lock = threading.Lock()
-        self.module_names: set[str] | None = None  # the base model's module names (hf backend)
-        self.workdir = tempfile.mkdtemp(prefix="adapters-")
-
-    def run(self) -> None:
-        from safetensors.torch import load_file
-        while not self.done:
-            try:
-                # with worker_id the open poll is this worker's sign of life: if the process dies, its connection
-                # closes and within seconds the proxy grants this worker's share of the trainer's demand to
-                # others, not after --grant-s (pacing.py)
-                r = self.client.get("/v1/adapters/latest", after=self.seen, wait_s=self.args.poll_s,
-                                    worker_id=self.args.worker_id)
-            except Exception as e:  # proxy down: keep serving what we have, try again
-                log.info(f"adapter poll failed: {e}")
-                time.sleep(2.0)
-                continue
-            self.max_staleness = r.get("max_staleness", self.max_staleness)
-            self.latest = max(self.latest, r["version"])
-            if r["version"] > self.seen:
-                v, published = r["version"], registered_at(r)
-                try:
-                    d = os.path.join(self.workdir, f"v{v:06d}")
-                    meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
-                            else fetch_adapter_via_proxy(self.client, v, d))
-                    check_fits(meta, self.args, self.module_names)
-                    tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
-                    with self.lock:
-                        self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
-                                      "published": published, "ready": time.monotonic()}
-                    self.seen = v
-                except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
-                    # never load what does not verify: keep the previous version, retry shortly
-                    log.info(f"not loading version {v}: {e}")
-                    self.failed = max(self.failed, v)
-                    time.sleep(2.0)
-            self.done = self.done or r.get("done", False)
-
-    def take(self) -> dict | None:
-        with self.lock:
-            got, self.ready = self.ready, None
-            return got
-
-    def prune(self, in_use: int) -> None:
-        """Deletes the files of every version older than the one in use. A days-long run publishes thousands
-        of versions and each is a full adapter on disk; once a newer one is swapped in, no engine reads an
-        older one again (vLLM and the servers load a version when it is swapped in, the hf backend holds
-        its tensors in memory). Newer ones, being downloaded or waiting, are left alone."""
-        for name in os.listdir(self.workdir):
-            if re.fullmatch(r"v\d{6}", name) and int(name[1:]) < in_use:
-                shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
-
-
-def registered_at(answer: dict) -> float | None:
-    """When the proxy registered the version it announces, on this process's monotonic clock: its
-    `age_s` says how long ago on the proxy's own monotonic clock, so timings never compare two
-    hosts' wall clocks. (A proxy too old to send age_s: the trainer's published_at wall time.)"""
-    if "age_s" in answer:
-        return None if answer["age_s"] is None else time.monotonic() - answer["age_s"]
-    return time.monotonic() - (time.time() - answer["published_at"]) if answer.get("published_at") else None
-
-
-def check_fits(meta: dict, args: Args, module_names: set[str] | None) -> None:
-    """Refuse an adapter that does not fit the model we serve (rank, base model, target modules)."""
-    if meta["lora"]["r"] > args.max_lora_rank:
-        raise AdapterError(f"rank {meta['lora']['r']} above the limit {args.max_lora_rank}")
-    targets = meta["lora"]["target_modules"]
-    # peft stores either short names ("q_proj") or, for "all-linear", full paths of the modules
-    unknown = {t for t in ([targets] if isinstance(targets, str) else targets) if t != "all-linear"
-               and t not in (module_names or ()) and not any(n.endswith("." + t) for n in module_names or ())}
-    if module_names is not None and unknown:
-        raise AdapterError(f"target modules {sorted(unknown)} do not exist in {args.model!r}")
-    if meta.get("base_model") not in (None, args.model):
-        raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
 
 
 

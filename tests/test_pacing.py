@@ -189,34 +189,38 @@ def test_a_worker_back_from_a_crash_is_tried_before_the_others_its_old_grant_shu
     assert sum(got.values()) == 4                                   # version 1's window: 8, one fast round beside it
 
 
-def test_a_worker_whose_poll_dropped_is_taken_for_gone_after_the_grace_unless_it_polls_again():
-    """The version long-poll is a worker's sign of life: its connection closing unanswered (a dead process),
-    with no new poll within poll_grace_s, takes the worker for gone, and its grant no longer covers the
-    trainer's demand (others are granted it); a poll within the grace keeps it, and an answered poll (the
-    worker fetches the new version, then polls again) is not a drop."""
+def test_a_worker_with_no_poll_open_is_taken_for_gone_after_the_grace_unless_it_polls_again():
+    """The version long-poll is a worker's sign of life: its last poll ended (its connection closed unanswered: a
+    dead process; or answered, and the worker died before its next one), with no new poll within poll_grace_s,
+    takes the worker for gone, and its grant no longer covers the trainer's demand (others are granted it); a
+    poll within the grace keeps it."""
     p = Pacer(max_staleness=5)
     p.poll_grace_s, p.batch, p.demand = 5.0, 4, 16
     for key in ("dead", "blip", "answered", "silent"):
         p.grant(key, 4, 0, now=0.0, round_s=10.0, dev_s=0.0)   # deadline: grant_s after 3 rounds, t = 60
     for key in ("dead", "blip", "answered"):
         p.polling(key)
-    p.polling("blip")                                           # two polls open: one dropping is no sign
-    p.polled("blip", 1.0, dropped=True)
-    p.polled("dead", 1.0, dropped=True)
-    p.polled("answered", 1.0, dropped=False)
-    p.polling("stranger")                                       # no grant: a dropped poll leaves nothing behind
-    p.polled("stranger", 1.0, dropped=True)
-    assert set(p.dropped) == {"dead"} and not {"stranger", "answered"} & set(p.polls)
+    p.polling("blip")                                           # two polls open: one ending is no sign
+    p.polled("blip", 1.0)
+    p.polled("dead", 1.0)
+    p.polled("answered", 1.0)
+    p.polling("answered")                                       # answered, and it polls again (as rollout.py)
+    p.polling("stranger")                                       # no grant: an ended poll leaves nothing behind
+    p.polled("stranger", 1.0)
+    assert set(p.dropped) == {"dead"} and "stranger" not in p.polls and "silent" not in p.polls
     assert p.expire(5.9) == [] and p.open_demand() == 16        # within the grace
-    p.polled("blip", 2.0, dropped=True)                         # its last open poll dropped too ...
+    p.polled("blip", 2.0)                                       # its last open poll ended too ...
     p.polling("blip")                                           # ... and it came back at once (a network blip)
+    p.polled("answered", 2.0)                                   # answered again, and no next poll: it died
     assert p.expire(6.0) == [] and len(p.grants) == 4           # it keeps its place in the window ...
     assert [k for k, g in p.grants.items() if g.gone] == ["dead"] and p.stats()["groups_gone"] == 4
     assert p.open_demand() == 20 and p.open_demand("dead") == 16   # ... not the demand (but for its own request)
-    # a new worker: 16 groups in flight cover the demand of 16, but 4 of them will not come
-    assert p.room("new", 8, latest=0, buffered=0, now=6.0) == 4
-    assert p.room("new", 8, latest=0, buffered=0, now=6.0, flight=p.flight(0, 0, 6.0)) == 4
-    assert p.room("dead", 8, latest=0, buffered=0, now=6.0) == 4   # back after all: its new grant closes the old
+    assert p.expire(7.0) == [] and [k for k, g in p.grants.items() if g.gone] == ["dead", "answered"]
+    assert p.open_demand() == 24 and p.stats()["groups_gone"] == 8
+    # a new worker: 16 groups in flight cover the demand of 16, but 8 of them will not come
+    assert p.room("new", 8, latest=0, buffered=0, now=7.0) == 8
+    assert p.room("new", 8, latest=0, buffered=0, now=7.0, flight=p.flight(0, 0, 7.0)) == 8
+    assert p.room("dead", 8, latest=0, buffered=0, now=7.0) == 8   # back after all: its new grant closes the old
     assert p.expire(59.0) == [] and not p.dropped
     assert {g.key for g in p.expire(60.0)} == {"dead", "blip", "answered", "silent"}   # the deadline, as before
     assert p.stats()["groups_expired"] == 16
@@ -249,6 +253,47 @@ def test_a_dead_workers_grant_is_granted_again_within_the_grace_not_at_its_deadl
     assert all(lease(p, 4, left=12 - 4 * i)["batch_id"] for i in range(3))
     assert p.stats()["groups_dropped_stale"] == 0
     polls["w2"].close()
+
+
+def test_a_worker_that_dies_between_two_polls_is_taken_for_gone_and_rollouts_sync_polls_on(bucket, spawn, tmp_path,
+                                                                                        monkeypatch):
+    """w1's poll is answered by a new version and w1 never polls again (it died while downloading it); w2 is
+    rollout.py's own AdapterSync, which downloads that version and keeps a poll open. Within --poll-grace-s and
+    a pass, w3 is granted w1's share of the trainer's demand; w2's grant stays."""
+    import proxy_client
+    import rollout
+    from safetensors.torch import save_file
+    import torch
+    p = spawn("--pace", "--max-staleness", "3", "--poll-grace-s", "1", "--grant-s", "300")
+    lease(p, 4, left=12)
+    assert len(ask(p, "w1")["indices"]) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4   # w1's round time
+    assert len(ask(p, "w1")["indices"]) == 4 and len(ask(p, "w2")["indices"]) == 4   # the demand: 12 covered
+    s = socket.create_connection(("127.0.0.1", p.port))
+    s.sendall(f"GET /v1/adapters/latest?after=0&wait_s=60&worker_id=w1 HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {p.token}\r\n\r\n".encode())
+    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
+    sync = rollout.AdapterSync(rollout.Args(model="m", worker_id="w2", poll_s=60),
+                               proxy_client.ProxyClient(p.url, p.token), bucket)
+    sync.start()
+    time.sleep(0.5)
+    assert ask(p, "w3", wait_s=0.3)["indices"] == []         # nothing more while both are alive
+    d = tmp_path / "v1"
+    d.mkdir()
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.zeros(4, 8)}, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}')
+    common.publish_adapter(bucket, str(d), 1, 1, "m")
+    assert p.http.post("/v1/adapters", json={"version": 1, "step": 1, "published_at": time.time()}).status_code == 200
+    t0 = time.monotonic()
+    assert b'"version":1' in s.recv(65536)                     # w1's poll answered; w1 polls no more
+    got = ask(p, "w3", wait_s=15)
+    assert len(got["indices"]) == 4 and time.monotonic() - t0 < 5   # grace 1 s + the housekeeping's second
+    wait_for(lambda: sync.seen == 1, 30, msg="w2's sync thread to hold version 1")
+    time.sleep(1.5)  # past the grace: w2 polls on, so its grant still covers the demand
+    st = p.stats()["pacing"]
+    assert st["groups_gone"] == 4 and st["groups_expired"] == 0 and st["open_grants"] == 3, st
+    assert not sync.failed and sync.take()["version"] == 1
+    sync.done = True
+    s.close()
 
 
 def test_a_worker_waits_until_its_round_can_be_trained_and_none_starts_after_the_last_batch(bucket, spawn):

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+import adapter_sync
 import common
 
 import proxy_client
@@ -71,15 +72,15 @@ def test_a_round_is_sent_at_once(start_proxy, tmp_path):
 def test_adapter_that_does_not_fit_is_refused():
     args = rollout.Args(model="m", max_lora_rank=16)
     names = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp"}
-    rollout.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}, args, names)
+    adapter_sync.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}, args, names)
     # "all-linear" is saved as the full module paths
-    rollout.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": sorted(names)}}, args, names)
+    adapter_sync.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": sorted(names)}}, args, names)
     with pytest.raises(common.AdapterError, match="rank 32 above the limit 16"):
-        rollout.check_fits({"base_model": "m", "lora": {"r": 32, "target_modules": ["q_proj"]}}, args, names)
+        adapter_sync.check_fits({"base_model": "m", "lora": {"r": 32, "target_modules": ["q_proj"]}}, args, names)
     with pytest.raises(common.AdapterError, match=r"target modules \['wq'\] do not exist"):
-        rollout.check_fits({"base_model": "m", "lora": {"r": 8, "target_modules": ["q_proj", "wq"]}}, args, names)
+        adapter_sync.check_fits({"base_model": "m", "lora": {"r": 8, "target_modules": ["q_proj", "wq"]}}, args, names)
     with pytest.raises(common.AdapterError, match="trained on 'other'"):
-        rollout.check_fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}}, args, names)
+        adapter_sync.check_fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}}, args, names)
 
 
 @pytest.mark.timeout(600)  # its own bound is 240 s, on top of the model and the proxy

@@ -41,13 +41,14 @@ its groups still fit, so while the rest of the fleet keeps the trainer busy it w
 never delivers (a crash) holds its place until its deadline (grant_s after 3 round times of its worker, or
 after its margin if longer), or until the same worker is granted again: a worker asks for its next
 grant only after sending its round, so a new request closes the worker's earlier grant. A worker that
-long-polls for new versions with its worker_id (rollout.py does, all through its rounds) says it is alive:
-one whose poll's connection closes before the answer (its process died: the kernel closes its sockets),
-with no new poll within poll_grace_s, is taken for gone (polling/polled). Its grant then no longer covers
+long-polls for new versions with its worker_id (rollout.py does, all through its rounds, opening the next poll
+as soon as one is answered) says it is alive: one with no poll open for poll_grace_s since its last one ended
+(its process died: the kernel closed the poll's connection, or it died between two polls) is taken for gone
+(polling/polled). Its grant then no longer covers
 the trainer's remaining demand, so the last batches are granted to others instead of waiting for the
 deadline; it keeps its place in the staleness window like any grant (giving that up as well measured
 worse at 1,000 simulated workers: docs/fleet.md). A worker lost without its connection closing (a host
-gone) waits for the deadline. A trainer that stops
+gone) is seen once its open poll is answered (its wait_s) and the grace passes. A trainer that stops
 leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
 last guard (a group that arrives too stale anyway is dropped and counted).
 
@@ -176,9 +177,9 @@ class Pacer:
         self.step_s: float | None = None          # lease -> the next version's registration
         self.leased_at: float | None = None
         self.live = dict.fromkeys(("waits", "groups_expired", "groups_gone"), 0)
-        self.poll_grace_s = 5.0                   # set by the proxy: a dropped poll not renewed within this is gone
+        self.poll_grace_s = 5.0                   # set by the proxy: a poll not renewed within this is gone
         self.polls: dict[str, int] = {}           # key -> its long-polls open now
-        self.dropped: dict[str, float] = {}       # key -> when its last open poll's connection closed unanswered
+        self.dropped: dict[str, float] = {}       # key -> when its last open poll ended (answered or dropped)
 
     # ---- the trainer ------------------------------------------------------------------------------------
     def requested(self, num_groups: int, groups_left: int | None, ahead: int = 0) -> bool:
@@ -331,21 +332,23 @@ class Pacer:
         self.polls[key] = self.polls.get(key, 0) + 1
         self.dropped.pop(key, None)
 
-    def polled(self, key: str, now: float, dropped: bool) -> None:
-        """`key`'s long-poll ended: answered, or (dropped) its connection closed first. A worker polls again at
-        once after an answer (after fetching a new version), but not after its process died."""
+    def polled(self, key: str, now: float) -> None:
+        """`key`'s long-poll ended: answered, or its connection closed first. A live worker polls again at once
+        either way (rollout.py opens its next poll as soon as one is answered, before it downloads the version);
+        one with no poll open again within poll_grace_s is taken for gone (expire): its process died, whether
+        during a poll (the kernel closed the connection) or between two (downloading a version, say)."""
         if (left := self.polls.get(key, 0) - 1) > 0:
             self.polls[key] = left
             return
         self.polls.pop(key, None)
-        if dropped and key in self.grants:  # (only a grant is affected: a client's worker ids cost no memory)
+        if key in self.grants:  # (only a grant is affected: a client's worker ids cost no memory)
             self.dropped[key] = now
 
     def expire(self, now: float) -> list[Grant]:
-        """Grants whose worker is gone (its poll dropped, none since for poll_grace_s) no longer cover the
+        """Grants whose worker is gone (no poll open for poll_grace_s since its last one ended) no longer cover the
         trainer's demand; grants past their deadline hold no place any more (returned)."""
         for k in [k for k, at in self.dropped.items() if now - at >= self.poll_grace_s]:
-            del self.dropped[k]  # (a worker back within the grace polled again: polling() forgot the drop)
+            del self.dropped[k]  # (a worker that polled again within the grace: polling() forgot the end)
             if (g := self.grants.get(k)) is not None and not g.gone:
                 g.gone = True
                 self.live["groups_gone"] += g.left

@@ -1,0 +1,131 @@
+"""How a rollout worker gets each new adapter version. One thread long-polls the proxy for versions and opens
+its next poll as soon as one is answered; another downloads and verifies each new version (from the bucket,
+or without bucket keys through the URLs the proxy hands out) and reads its tensors; rollout.py's main loop
+swaps them in (between rounds, or mid-round). The open poll is the worker's sign of life for pacing: with no
+poll open for --poll-grace-s (a dead process's connection closes; a dead process opens no next one), the proxy
+grants the worker's share of the trainer's demand to others, not after --grant-s. Downloading in a thread of
+its own keeps the poll open through a long download, and a version announced meanwhile is seen at once.
+rollout.py uses it."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+
+import httpx
+
+from common import AdapterError, Bucket, BucketError, fetch_adapter
+from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy
+
+log = logging.getLogger("rollout")  # rollout.py's: its lines are the worker's
+
+
+class AdapterSync(threading.Thread):
+    def __init__(self, args, client: ProxyClient, bucket: Bucket | None):
+        """args: rollout.Args (model, max_lora_rank, poll_s, worker_id)."""
+        super().__init__(daemon=True)
+        self.args, self.client, self.bucket = args, client, bucket
+        self.seen = 0      # newest version downloaded and verified
+        self.failed = 0    # newest version that failed to download or verify (retried until a newer one is seen)
+        self.latest = 0    # newest version the proxy announced
+        self.published: float | None = None  # when the proxy registered `latest` (this process's clock)
+        self.final = False  # the proxy said the run is over (its final version is `latest`)
+        self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
+        self.done = False  # the final version is handled (or the main loop says the run is over)
+        self.max_staleness = 3
+        self.lock = threading.Condition()
+        self.module_names: set[str] | None = None  # the base model's module names (hf backend)
+        self.workdir = tempfile.mkdtemp(prefix="adapters-")
+
+    def run(self) -> None:
+        threading.Thread(target=self.fetch_newest, daemon=True).start()
+        while not (self.done or self.final):
+            try:
+                r = self.client.get("/v1/adapters/latest", after=self.latest, wait_s=self.args.poll_s,
+                                    worker_id=self.args.worker_id)
+            except Exception as e:  # proxy down: keep serving what we have, try again
+                log.info(f"adapter poll failed: {e}")
+                time.sleep(2.0)
+                continue
+            with self.lock:
+                self.max_staleness = r.get("max_staleness", self.max_staleness)
+                if r["version"] > self.latest:
+                    self.latest, self.published = r["version"], registered_at(r)
+                self.final = self.final or r.get("done", False)
+                self.lock.notify_all()
+
+    def fetch_newest(self) -> None:
+        """Downloads the newest version announced, each time there is a newer one than we hold; a version that
+        fails to download or verify is tried again every 2 s until a newer one comes. Done once the final
+        version is handled."""
+        from safetensors.torch import load_file
+        while not self.done:
+            with self.lock:  # (the main loop may set done without a word: look again every second)
+                if not self.lock.wait_for(lambda: self.latest > self.seen or self.final or self.done, timeout=1.0):
+                    continue
+                v, published = self.latest, self.published
+            if self.done:
+                return
+            if v <= self.seen:  # the run is over and its last version is here already
+                self.done = True
+                return
+            try:
+                d = os.path.join(self.workdir, f"v{v:06d}")
+                meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
+                        else fetch_adapter_via_proxy(self.client, v, d))
+                check_fits(meta, self.args, self.module_names)
+                tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
+                with self.lock:
+                    self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
+                                  "published": published, "ready": time.monotonic()}
+                self.seen = v
+            except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
+                # never load what does not verify: keep the previous version, retry shortly
+                log.info(f"not loading version {v}: {e}")
+                self.failed = max(self.failed, v)
+                if self.final and v == self.latest:
+                    self.done = True  # the final version does not verify: nothing more will come
+                    return
+                time.sleep(2.0)
+
+    def take(self) -> dict | None:
+        with self.lock:
+            got, self.ready = self.ready, None
+            return got
+
+    def prune(self, in_use: int) -> None:
+        """Deletes the files of every version older than the one in use. A days-long run publishes thousands
+        of versions and each is a full adapter on disk; once a newer one is swapped in, no engine reads an
+        older one again (vLLM and the servers load a version when it is swapped in, the hf backend holds
+        its tensors in memory). Newer ones, being downloaded or waiting, are left alone."""
+        for name in os.listdir(self.workdir):
+            if re.fullmatch(r"v\d{6}", name) and int(name[1:]) < in_use:
+                shutil.rmtree(os.path.join(self.workdir, name), ignore_errors=True)
+
+
+def registered_at(answer: dict) -> float | None:
+    """When the proxy registered the version it announces, on this process's monotonic clock: its
+    `age_s` says how long ago on the proxy's own monotonic clock, so timings never compare two
+    hosts' wall clocks. (A proxy too old to send age_s: the trainer's published_at wall time.)"""
+    if "age_s" in answer:
+        return None if answer["age_s"] is None else time.monotonic() - answer["age_s"]
+    return time.monotonic() - (time.time() - answer["published_at"]) if answer.get("published_at") else None
+
+
+def check_fits(meta: dict, args, module_names: set[str] | None) -> None:
+    """Refuse an adapter that does not fit the model we serve (rank, base model, target modules); args:
+    rollout.Args."""
+    if meta["lora"]["r"] > args.max_lora_rank:
+        raise AdapterError(f"rank {meta['lora']['r']} above the limit {args.max_lora_rank}")
+    targets = meta["lora"]["target_modules"]
+    # peft stores either short names ("q_proj") or, for "all-linear", full paths of the modules
+    unknown = {t for t in ([targets] if isinstance(targets, str) else targets) if t != "all-linear"
+               and t not in (module_names or ()) and not any(n.endswith("." + t) for n in module_names or ())}
+    if module_names is not None and unknown:
+        raise AdapterError(f"target modules {sorted(unknown)} do not exist in {args.model!r}")
+    if meta.get("base_model") not in (None, args.model):
+        raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
