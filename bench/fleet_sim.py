@@ -181,7 +181,7 @@ class Fleet:
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
                   "fetch_s": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0,
-                  "polls": 0}
+                  "polls": 0, "transport_retries": 0}
 
     def fail(self, what: str) -> None:
         if len(self.m["errors"]) < 10:
@@ -191,8 +191,16 @@ class Fleet:
                    **kw) -> tuple[int, bytes]:
         if delay:
             await asyncio.sleep(delay / 2)
-        async with (http or self.http).request(method, path, **kw) as r:
-            status, body = r.status, await r.read()
+        for attempt in range(5):  # a connection the proxy closed as it was reused: retried, as rollout.py's client does
+            try:
+                async with (http or self.http).request(method, path, **kw) as r:
+                    status, body = r.status, await r.read()
+                break
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                if attempt == 4:
+                    raise
+                self.m["transport_retries"] += 1
+                await asyncio.sleep(0.1)
         if delay:
             await asyncio.sleep(delay / 2)
         return status, body
@@ -416,7 +424,8 @@ class Fleet:
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(self.url, headers=self.headers, connector=conn, timeout=timeout) as http:
             self.http = http
-            async with aiohttp.ClientSession(timeout=timeout) as s3:
+            # no cap on connections to the bucket either: each of 1,000 workers would have its own
+            async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s3:
                 self.http_s3 = s3
                 t0 = time.monotonic()
                 tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
@@ -435,7 +444,7 @@ class Fleet:
         return {"finished": finished, "elapsed": elapsed, "stats": stats}
 
 
-def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
+def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float) -> dict:
     m = f.m
     gen = sum(t for t, _ in m["generated"].values())
     leased = sum(m["generated"][g][0] for g in m["leased"] if g in m["generated"])
@@ -474,11 +483,11 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict) -> dict:
             "grant_wait_p50_s": pct(m["grant_wait"], .5), "grant_wait_p99_s": pct(m["grant_wait"], .99),
             "proxy_cpu": round(cpu / run["elapsed"], 3), "submit_p99_ms": round(1000 * (pct(m["submit"], .99) or 0), 1),
             "health_p99_ms": round(1000 * (pct(m["health"], .99) or 0), 1),
-            "bucket_rps": round(s3_requests["all"] / run["elapsed"], 1),
+            "bucket_rps": round(s3_requests["all"] / run["elapsed"], 1), "bucket_cpu": round(s3_cpu / run["elapsed"], 3),
             "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
-            "sim_cpu": round(m["sim_cpu"], 3),
+            "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
             "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"]}
 
 
@@ -491,7 +500,7 @@ def s3_counts(log: Path, start: int) -> dict:
     return {"all": len(methods), "PUT": methods.count("PUT"), "GET": methods.count("GET")}
 
 
-def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: Path) -> dict:
+def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: Path, s3_pid: int) -> dict:
     port, token = free_port(), secrets.token_urlsafe(16)
     run = f"fleet-{n}-{'on' if pace else 'off'}-{secrets.token_hex(3)}"
     env = {**os.environ, "RUN_NAME": run, "PROXY_TOKEN": token}
@@ -512,10 +521,10 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     try:
         wait_up(f"http://127.0.0.1:{port}/health", proxy)
         f = Fleet(a, n, pace, f"http://127.0.0.1:{port}", token, f"http://127.0.0.1:{s3_port}", bucket, adapter)
-        start, cpu0 = s3_log.stat().st_size, cpu_s(proxy.pid)
+        start, cpu0, s3_cpu0 = s3_log.stat().st_size, cpu_s(proxy.pid), cpu_s(s3_pid)
         print(f"== {n} workers, pacing {'on' if pace else 'off'}: batch {f.batch}, {a.steps} steps", flush=True)
         result = asyncio.run(f.run())
-        return summarize(f, result, cpu_s(proxy.pid) - cpu0, s3_counts(s3_log, start))
+        return summarize(f, result, cpu_s(proxy.pid) - cpu0, s3_counts(s3_log, start), cpu_s(s3_pid) - s3_cpu0)
     finally:
         proxy.kill()
         proxy.wait()
@@ -537,7 +546,7 @@ def line(r: dict) -> str:
             f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  "
             f"proxy cpu {100 * r['proxy_cpu']:.0f}% (sim {100 * r['sim_cpu']:.0f}%)  "
             f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms  "
-            f"bucket {r['bucket_rps']:.0f} req/s  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
+            f"bucket {r['bucket_rps']:.0f} req/s (cpu {100 * r['bucket_cpu']:.0f}%)  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
 
 
 def main(a: Args) -> None:
@@ -558,7 +567,7 @@ def main(a: Args) -> None:
         httpx.put(f"{os.environ['S3_ENDPOINT_URL']}/bench")
         for n in a.workers:
             for pace in {"on": [True], "off": [False], "both": [True, False]}[a.pace]:
-                results.append(configuration(a, n, pace, tmp, s3_port, s3_log))
+                results.append(configuration(a, n, pace, tmp, s3_port, s3_log, s3.pid))
                 print(line(results[-1]), flush=True)
     finally:
         s3.kill()
