@@ -328,9 +328,12 @@ class Pacer:
                     self.round_s.popitem(last=False)
 
     def polling(self, key: str) -> None:
-        """`key` opened a long-poll for new versions: it is alive."""
+        """`key` opened a long-poll for new versions: it is alive (taken for gone before, its round may still
+        come: its grant covers the trainer's demand again)."""
         self.polls[key] = self.polls.get(key, 0) + 1
         self.dropped.pop(key, None)
+        if (g := self.grants.get(key)) is not None:
+            g.gone = False
 
     def polled(self, key: str, now: float) -> None:
         """`key`'s long-poll ended: answered, or its connection closed first. A live worker polls again at once
