@@ -60,6 +60,32 @@ def test_second_trainer_fails_at_once(bucket):
     trainer_state.claim_run(bucket, "trainer-b", ttl=0)  # a dead owner (heartbeat older than ttl) is replaced
 
 
+def test_heartbeats_from_two_threads_are_not_a_takeover(bucket):
+    """The trainer heartbeats from its main loop and from the thread that asks for the next batch (prefetch):
+    two conditional writes on the same ETag at once must not read as another trainer's. Found by test_chaos:
+    after the outages the prefetch thread, starved, heartbeat as the main loop did, and the trainer stopped."""
+    import threading
+    owner = trainer_state.Owner(bucket, "trainer-a", ttl=60)
+    lost, go = [], threading.Barrier(4)
+
+    def beat() -> None:
+        go.wait()
+        for _ in range(15):
+            try:
+                owner.check()
+            except trainer_state.TakenOver as e:
+                lost.append(e)
+    threads = [threading.Thread(target=beat) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not lost, lost[0]
+    trainer_state.claim_run(bucket, "trainer-a", ttl=60)  # a real takeover is still seen
+    with pytest.raises(trainer_state.TakenOver):
+        owner.check()
+
+
 def test_final_registration_of_a_version_the_proxy_adopted(tiny_model, start_proxy, bucket, tmp_path):
     """The last version published and checkpointed, then the proxy restarts and adopts it from
     adapters/latest.json as not final: the trainer's final registration publishes the same weights

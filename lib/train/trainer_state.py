@@ -118,14 +118,18 @@ class Owner:
         self.bucket, self.id = bucket, trainer_id
         self.etag = claim_run(bucket, trainer_id, ttl)
         self.on_lost = lambda: None  # called before TakenOver propagates (the metrics stop uploading)
+        # the main loop and the thread that asks for the next batch both heartbeat: two conditional writes on
+        # one ETag at once, and the slower one's 412 would read as a takeover (test_chaos met it)
+        self.lock = threading.Lock()
 
     def check(self) -> None:
-        """Heartbeat; raises TakenOver if the run is no longer ours."""
-        try:
-            self.etag = heartbeat(self.bucket, self.id, self.etag)
-        except TakenOver:
-            self.on_lost()
-            raise
+        """Heartbeat; raises TakenOver if the run is no longer ours. One at a time, from any thread."""
+        with self.lock:
+            try:
+                self.etag = heartbeat(self.bucket, self.id, self.etag)
+            except TakenOver:
+                self.on_lost()
+                raise
 
 
 # ---------------------------------------------------------------------------------------------
