@@ -519,7 +519,10 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
             async with S.cond:
                 if end_lease(bid):
                     S.cond.notify_all()
-        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, S.latest, waited)
+        # latest_version: the one its groups were judged fresh against, not a version registered during the journal
+        # write (that one would make them look a version staler than max_staleness; test_proxy_defects met it),
+        # and never one not registered yet (after_version: the trainer knows that one)
+        return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, min(S.latest, latest), waited)
     finally:
         gone.cancel()
 
