@@ -120,10 +120,9 @@ class Spool:
         answers a group once its journal line is in the bucket, and the groups that arrive together share
         one journal write: a round's groups sent one by one would each wait for a write of their own (at
         1,000 simulated workers a round's posts took a median 0.42-0.46 s so, 0.05-0.21 s together;
-        docs/fleet.md). The first goes alone, so that an outage is
-        waited out, and said, by one call. The client waits out a proxy outage; it gives up only when we
-        are stopping, and then the rest stays on disk (or in memory). Returns (group_id, the proxy's
-        status) per group sent."""
+        docs/fleet.md). The first goes alone, so that an outage is waited out, and said, by one call. The
+        client waits out a proxy outage; it gives up only when we are stopping, and then the rest stays on
+        disk (or in memory). Returns (group_id, the proxy's status) per group sent."""
         items = [(g, None) for g in self.held] + [(None, name) for name in self.pending()]
         if not items:
             return []
@@ -142,9 +141,10 @@ class Spool:
         if len(items) > 1 and not stopped.is_set():
             with ThreadPoolExecutor(min(at_once, len(items) - 1)) as pool:
                 rest = list(pool.map(send, items[1:]))
-        sent = {id(group) for (group, _), out in zip(items, [first, *rest]) if group is not None and out is not None}
+        outs = [first, *rest]  # one per item tried (zip stops where a stop left the rest untried)
+        sent = {id(group) for (group, _), out in zip(items, outs) if group is not None and out is not None}
         self.held = [g for g in self.held if id(g) not in sent]
-        return [out for out in [first, *rest] if out is not None]
+        return [out for out in outs if out is not None]
 
     def drop_all(self, why: str) -> None:
         """Forget what is left (the run is over: it would never be trained), saying how much."""
