@@ -616,14 +616,15 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
             raise HTTPException(409, f"the run is over: version {S.latest} was registered as final")
         if req.version <= S.latest:
             raise HTTPException(409, f"version {req.version} is not newer than the latest {S.latest}")
-        if BUCKET is not None:
-            await asyncio.to_thread(check_published, BUCKET, req.version)
+        meta = await asyncio.to_thread(check_published, BUCKET, req.version) if BUCKET is not None else None
         v = {"version": req.version, "step": req.step, "published_at": req.published_at}
         S.pending_version = req.version  # leases decided from now on come after it in the log
         try:
             await JOURNAL.append({"t": "version", **v, "final": req.final})
         finally:
             S.pending_version = 0
+        if DOWNLOADS is not None and meta is not None:
+            DOWNLOADS.remember(req.version, meta)
         async with S.cond:
             dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
             S.cond.notify_all()
@@ -669,9 +670,13 @@ def registered(version: int) -> None:
 @app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))
 async def adapter_files(version: int = Path(ge=1, le=10**9)) -> dict:
     """Where a worker downloads meta.json and the adapter files of a registered version: `url` (a presigned
-    bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback)."""
+    bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback); and
+    `meta`, meta.json itself as checked at registration (null if it no longer reads from the bucket)."""
     registered(version)
-    return DOWNLOADS.listing(version)
+    meta = DOWNLOADS.metas.get(version)
+    if meta is None and (meta := await asyncio.to_thread(DOWNLOADS.read_meta, version)) is not None:
+        DOWNLOADS.remember(version, meta)
+    return DOWNLOADS.listing(version, meta)
 
 @app.get("/v1/adapters/{version}/files/{name}", openapi_extra=scope("worker"), response_class=Response)
 async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES] = Path()) -> Response:

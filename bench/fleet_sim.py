@@ -11,9 +11,9 @@ rollout/gen_s of each round, the tokens per completion, the trainer's work per s
 run), times its own speed (lognormal: a fleet of different GPUs), times how hard its prompts are, times
 --time-scale. Otherwise each worker does what rollout.py does over HTTP: long-polls /v1/adapters/latest
 (with its worker_id: its sign of life, docs/proxy.md#pacing), asks for prompts (a paced lease: POST
-/v1/prompts/lease with wait_s), fetches the adapter it is told to generate with from the bucket (meta.json and
-the two files, real GETs), "generates", and posts its groups one by one (8 completions each, real token ids and
-logprobs, the length drawn), honouring 429. Workers join late, leave, crash mid-round (the round is lost and
+/v1/prompts/lease with wait_s), fetches the adapter it is told to generate with (the proxy's listing, meta.json
+in it, then from the bucket each file it does not hold yet: real GETs), "generates", and posts its round's groups
+at once (8 completions each, real token ids and logprobs, the length drawn), honouring 429. Workers join late, leave, crash mid-round (the round is lost and
 its poll's connection closes; the worker comes back with the same id later, or has left by then) and some sit
 behind a slow network (every request delayed). The trainer does what train.py does: leases a batch (with
 groups_left; from the first on, the next one as each step begins, with after_version: train.py's prefetch),
@@ -217,6 +217,7 @@ class Fleet:
             self.m["join"] += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5) * self.expected_s)
         held, seen = [0], [0]  # the version it generates with; the newest its long-poll has seen
+        known: set[str] = set()  # sha256s of the adapter files it has fetched (rollout.py's KnownFiles)
         sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
         try:
             while not self.done.is_set():
@@ -245,7 +246,7 @@ class Fleet:
                 want = max(got.get("version", 0), seen[0])  # the newest, as rollout.py takes between rounds
                 if want > held[0]:  # (a grant's version at least: the one it counts on) from the bucket
                     t_fetch = time.monotonic()
-                    await self.fetch(want, held, net)
+                    await self.fetch(want, held, net, known)
                     self.m["fetch_s"].append(time.monotonic() - t_fetch)
                 version = held[0]
                 at = self.latest / max(1, a.steps)
@@ -287,21 +288,28 @@ class Fleet:
                 self.m["polls"] += 1
                 seen[0] = max(seen[0], json.loads(raw)["version"])
 
-    async def fetch(self, version: int, held: list[int], net: float) -> None:
-        """meta.json and the two adapter files of `version`, as rollout.py's sync thread gets them: the proxy's
-        listing (GET /v1/adapters/{v}/files), then each file from the bucket by its presigned URL (real GETs)."""
+    async def fetch(self, version: int, held: list[int], net: float, known: set[str]) -> None:
+        """The adapter files of `version`, as rollout.py's sync thread gets them: the proxy's listing (GET
+        /v1/adapters/{v}/files, with meta.json in it), then each file from the bucket by its presigned URL (real
+        GETs), but for one whose sha256 the worker already holds (adapter_config.json, after its first fetch)."""
         t0 = time.monotonic()
         status, raw = await self.call("GET", f"/v1/adapters/{version}/files", net)
         self.m["listing_s"].append(time.monotonic() - t0)
         if status != 200:
             self.fail(f"files of v{version}: {status} {raw[:200]}")
             return
-        for name, f in json.loads(raw)["files"].items():
+        listing = json.loads(raw)
+        for name, sha in listing["meta"]["files"].items():
+            if sha in known:
+                continue
+            f = listing["files"][name]
             async with (self.http_s3.get(f["url"]) if f["url"].startswith("http") else self.http.get(f["url"])) as r:
                 await r.read()
                 self.m["bucket_gets"] += 1
                 if r.status != 200:
                     self.fail(f"GET {name} of v{version}: {r.status}")
+                    return
+            known.add(sha)
         held[0] = max(held[0], version)
 
     async def submit(self, wid: str, prompt: int, version: int, tokens: float, rng: random.Random, net: float) -> None:

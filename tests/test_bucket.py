@@ -37,6 +37,25 @@ def test_corrupt_or_partial_version_is_refused(bucket, tmp_path):
         common.fetch_adapter(bucket, 2, tmp_path / "out2")
 
 
+def test_a_file_a_worker_already_verified_is_not_fetched_again(bucket, tmp_path):
+    """adapter_config.json is the same in every version of a run: a worker writes it from KnownFiles (by its
+    sha256), so deleting it from the bucket does not break the next fetch; a changed one is fetched."""
+    known = common.KnownFiles()
+    common.publish_adapter(bucket, write_adapter(tmp_path / "a", b"weights-1"), 1, 1, "base")
+    common.fetch_adapter(bucket, 1, tmp_path / "v1", known)
+    common.publish_adapter(bucket, write_adapter(tmp_path / "b", b"weights-2"), 2, 2, "base")
+    bucket.s3.delete_object(Bucket=bucket.bucket, Key=bucket.key("adapters/v000002/adapter_config.json"))
+    with pytest.raises(common.AdapterError, match="adapter_config.json is missing"):
+        common.fetch_adapter(bucket, 2, tmp_path / "v2-afresh")  # without it, the file is fetched (and gone)
+    meta = common.fetch_adapter(bucket, 2, tmp_path / "v2", known)
+    assert common.sha256_file(tmp_path / "v2" / "adapter_config.json") == meta["files"]["adapter_config.json"]
+    assert (tmp_path / "v2" / "adapter_model.safetensors").read_bytes() == b"weights-2"
+    common.publish_adapter(bucket, write_adapter(tmp_path / "c", b"weights-3", r=8), 3, 3, "base")  # another shape
+    meta = common.fetch_adapter(bucket, 3, tmp_path / "v3", known)
+    assert json.loads((tmp_path / "v3" / "adapter_config.json").read_text())["r"] == 8
+    assert common.sha256_file(tmp_path / "v3" / "adapter_config.json") == meta["files"]["adapter_config.json"]
+
+
 def test_versions_only_increase_and_pointer_is_conditional(bucket, tmp_path):
     common.publish_adapter(bucket, write_adapter(tmp_path / "a", b"1"), 1, 1, "base")
     common.publish_adapter(bucket, write_adapter(tmp_path / "b", b"2"), 2, 2, "base")

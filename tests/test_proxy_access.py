@@ -206,6 +206,9 @@ def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, sp
     assert listing["via"] == mode and set(listing["files"]) == {"meta.json", *common.ADAPTER_FILES}
     url = listing["files"]["adapter_model.safetensors"]["url"]
     assert ("X-Amz-Signature=" in url) if mode == "presigned" else (url == "/v1/adapters/1/files/adapter_model.safetensors")
+    again = client.get("/v1/adapters/1/files")  # signed once, handed out again while half their lifetime is left
+    assert again["files"] == listing["files"]
+    assert (450 <= again["expires_in_s"] <= listing["expires_in_s"] <= 900) if mode == "presigned" else again["expires_in_s"] is None
     meta = proxy_client.fetch_adapter_via_proxy(client, 1, tmp_path / "v1")
     assert meta["version"] == 1
     for name, digest in meta["files"].items():
@@ -218,6 +221,32 @@ def test_a_worker_token_fetches_verified_adapters_without_bucket_keys(bucket, sp
     assert not (tmp_path / "v1-again" / "adapter_model.safetensors").exists()
     assert client.http.get("/v1/adapters/7/files").status_code == 404
     assert client.http.get("/v1/adapters/1/files/secrets.txt").status_code == 422
+
+
+def file_downloads(p) -> int:
+    """Adapter files the proxy has streamed (--adapter-urls proxy): /metrics counts each request by its route."""
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in p.http.get("/metrics").text.splitlines()
+                   if line.startswith("proxy_request_seconds_count{") and 'route="/v1/adapters/{version}/files/{name}"' in line))
+
+
+def test_a_version_costs_a_worker_one_download_when_only_the_weights_change(bucket, spawn, tmp_path):
+    """The listing carries meta.json as the proxy checked it at registration, and adapter_config.json (the same
+    in every version) is written from what the worker already verified: one file downloaded a version."""
+    p = spawn("--adapter-urls", "proxy")
+    publish(bucket, p, 1)
+    client = proxy_client.ProxyClient(p.url, create(p, "fay"))
+    listing = client.get("/v1/adapters/1/files")
+    assert listing["meta"] == bucket.get_json("adapters/v000001/meta.json")
+    known, before = common.KnownFiles(), file_downloads(p)
+    proxy_client.fetch_adapter_via_proxy(client, 1, tmp_path / "v1", known)
+    assert file_downloads(p) - before == 2  # the weights and the config; meta.json came with the listing
+    publish(bucket, p, 2)
+    meta = proxy_client.fetch_adapter_via_proxy(client, 2, tmp_path / "v2", known)
+    assert file_downloads(p) - before == 3  # the weights alone
+    for name, digest in meta["files"].items():
+        assert hashlib.sha256((tmp_path / "v2" / name).read_bytes()).hexdigest() == digest
+    proxy_client.fetch_adapter_via_proxy(client, 2, tmp_path / "v2-afresh")
+    assert file_downloads(p) - before == 5  # with nothing known, both again
 
 
 def test_a_presigned_url_that_fails_falls_back_to_the_proxy(bucket, spawn, tmp_path):

@@ -1,8 +1,9 @@
 """A published adapter version's files, as the proxy handles them: checking that a version being
 registered is complete (check_published), and handing its files to workers without bucket keys.
 
-The proxy answers `GET /v1/adapters/{version}/files` with, for meta.json and each adapter file, a `url`
-and a `path`:
+The proxy answers `GET /v1/adapters/{version}/files` with the version's meta.json itself (`meta`, as read and
+checked at registration: a worker need not fetch it) and, for meta.json and each adapter file, a `url` and a
+`path`:
 
   - presigned: `url` is a short-lived presigned GET URL (query-string SigV4) straight to the bucket, so
     the bytes never pass through the proxy. It names the bucket's endpoint and the object's key.
@@ -20,8 +21,10 @@ bytes come back.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
+import time
 
 import boto3
 import httpx
@@ -35,25 +38,31 @@ from common import ADAPTER_FILES, AdapterError, Bucket, adapter_prefix, check_me
 FILES = ("meta.json", *ADAPTER_FILES)
 PROBE_KEY = "access/presign-probe.bin"
 CHUNK = 1 << 20
+SIGNED_KEPT = 8  # versions whose signed URLs are kept (workers ask for the newest few)
+META_KEPT = 64  # registered versions whose meta.json the listing answers from memory (workers ask for the newest)
 SEND_TIMEOUT_S = 60.0  # a client that reads nothing for this long loses its download (and its slot)
 
 
-def check_published(bucket: Bucket, version: int) -> None:
+def check_published(bucket: Bucket, version: int) -> dict:
     """422 unless version's meta.json passes common.check_meta (the check every reader makes) and the files
-    it lists are in the bucket (the trainer writes files, then meta.json, then registers: all must be there)."""
+    it lists are in the bucket (the trainer writes files, then meta.json, then registers: all must be there).
+    Returns the meta."""
     got = bucket.get(f"{adapter_prefix(version)}/meta.json")
     try:
-        check_meta(got and got[0], version)
+        meta = check_meta(got and got[0], version)
     except AdapterError as e:
         raise HTTPException(422, f"{e}: publish it first" if got is None else str(e)) from None
     present = {k.rsplit("/", 1)[1] for k in bucket.list(f"{adapter_prefix(version)}/")}
     if missing := sorted(set(ADAPTER_FILES) - present):
         raise HTTPException(422, f"version {version}: {missing} missing from the bucket")
+    return meta
 
 
 class Downloads:
     def __init__(self, bucket: Bucket, mode: str, ttl_s: float, max_streams: int):
         self.bucket, self.ttl_s, self.max_streams, self.streams = bucket, ttl_s, max_streams, 0
+        self.metas: dict[int, dict] = {}  # version -> its meta.json, as checked at registration
+        self.signed: dict[int, tuple[float, dict]] = {}  # version -> (when its URLs were signed, its files)
         # a client of its own: presigned URLs need SigV4 (botocore signs custom endpoints with v2 by
         # default), and a stream held open by a slow reader must not take a connection the journal needs
         cfg = bucket.s3.meta.config.merge(Config(signature_version="s3v4"))
@@ -80,14 +89,39 @@ class Downloads:
                   "files itself", file=sys.stderr, flush=True)
         return ok
 
-    def listing(self, version: int) -> dict:
-        files = {}
-        for name in FILES:
-            path = f"/v1/adapters/{version}/files/{name}"
-            url = self.presign(f"{adapter_prefix(version)}/{name}", self.ttl_s) if self.mode == "presigned" else path
-            files[name] = {"url": url, "path": path}
-        return {"version": version, "via": self.mode, "expires_in_s": self.ttl_s if self.mode == "presigned" else None,
-                "files": files}
+    def remember(self, version: int, meta: dict) -> None:
+        """A registered version's meta.json, kept for the listing (the newest META_KEPT versions; on the event
+        loop's thread only)."""
+        self.metas[version] = meta
+        while len(self.metas) > META_KEPT:
+            self.metas.pop(min(self.metas))
+
+    def read_meta(self, version: int) -> dict | None:
+        """Version's meta.json read from the bucket and checked again (one not kept: registered before a restart,
+        or older than those kept); None if it no longer reads or checks (the worker's own download says why)."""
+        got = self.bucket.get(f"{adapter_prefix(version)}/meta.json")
+        try:
+            return check_meta(got and got[0], version)
+        except AdapterError:
+            return None
+
+    def listing(self, version: int, meta: dict | None) -> dict:
+        """A version's files for a worker. Its URLs are signed once and handed out again while at least half their
+        lifetime is left: every worker asks for the same new version within a second or two, and signing three
+        URLs for each of a thousand workers on the event loop would delay everything else it answers."""
+        now = time.monotonic()
+        made_at, files = self.signed.get(version, (-math.inf, None))
+        if now - made_at > self.ttl_s / 2:
+            made_at, files = now, {}
+            for name in FILES:
+                path = f"/v1/adapters/{version}/files/{name}"
+                url = self.presign(f"{adapter_prefix(version)}/{name}", self.ttl_s) if self.mode == "presigned" else path
+                files[name] = {"url": url, "path": path}
+            self.signed[version] = (made_at, files)
+            while len(self.signed) > SIGNED_KEPT:
+                self.signed.pop(min(self.signed))
+        expires_in_s = round(self.ttl_s - (now - made_at), 1) if self.mode == "presigned" else None
+        return {"version": version, "via": self.mode, "expires_in_s": expires_in_s, "files": files, "meta": meta}
 
     async def stream(self, version: int, name: str) -> Response:
         if self.streams >= self.max_streams:

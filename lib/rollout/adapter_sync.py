@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from common import AdapterError, Bucket, BucketError, fetch_adapter
+from common import AdapterError, Bucket, BucketError, KnownFiles, fetch_adapter
 from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy
 
 log = logging.getLogger("rollout")  # rollout.py's: its lines are the worker's
@@ -40,6 +40,7 @@ class AdapterSync(threading.Thread):
         self.lock = threading.Condition()
         self.module_names: set[str] | None = None  # the base model's module names (hf backend)
         self.workdir = tempfile.mkdtemp(prefix="adapters-")
+        self.known = KnownFiles()  # adapter_config.json: the same in every version, fetched once
 
     def run(self) -> None:
         threading.Thread(target=self.fetch_newest, daemon=True).start()
@@ -75,8 +76,8 @@ class AdapterSync(threading.Thread):
                 return
             try:
                 d = os.path.join(self.workdir, f"v{v:06d}")
-                meta = (fetch_adapter(self.bucket, v, d) if self.bucket is not None
-                        else fetch_adapter_via_proxy(self.client, v, d))
+                meta = (fetch_adapter(self.bucket, v, d, self.known) if self.bucket is not None
+                        else fetch_adapter_via_proxy(self.client, v, d, self.known))
                 check_fits(meta, self.args, self.module_names)
                 tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
                 with self.lock:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import httpx
 
-from common import AdapterError, Bucket, check_meta, log, patiently
+from common import AdapterError, Bucket, KnownFiles, check_meta, log, patiently
 
 # On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
 # run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
@@ -193,29 +193,42 @@ class ProxyClient:
 # adapters for a worker without bucket keys: through the URLs the proxy hands out
 
 
-def fetch_adapter_via_proxy(client: ProxyClient, version: int, dest: str | Path) -> dict:
+def fetch_adapter_via_proxy(client: ProxyClient, version: int, dest: str | Path,
+                            known: KnownFiles | None = None) -> dict:
     """fetch_adapter for a worker without bucket keys: the files come through the URLs the proxy hands
     out (`GET /v1/adapters/{version}/files`: a presigned bucket URL, or the proxy streaming the file;
-    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. Files are
-    streamed to disk (an adapter can be a GB) and renamed into place only once they verify."""
+    see adapter_files.py), and every file is checked against meta.json's sha256 the same way. The listing
+    carries meta.json itself (the proxy read and checked it when the version was registered), which saves
+    a request; a file `known` already holds under its sha256 is written from there. Files are streamed to
+    disk (an adapter can be a GB) and renamed into place only once they verify."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    files = client.get(f"/v1/adapters/{version}/files")["files"]
-    meta = proxy_adapter_meta(client, version, files)
+    listing = client.get(f"/v1/adapters/{version}/files")
+    files = listing["files"]
+    meta = proxy_adapter_meta(client, version, listing)
     for name, want in meta["files"].items():
         part = dest / f".{name}.part"
+        if known is not None and (data := known.get(want)) is not None:
+            part.write_bytes(data)
+            os.replace(part, dest / name)
+            continue
         digest = _download(client, files[name], part, f"version {version}: {name}")
         if digest != want:
             part.unlink(missing_ok=True)
             raise AdapterError(f"version {version}: {name} sha256 {digest[:12]}... != meta.json {want[:12]}...")
+        if known is not None and part.stat().st_size <= known.MAX_BYTES:
+            known.add(want, part.read_bytes())
         os.replace(part, dest / name)
     return meta
 
 
-def proxy_adapter_meta(client: ProxyClient, version: int, files: dict | None = None) -> dict:
-    """Version `version`'s meta.json through the proxy's URLs, checked to describe that version's files."""
-    files = files or client.get(f"/v1/adapters/{version}/files")["files"]
-    return check_meta(_download(client, files["meta.json"], None, f"version {version}: meta.json"), version)
+def proxy_adapter_meta(client: ProxyClient, version: int, listing: dict | None = None) -> dict:
+    """Version `version`'s meta.json from the proxy's listing (or through its URL, from a proxy whose listing
+    does not carry it), checked to describe that version's files."""
+    listing = listing or client.get(f"/v1/adapters/{version}/files")
+    if listing.get("meta") is not None:
+        return check_meta(json.dumps(listing["meta"]).encode(), version)
+    return check_meta(_download(client, listing["files"]["meta.json"], None, f"version {version}: meta.json"), version)
 
 
 def _download(client: ProxyClient, entry: dict, path: Path | None, what: str) -> bytes | str:
