@@ -13,13 +13,13 @@ run), times its own speed (lognormal: a fleet of different GPUs), times how hard
 (with its worker_id: its sign of life, docs/proxy.md#pacing), asks for prompts (a paced lease: POST
 /v1/prompts/lease with wait_s), fetches the adapter it is told to generate with (the proxy's listing, meta.json
 in it, then from the bucket each file it does not hold yet: real GETs), "generates", and posts its round's groups
-at once (8 completions each, real token ids and logprobs, the length drawn), honouring 429. Workers join late, leave, crash mid-round (the round is lost and
-its poll's connection closes; the worker comes back with the same id later, or has left by then) and some sit
-behind a slow network (every request delayed). The trainer does what train.py does: leases a batch (with
-groups_left; from the first on, the next one as each step begins, with after_version: train.py's prefetch),
-"trains" for the drawn step time, publishes a small real adapter version to the bucket (files, meta.json,
-latest.json: the proxy verifies them at registration), registers it, acks; the last version as final. A
-configuration ends at the trainer's last step, or after --timeout-s.
+at once (8 completions each, real token ids and logprobs, the length drawn), honouring 429. Workers join late,
+leave, crash mid-round (the round is lost and its poll's connection closes; the worker comes back with the same
+id later, or has left by then) and some sit behind a slow network (every request delayed). The trainer does what
+train.py does: leases a batch (with groups_left; from the first on, the next one as each step begins, with
+after_version: train.py's prefetch), "trains" for the drawn step time, publishes a small real adapter version to
+the bucket (files, meta.json, latest.json: the proxy verifies them at registration), registers it, acks; the last
+version as final. A configuration ends at the trainer's last step, or after --timeout-s.
 
 Per configuration it prints the trainer's utilisation (busy / (busy + waiting for a batch), from its first
 batch on; `steady`: the same before the last max_staleness + 1 steps, where pacing's demand bound lets no
