@@ -673,10 +673,7 @@ async def adapter_files(version: int = Path(ge=1, le=10**9)) -> dict:
     bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback); and
     `meta`, meta.json itself as checked at registration (null if it no longer reads from the bucket)."""
     registered(version)
-    meta = DOWNLOADS.metas.get(version)
-    if meta is None and (meta := await asyncio.to_thread(DOWNLOADS.read_meta, version)) is not None:
-        DOWNLOADS.remember(version, meta)
-    return DOWNLOADS.listing(version, meta)
+    return DOWNLOADS.listing(version, await DOWNLOADS.meta(version))
 
 @app.get("/v1/adapters/{version}/files/{name}", openapi_extra=scope("worker"), response_class=Response)
 async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES] = Path()) -> Response:

@@ -96,9 +96,15 @@ class Downloads:
         while len(self.metas) > META_KEPT:
             self.metas.pop(min(self.metas))
 
+    async def meta(self, version: int) -> dict | None:
+        """A registered version's meta.json for the listing: kept since its registration, or (one registered before
+        a restart, or older than those kept) read from the bucket, checked again and kept; None if it no longer
+        reads or checks (the worker's own download of meta.json then says why)."""
+        if (meta := self.metas.get(version)) is None and (meta := await asyncio.to_thread(self.read_meta, version)):
+            self.remember(version, meta)
+        return meta
+
     def read_meta(self, version: int) -> dict | None:
-        """Version's meta.json read from the bucket and checked again (one not kept: registered before a restart,
-        or older than those kept); None if it no longer reads or checks (the worker's own download says why)."""
         got = self.bucket.get(f"{adapter_prefix(version)}/meta.json")
         try:
             return check_meta(got and got[0], version)
