@@ -709,11 +709,16 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
         writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
     try:
-        for fut in writes:
-            await fut
         answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
                   await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
-        answer = await bind_prompts(answer, req.dataset, request.scope["principal"].name)  # trust: whom they went to
+        # trust: whom they went to. Appended in the same turn as the cursor (n <= 64), so the three records share
+        # one commit: the answer waits for one bucket write, not two in a row (a grant's round starts sooner)
+        bound = prompts_record(answer, req.dataset, request.scope["principal"].name)
+        writes.append(JOURNAL.append(bound))
+        for fut in writes:
+            await fut
+        S.book.receipts.bind(bound["lease_id"], bound.get("participant"), req.dataset, answer["indices"], bound["latest"])
+        answer = {"lease_id": bound["lease_id"], **answer}
     except journal.JournalWriteError:
         if grant is not None:  # the grant holds no place: nobody got its prompts
             S.book.pacing.ungrant(grant)
@@ -748,15 +753,13 @@ def _pace_now() -> None:
     _pace_soon = False
     WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
 
-async def bind_prompts(got: dict, dataset: str, name: str) -> dict:
-    """(Trust, docs/trust.md) A lease_id for these indices, journaled with whom they went to: a group must name
-    it, and only that participant may answer them, once each (receipts.py)."""
-    who, latest = None if name == ADMIN else name, S.latest
-    rec = {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"], "latest": latest,
-           **({"participant": who} if who else {})}
-    await JOURNAL.append(rec)
-    S.book.receipts.bind(rec["lease_id"], who, dataset, got["indices"], latest)
-    return {"lease_id": rec["lease_id"], **got}
+def prompts_record(got: dict, dataset: str, name: str) -> dict:
+    """(Trust, docs/trust.md) The journal record of a prompt lease: a lease_id for these indices and whom they went
+    to. A group must name it, and only that participant may answer them, once each (receipts.py binds it once
+    the record is written)."""
+    who = None if name == ADMIN else name
+    return {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"],
+            "latest": S.latest, **({"participant": who} if who else {})}
 
 @app.get("/v1/whoami", openapi_extra=scope("worker"))
 async def whoami(request: Request) -> dict:

@@ -459,6 +459,23 @@ def test_a_grant_holds_its_place_across_a_proxy_restart(bucket, spawn):
     assert replay.pacing.book_state() == live and live["counts"]["groups_granted"] == 8
 
 
+def test_a_grant_is_answered_after_one_journal_commit(bucket, spawn):
+    """The cursor, the grant and the prompt lease (whom the prompts went to) share one commit: the worker's answer
+    waits for one bucket write, not two in a row, so its round starts sooner."""
+    p = spawn("--pace", "--max-staleness", "1")
+    lease(p, 4, left=8)
+    before = set(journal.log_keys(bucket))
+    got = ask(p, "w1")
+    assert len(got["indices"]) == 4
+    commits = [[json.loads(line) for line in blob.splitlines()[1:]]
+               for key, blob in journal.read_objects(bucket, [k for k in journal.log_keys(bucket) if k not in before])]
+    mine = [c for c in commits if any(r.get("t") == "grant" for r in c)]
+    assert len(mine) == 1, commits
+    kinds = [r.get("t") for r in mine[0] if r.get("t") in ("cursor", "grant", "prompts")]
+    assert kinds == ["cursor", "grant", "prompts"], mine[0]
+    assert next(r for r in mine[0] if r.get("t") == "prompts")["lease_id"] == got["lease_id"]
+
+
 def test_joins_leaves_a_crash_and_a_trainer_restart_lose_no_round(bucket, spawn, seed):
     """Workers of different speeds, one joining late, one leaving, one crashing with a grant; the trainer
     restarted mid-run. Nothing deadlocks, every round delivered is trained (none refused as stale, none left
