@@ -4,7 +4,9 @@ with metrics/ from report.py works). A folder whose name contains "-sync" is the
     .venv/bin/python bench/async_vs_sync.py --png runs/avs.png runs/avs-*-sync-* runs/avs-*-async-*
 
 Prints per run and the median per mode: the step and seconds into training at which the 5-step
-mean reward first reaches 0.8, steps per minute, the trainer's idle share (waiting for a batch),
+mean reward first reaches 0.8; the same by policy version (ver, ver_s: the first version whose rounds, with
+the four versions before it, have a mean reward of 0.8, and when it was published: a step's reward is that
+of the samples it trains, generated one version back in sync and one or two in async); steps per minute, the trainer's idle share (waiting for a batch),
 tokens generated / leased / trained, staleness; writes one PNG with reward per step and per second.
 """
 from __future__ import annotations
@@ -38,8 +40,10 @@ def row(path: str, level: float) -> dict:
     train, rollouts, proxy = report.load_dir(path)
     s = report.summarize(train, rollouts, proxy, level)
     hit = s[f"first_reaches_{level}"] or {}
+    ver = s[f"first_version_reaches_{level}"] or {}
     return {"run": os.path.basename(os.path.normpath(path)), "mode": mode_of(path), "train": train,
-            "step": hit.get("step"), "s": hit.get("wall_s"), "steps/min": s["steps_per_min"],
+            "step": hit.get("step"), "s": hit.get("wall_s"), "ver": ver.get("version"), "ver_s": ver.get("wall_s"),
+            "steps/min": s["steps_per_min"],
             "idle": s["trainer_idle_frac"], "generated": s["tokens_generated"], "leased": s["tokens_leased"],
             "trained": s["tokens_trained"], "stale": s["staleness_mean"], "steps": s["steps"], "wall": s["wall_s"]}
 
@@ -75,8 +79,9 @@ def main(args: Args) -> None:
     if not args.runs:
         raise SystemExit("give the run folders to compare, e.g. runs/avs-*-sync-* runs/avs-*-async-*")
     rows = [row(p, args.level) for p in args.runs]
-    cols = ["run", "step", "s", "steps/min", "idle", "generated", "leased", "trained", "stale", "steps", "wall"]
-    print(f"first reaches {args.level}: step, s = seconds into training; idle = trainer waiting for a batch")
+    cols = ["run", "step", "s", "ver", "ver_s", "steps/min", "idle", "generated", "leased", "trained", "stale", "steps", "wall"]
+    print(f"first reaches {args.level}: step, s = seconds into training; ver, ver_s = the policy version and when it was "
+          "published; idle = trainer waiting for a batch")
     print("  ".join(f"{c:>10s}" if c != "run" else f"{c:34s}" for c in cols))
     for r in rows:
         print("  ".join(f"{fmt(r[c]):>10s}" if c != "run" else f"{r[c]:34s}" for c in cols))

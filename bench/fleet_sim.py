@@ -112,6 +112,9 @@ class Args:
     journal commit of the one before, as rollout.py did before)"""
     commit_depth: int = 1
     """the proxy's --commit-depth: journal puts in flight at once"""
+    trace: bool = False
+    """keep the proxy's view twice a second in the results ("trace": rows of [s, latest version, buffer, open
+    grants, groups in flight, workers waiting for a grant, the trainer's demand, batches it holds])"""
     seed: int = 0
     out: str = "runs/fleet_sim.json"
     measure: str | None = None
@@ -179,7 +182,7 @@ class Fleet:
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
-                  "fetch_s": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
+                  "fetch_s": [], "trace": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0,
                   "polls": 0, "transport_retries": 0}
 
@@ -425,6 +428,19 @@ class Fleet:
             self.m["health"].append(time.monotonic() - t0)
             await asyncio.sleep(0.1)
 
+    async def trace(self) -> None:
+        """--trace: the proxy's view twice a second (what a stall looks like from there)."""
+        t_start = time.monotonic()
+        while not self.done.is_set():
+            status, raw = await self.call("GET", "/v1/stats")
+            if status == 200:
+                st = json.loads(raw)
+                pc = st["pacing"]
+                self.m["trace"].append([round(time.monotonic() - t_start, 2), st["latest_version"], st["buffer_size"],
+                                        pc["open_grants"], pc["groups_in_flight"], st["waiting_for_grants"],
+                                        pc["demand"], pc["trainer_batches_held"]])
+            await asyncio.sleep(0.5)
+
     async def run(self) -> dict:
         # the expected length of the run (joins and leaves are spread over it): steps x the median step
         self.expected_s = self.a.steps * statistics.median(s[1] for s in self.draw.steps) * self.a.time_scale
@@ -437,7 +453,7 @@ class Fleet:
                 self.http_s3 = s3
                 t0 = time.monotonic()
                 tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
-                tasks += [asyncio.create_task(self.probe())]
+                tasks += [asyncio.create_task(self.probe())] + ([asyncio.create_task(self.trace())] if self.a.trace else [])
                 cpu0 = time.process_time()
                 finished = await asyncio.to_thread(self.train_apart, asyncio.get_running_loop(), timeout)
                 await asyncio.wait(tasks, timeout=30)
@@ -496,7 +512,8 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
             "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
-            "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"]}
+            "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"],
+            **({"trace": m["trace"]} if f.a.trace else {})}
 
 
 def s3_counts(log: Path, start: int) -> dict:

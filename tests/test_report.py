@@ -36,6 +36,17 @@ def test_first_reaching_and_staleness_table():
     assert report.headline(s) == "5-step mean reward first reaches 0.8 at step 7, 70 s into training"
 
 
+def test_first_version_reaching_reads_the_policy_not_the_step():
+    """The reward of the rounds each version generated (versions without rounds skipped), and when the trainer
+    published it: version 6's rounds and the four before it with rounds reach 0.8; the base model is at 0 s."""
+    train = _rows()
+    per_version = {0: 0.2, 1: 0.5, 2: 0.8, 4: 0.9, 5: 0.9, 6: 0.95, 7: 1.0}  # 5-version means: 0.66 (v5), 0.81 (v6)
+    assert report.first_version_reaching(per_version, train, 0.8) == {"version": 6, "wall_s": 60.0}
+    assert report.first_version_reaching({0: 0.9, 1: 0.9, 2: 0.9, 3: 0.9, 4: 0.9}, train, 0.8) == {"version": 4, "wall_s": 40.0}
+    assert report.first_version_reaching({0: 0.9, 1: 0.9, 2: 0.9, 3: 0.9}, train, 0.8) is None  # fewer than five
+    assert report.first_version_reaching({v: 0.9 for v in range(5, 10)}, train, 0.8) == {"version": 9, "wall_s": None}
+
+
 def test_from_dir_round_trip(tmp_path, capsys):
     train = _rows()
     for r in train:  # tokens a worker sampled after a mid-round swap: staleness 0 has tokens but no group (no reward)
