@@ -28,6 +28,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 bash launch_jobs.sh --setup-only
+mkdir -p runs  # (a fresh clone has none yet)
 RUNS=()
 for p in $(seq 1 "$PAIRS"); do
   for mode in sync async; do
