@@ -56,7 +56,8 @@ from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_
 from audit import Auditor, Options as AuditOptions
 from batches import lease, let_go, prefetch
 from metrics import Metrics
-from models import LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls
+from models import (LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls,
+                    resolve_dtype)
 from proxy_client import ProxyClient, ProxyError
 from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
 from runconfig import record_config
@@ -471,7 +472,8 @@ def main(args: Args) -> None:
     owner.on_lost = metrics.discard  # the new owner writes metrics/train.jsonl from now on
     model, tok = build_model(args)
     auditor = Auditor(args.audit, args.task, tok, bucket, client, args.micro_groups,
-                      lambda g: group_temperature(g, args.temperature), lambda g: trainable(g, args), say)
+                      lambda g: group_temperature(g, args.temperature), lambda g: trainable(g, args), say,
+                      dtype=resolve_dtype(args.dtype))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))

@@ -400,3 +400,20 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
     step = {}
     train.train_step(model, [lie], args, 2, True, step)
     assert auditor.onpolicy({"batch_id": "b"}, [lie], step) == {"m0"}
+
+
+def test_the_logprob_limits_follow_the_dtype_the_trainer_computes_in():
+    """--audit.max-dev-* not given: float32's limits in float32, wider ones in 16 bits (a bf16 engine's floor on an
+    H200, 4.6e-3 mean and 0.025 a token, is above float32's 1e-3: every honest group of a bf16 worker would fail);
+    given, they stand whatever the dtype. The Auditor applies them."""
+    import torch
+
+    from audit import Auditor, Options, with_limits
+    assert (with_limits(Options(), torch.float32).max_dev_mean, with_limits(Options(), torch.float32).max_dev_token) == (1e-3, 0.05)
+    bf16 = with_limits(Options(), torch.bfloat16)
+    assert bf16.max_dev_mean == 2.5e-2 > 4 * 5.1e-3 and bf16.max_dev_token == 0.1 >= 4 * 0.025
+    mine = with_limits(Options(max_dev_mean=3e-3, max_dev_token=0.2), torch.bfloat16)
+    assert (mine.max_dev_mean, mine.max_dev_token) == (3e-3, 0.2)
+    auditor = Auditor(Options(), "addition", None, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None,
+                      dtype=torch.bfloat16)
+    assert (auditor.opts.max_dev_mean, auditor.opts.max_dev_token) == (2.5e-2, 0.1)

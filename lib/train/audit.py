@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import torch
@@ -49,11 +49,11 @@ class Options:
     """share of their groups the step trains on whose behaviour logprobs are recomputed under the version that
     sampled them (a forward each; groups on-policy to the trainer's weights are all checked in its own forward, at
     no cost; a group the step leaves out has no gradient to steer; a participant that failed a check: every group)"""
-    max_dev_mean: float = 1e-3
-    """a group fails when its mean |sent - recomputed logprob| over its sampled tokens is above this (the hf
-    engine's floor on CPU: 2.4e-6; the vLLM CPU lane's: ~5e-6; a bf16 GPU engine's is larger: set this above it)"""
-    max_dev_token: float = 0.05
-    """... or when one token's is above this (hf on CPU: at most 1.9e-5 measured)"""
+    max_dev_mean: float | None = None
+    """a group fails when its mean |sent - recomputed logprob| over its sampled tokens is above this (None: by the
+    dtype the trainer computes in, LIMITS: 1e-3 in float32, 2.5e-2 in bfloat16 or float16)"""
+    max_dev_token: float | None = None
+    """... or when one token's is above this (None: 0.05 in float32, 0.1 in bfloat16 or float16)"""
     reward_tol: float = 1e-6
     """a re-scored reward may differ from the one sent by this much"""
 
@@ -121,11 +121,27 @@ class Weights:
                     t.copy_(mine[k])
 
 
+# --audit.max-dev-mean and --audit.max-dev-token where not given, by the dtype the trainer computes in: each well
+# above the hf engine's floor in that dtype (bench/audit_floor.py, docs/trust.md). float32: 2.3e-6 mean, 1.9e-5
+# a token on CPU, the same on an H200. bfloat16 on an H200: 4.6e-3 mean (worst group 5.1e-3), 0.025 a token; the
+# float32 limits would fail every honest group of a bf16 worker. Made-up logprobs are off by tenths or more
+LIMITS = {torch.float32: (1e-3, 0.05), torch.bfloat16: (2.5e-2, 0.1), torch.float16: (2.5e-2, 0.1)}
+
+
+def with_limits(opts: Options, dtype: torch.dtype) -> Options:
+    """opts with the logprob limits it leaves open (None) set for `dtype` (LIMITS)."""
+    mean, token = LIMITS.get(dtype, LIMITS[torch.bfloat16])
+    return replace(opts, max_dev_mean=mean if opts.max_dev_mean is None else opts.max_dev_mean,
+                   max_dev_token=token if opts.max_dev_token is None else opts.max_dev_token)
+
+
 class Auditor:
     def __init__(self, opts: Options, task: str, tok, bucket, client: ProxyClient, micro_groups: int,
-                 temperature_of, trains, say=print):
+                 temperature_of, trains, say=print, dtype: torch.dtype = torch.float32):
         """temperature_of(group): the temperature train_step scores it at (None: it cannot); trains(group): whether
-        train_step trains on it (its on-policy tokens are then checked in that forward)."""
+        train_step trains on it (its on-policy tokens are then checked in that forward). dtype: the one the trainer
+        computes in (the logprob limits opts leaves open follow it)."""
+        opts = with_limits(opts, dtype)
         self.opts, self.task_name, self.tok, self.client, self.say = opts, task, tok, client, say
         self.micro, self.temperature_of, self.trains = max(1, micro_groups), temperature_of, trains
         self.weights = Weights(bucket)
