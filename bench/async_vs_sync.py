@@ -6,8 +6,9 @@ with metrics/ from report.py works). A folder whose name contains "-sync" is the
 Prints per run and the median per mode: the step and seconds into training at which the 5-step
 mean reward first reaches 0.8; the same by policy version (ver, ver_s: the first version whose rounds, with
 the four versions before it, have a mean reward of 0.8, and when it was published: a step's reward is that
-of the samples it trains, generated one version back in sync and one or two in async); steps per minute, the trainer's idle share (waiting for a batch),
-tokens generated / leased / trained, staleness; writes one PNG with reward per step and per second.
+of the samples it trains, generated one version back in sync and one or two in async); steps per minute,
+the trainer's idle share (waiting for a batch), tokens generated / leased / trained, staleness; writes one
+PNG with reward per step and per second.
 """
 from __future__ import annotations
 
