@@ -67,8 +67,7 @@ def save_version(model, version: int, root: str) -> dict:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     path = os.path.join(root, f"v{version}")
     model.save_pretrained(path)
-    return {"version": version, "dir": path, "tensors": load_file(os.path.join(path, "adapter_model.safetensors")),
-            "meta": {}}
+    return {"version": version, "dir": path, "tensors": load_file(os.path.join(path, "adapter_model.safetensors"))}
 
 
 def main(a: Args) -> None:
