@@ -145,6 +145,38 @@ def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     assert g.record()["dev_s"] == d and g.deadline >= g.hi
 
 
+def test_a_first_round_gets_the_margin_the_fleets_rounds_measured():
+    """A worker measured once gets the fleet's spread of rounds around their expected time, not a fixed quarter:
+    in a fleet whose rounds land within 10% of what was expected, a new worker's 2 s round is expected for
+    2 s -+ 0.8 s (4 deviations), not -+ 2 s, so a grant made after it 1 s later no longer counts as pushing it.
+    A fleet whose rounds scatter more gets more (up to twice the quarter), and too few rounds: the quarter."""
+    p = Pacer(max_staleness=1)
+    p.jitter = 0.3
+    t = 0.0
+
+    def one_round(key: str, x: float) -> None:
+        nonlocal t
+        p.grant(key, 1, 0, now=t)
+        t += x
+        p.arrived(key, now=t)
+
+    for i in range(p.spread.MIN - 1):  # fewer rounds measured than MIN: the quarter
+        one_round(f"w{i}", 1.0)
+        one_round(f"w{i}", 1.1 if i % 2 else 0.9)
+    one_round("new", 2.0)
+    assert p.round_s["new"] == (2.0, pytest.approx(0.5))
+    one_round("w0", 0.9)  # the MIN-th: |0.9 - r| / r, where w0's r is 1.0 smoothed with 0.9
+    assert p.spread.first() == pytest.approx(0.1, abs=0.01)
+    one_round("new2", 2.0)
+    r, d = p.round_s["new2"]
+    assert (r, d) == (2.0, pytest.approx(0.2, abs=0.02))
+    lo, hi = p.expected_at(0.0, r, d)
+    assert (lo, hi) == (pytest.approx(1.2, abs=0.1), pytest.approx(2.8, abs=0.1))  # a quarter: (0.0, 4.0)
+    for i in range(300):  # rounds twice or half what was expected: capped at twice the quarter
+        one_round("w1", 4.0 if i % 2 else 1.0)
+    assert p.spread.first() == 0.5
+
+
 def test_short_room_goes_to_the_fastest_worker():
     """Two workers wait, the slow one (8 s rounds) asked first; the window has room for one round of 4: the fast
     one (1 s rounds) gets it."""

@@ -29,7 +29,8 @@ is predicted from the worker's measured round time r and its mean deviation d, a
 (RFC 6298): the groups come between r - m and r + m after the grant, m = max(jitter x r, 4 d) (a grant
 expected within that counts as ahead of the new one and as pushed by it). A worker whose rounds vary a lot
 thus gets a wide margin instead of being taken for late while it is still generating; a worker whose round
-time is not known yet counts everything in flight as both.
+time is not known yet counts everything in flight as both. A worker's first round sets d from the fleet's
+rounds (Spread: how far rounds land from their expected time, as a share of it), not from a fixed share.
 
 The trainer's speed does not enter the rule: versions come per batch, not per second, so where a group lands
 depends only on what arrives before it. Step time and round times say only when to expect things (the
@@ -54,8 +55,8 @@ last guard (a group that arrives too stale anyway is dropped and counted).
 
 Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
 expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
-lease records). Live only, on this process's monotonic clock: when each grant was made, is expected and runs
-out; at a start every open grant is taken as just made (the lease rule: no clock of another process is
+lease records). Live only: the fleet's spread (a start measures it afresh), and, on this process's monotonic
+clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made (the lease rule: no clock of another process is
 compared). A worker that does not ask for a grant (no wait_s: an older rollout.py) gets its prompts at once,
 unrecorded, as before; the staleness filter guards its rounds.
 """
@@ -66,7 +67,7 @@ import bisect
 import itertools
 import math
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -172,6 +173,7 @@ class Pacer:
         self.held = 0                             # batches it holds whose versions are not registered yet
         self.batch = 0                            # groups per lease (0: no lease request seen yet)
         self.counts = dict.fromkeys(("grants", "groups_granted", "groups_abandoned"), 0)  # what the journal implies
+        self.spread = Spread()                    # how much a worker's round differs from its expected time, fleet-wide
         # live only (this process's clock)
         self.grant_s, self.jitter = 30.0, 0.5     # set by the proxy from its options
         self.step_s: float | None = None          # lease -> the next version's registration
@@ -323,7 +325,10 @@ class Pacer:
         if g.left <= 0:
             del self.grants[key]
             if now is not None:
-                self.round_s[key] = measure(self.round_s.pop(key, None), now - g.granted)
+                x, old = now - g.granted, self.round_s.pop(key, None)
+                if old is not None and old[0] > 0:
+                    self.spread.add(abs(x - old[0]) / old[0])
+                self.round_s[key] = measure(old, x, self.spread.first())
                 while len(self.round_s) > self.max_workers:
                     self.round_s.popitem(last=False)
 
@@ -408,6 +413,7 @@ class Pacer:
                 "demand": self.demand, "trainer_batches_held": self.held, "batch": self.batch,
                 "step_s": None if self.step_s is None else round(self.step_s, 3),
                 "round_s_median": None if not self.round_s else round(statistics.median(r for r, _ in self.round_s.values()), 3),
+                "first_round_spread": round(self.spread.first(), 3),
                 **self.counts, **self.live}
 
 
@@ -415,17 +421,41 @@ def ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA) * old + EWMA * new
 
 
-def measure(old: tuple[float, float] | None, x: float) -> tuple[float, float]:
+def measure(old: tuple[float, float] | None, x: float, first: float = 0.25) -> tuple[float, float]:
     """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip.
-    The first round sets the deviation to a quarter of it, so the margin (4 deviations) is one round: a round
-    of up to twice the first is still expected. RFC 6298's half (up to three rounds) protected a worker's
-    first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of which
-    have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
+    The first round sets the deviation to `first` x the round (Spread.first(): what the fleet's rounds measured,
+    a quarter until enough are), so the margin is 4 x that. RFC 6298's half (up to three rounds) protected a
+    worker's first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of
+    which have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
     (docs/fleet.md)."""
     if old is None:
-        return x, x / 4
+        return x, first * x
     r, d = old
     return ewma(r, x), (1 - EWMA_DEV) * d + EWMA_DEV * abs(r - x)
+
+
+class Spread:
+    """How far a round lands from its worker's expected time, as a share of it, over the whole fleet: the mean of
+    |x - r| / r over the last SAMPLES rounds of workers measured before. A worker's first round says nothing of
+    its own spread, but the fleet's rounds do (the same task, the same sampling; what differs most between
+    workers, their speed, is in r). At 1,000 simulated workers most have had one round or none, and a fixed
+    quarter (DEFAULT, what they got before) protected their grants for up to twice their round, holding the
+    window shut behind a slow one; rounds there land a mean 20% from their expected time (docs/fleet.md).
+    Until MIN rounds are measured: DEFAULT; at most twice it (a fleet whose rounds scatter that much)."""
+
+    DEFAULT, MIN, SAMPLES = 0.25, 16, 256
+
+    def __init__(self):
+        self.samples: deque[float] = deque(maxlen=self.SAMPLES)
+
+    def add(self, rel: float) -> None:
+        self.samples.append(rel)
+
+    def first(self) -> float:
+        """The deviation to give a worker's first round, as a share of it."""
+        if len(self.samples) < self.MIN:
+            return self.DEFAULT
+        return min(2 * self.DEFAULT, statistics.fmean(self.samples))
 
 
 class Waiting:
