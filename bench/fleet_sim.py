@@ -114,7 +114,10 @@ class Args:
     """the proxy's --commit-depth: journal puts in flight at once"""
     trace: bool = False
     """keep the proxy's view twice a second in the results ("trace": rows of [s, latest version, buffer, open
-    grants, groups in flight, workers waiting for a grant, the trainer's demand, batches it holds])"""
+    grants, groups in flight, workers waiting for a grant, the trainer's demand, batches it holds]), every round
+    ("rounds": [worker, s granted, s its groups were all in (None: it crashed), generation s drawn, the worker's
+    speed factor, its network delay s, prompts]) and every wait of the trainer ("waits": [from s, to s]), and
+    what the trainer waited behind in each wait of a second or more ("stalls": the rounds out when it began)"""
     seed: int = 0
     out: str = "runs/fleet_sim.json"
     measure: str | None = None
@@ -182,7 +185,7 @@ class Fleet:
         self.latest, self.done = 0, asyncio.Event()
         self.m = {"generated": {}, "leased": {}, "lost_tokens": 0, "stale": 0, "refused": 0, "crashes": 0,
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
-                  "fetch_s": [], "trace": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
+                  "fetch_s": [], "trace": [], "rounds_log": [], "waits": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0,
                   "polls": 0, "transport_retries": 0}
 
@@ -242,6 +245,7 @@ class Fleet:
                 if not got["indices"]:
                     continue
                 self.m["grant_wait"].append(time.monotonic() - t0)
+                granted = time.monotonic() - self.t0
                 idx = got["indices"]
                 for p in idx:
                     self.hard.setdefault(p, math.exp(rng.gauss(0, a.prompt_sigma)))
@@ -259,6 +263,7 @@ class Fleet:
                 if rng.random() < a.crash:  # dies mid-round: the round is lost; relaunched later, same id
                     await asyncio.sleep(rng.uniform(0, round_s))
                     self.m["crashes"] += 1
+                    self.log_round(wid, granted, None, round_s, speed, net, len(idx))
                     self.m["lost_tokens"] += round(tokens * a.group_size * len(idx))
                     sync.cancel()  # a dead process's poll connection closes (the proxy's sign that it is gone)
                     await asyncio.sleep(2 * round_s)
@@ -274,8 +279,15 @@ class Fleet:
                     for post in posts:
                         await post
                 self.m["post_s"].append(time.monotonic() - t_post)
+                self.log_round(wid, granted, time.monotonic() - self.t0, round_s, speed, net, len(idx))
         finally:
             sync.cancel()
+
+    def log_round(self, wid: str, granted: float, arrived: float | None, gen_s: float, speed: float, net: float,
+                  prompts: int) -> None:
+        if self.a.trace:
+            self.m["rounds_log"].append([wid, round(granted, 2), None if arrived is None else round(arrived, 2),
+                                         round(gen_s, 2), round(speed, 2), round(net, 2), prompts])
 
     async def adapter_sync(self, wid: str, seen: list[int], net: float) -> None:
         """The worker's long-poll of the newest version (it downloads it before its next round)."""
@@ -390,6 +402,8 @@ class Fleet:
                     self.m["trainer_wait"] += time.monotonic() - done_at
                 raise
             t1, waited = time.monotonic(), 0.0
+            if self.a.trace:
+                self.m["waits"].append([round(done_at - self.t0, 2), round(t1 - self.t0, 2)])
             if first is not None:  # from its first batch on
                 waited = t1 - done_at
                 self.m["trainer_wait"] += waited
@@ -451,7 +465,7 @@ class Fleet:
             # no cap on connections to the bucket either: each of 1,000 workers would have its own
             async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s3:
                 self.http_s3 = s3
-                t0 = time.monotonic()
+                t0 = self.t0 = time.monotonic()
                 tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
                 tasks += [asyncio.create_task(self.probe())] + ([asyncio.create_task(self.trace())] if self.a.trace else [])
                 cpu0 = time.process_time()
@@ -513,7 +527,35 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
             "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
             "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"],
-            **({"trace": m["trace"]} if f.a.trace else {})}
+            **({"trace": m["trace"], "rounds": m["rounds_log"], "waits": m["waits"],
+                "stalls": stalls(m["rounds_log"], m["waits"]), "round_overhead_s": overhead(m["rounds_log"])}
+               if f.a.trace else {})}
+
+
+def overhead(rounds: list[list]) -> dict:
+    """What a round took beyond its generation (--trace): the grant's answer, the version's fetch, the posts."""
+    xs = [r[2] - r[1] - r[3] for r in rounds if r[2] is not None]
+    return {"median": round(statistics.median(xs), 2) if xs else None, "p90": pct(xs, .9) and round(pct(xs, .9), 2)}
+
+
+def stalls(rounds: list[list], waits: list[list[float]], at_least: float = 1.0) -> list[dict]:
+    """For each wait of the trainer of `at_least` seconds or more (after its first batch): the rounds out when it
+    began (granted before, not in yet; a crashed one for three of its generation times, its relaunch's), and of
+    them how many were crashed, of slow workers (speed factor over 1.4), their worker's first round, or behind
+    a slow network. What a stall waits behind, from the fleet's side (--trace)."""
+    first: dict[str, float] = {}
+    for r in sorted(rounds, key=lambda r: r[1]):
+        first.setdefault(r[0], r[1])
+    out = []
+    for a, b in waits[1:]:
+        if b - a < at_least:
+            continue
+        o = [r for r in rounds if r[1] < a and (a < r[2] if r[2] is not None else a < r[1] + 3 * r[3])]
+        out.append({"from_s": a, "wait_s": round(b - a, 2), "rounds_out": len(o),
+                    "granted_s_before": [round(a - max(r[1] for r in o), 2), round(a - min(r[1] for r in o), 2)] if o else None,
+                    "crashed": sum(r[2] is None for r in o), "slow": sum(r[4] > 1.4 for r in o),
+                    "first_round": sum(first[r[0]] == r[1] for r in o), "slow_net": sum(r[5] > 0 for r in o)})
+    return out
 
 
 def s3_counts(log: Path, start: int) -> dict:
