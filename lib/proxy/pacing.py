@@ -56,8 +56,8 @@ last guard (a group that arrives too stale anyway is dropped and counted).
 Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
 expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
 lease records). Live only: the fleet's spread (a start measures it afresh), and, on this process's monotonic
-clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made (the lease rule: no clock of another process is
-compared). A worker that does not ask for a grant (no wait_s: an older rollout.py) gets its prompts at once,
+clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made
+(the lease rule: no clock of another process is compared). A worker that does not ask for a grant (no wait_s: an older rollout.py) gets its prompts at once,
 unrecorded, as before; the staleness filter guards its rounds.
 """
 from __future__ import annotations
@@ -173,8 +173,8 @@ class Pacer:
         self.held = 0                             # batches it holds whose versions are not registered yet
         self.batch = 0                            # groups per lease (0: no lease request seen yet)
         self.counts = dict.fromkeys(("grants", "groups_granted", "groups_abandoned"), 0)  # what the journal implies
-        self.spread = Spread()                    # how much a worker's round differs from its expected time, fleet-wide
-        # live only (this process's clock)
+        # live only (the spread: measured afresh after a start; the rest on this process's clock)
+        self.spread = Spread()                    # how far rounds land from their worker's expected time, fleet-wide
         self.grant_s, self.jitter = 30.0, 0.5     # set by the proxy from its options
         self.step_s: float | None = None          # lease -> the next version's registration
         self.leased_at: float | None = None
