@@ -534,8 +534,8 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
 
 def overhead(rounds: list[list]) -> dict:
     """What a round took beyond its generation (--trace): the grant's answer, the version's fetch, the posts."""
-    xs = [r[2] - r[1] - r[3] for r in rounds if r[2] is not None]
-    return {"median": round(statistics.median(xs), 2) if xs else None, "p90": pct(xs, .9) and round(pct(xs, .9), 2)}
+    xs = [round(r[2] - r[1] - r[3], 2) for r in rounds if r[2] is not None]
+    return {"median": statistics.median(xs) if xs else None, "p90": pct(xs, .9)}
 
 
 def stalls(rounds: list[list], waits: list[list[float]], at_least: float = 1.0) -> list[dict]:

@@ -19,7 +19,7 @@ import common
 
 import proxy_client
 from conftest import ROOT, stop
-from proxyproc import spawn  # noqa: F401 - a fixture
+from proxyproc import spawn, wait_for  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
 
 
@@ -230,9 +230,7 @@ def file_downloads(p, at_least: int = 0) -> int:
     def count() -> int:
         return int(sum(float(line.rsplit(" ", 1)[1]) for line in p.http.get("/metrics").text.splitlines()
                        if line.startswith("proxy_request_seconds_count{") and 'route="/v1/adapters/{version}/files/{name}"' in line))
-    deadline = time.monotonic() + 5
-    while count() < at_least and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: count() >= at_least, timeout=5, msg=f"{at_least} adapter file downloads counted")
     time.sleep(0.2 if at_least else 0)
     return count()
 

@@ -57,8 +57,8 @@ Durable (journaled, replayed, in snapshots): each grant (worker, groups, version
 expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
 lease records). Live only: the fleet's spread (a start measures it afresh), and, on this process's monotonic
 clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made
-(the lease rule: no clock of another process is compared). A worker that does not ask for a grant (no wait_s: an older rollout.py) gets its prompts at once,
-unrecorded, as before; the staleness filter guards its rounds.
+(the lease rule: no clock of another process is compared). A worker that does not ask for a grant (no wait_s:
+an older rollout.py) gets its prompts at once, unrecorded, as before; the staleness filter guards its rounds.
 """
 from __future__ import annotations
 
@@ -421,19 +421,6 @@ def ewma(old: float | None, new: float) -> float:
     return new if old is None else (1 - EWMA) * old + EWMA * new
 
 
-def measure(old: tuple[float, float] | None, x: float, first: float = 0.25) -> tuple[float, float]:
-    """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip.
-    The first round sets the deviation to `first` x the round (Spread.first(): what the fleet's rounds measured,
-    a quarter until enough are), so the margin is 4 x that. RFC 6298's half (up to three rounds) protected a
-    worker's first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of
-    which have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
-    (docs/fleet.md)."""
-    if old is None:
-        return x, first * x
-    r, d = old
-    return ewma(r, x), (1 - EWMA_DEV) * d + EWMA_DEV * abs(r - x)
-
-
 class Spread:
     """How far a round lands from its worker's expected time, as a share of it, over the whole fleet: the mean of
     |x - r| / r over the last SAMPLES rounds of workers measured before. A worker's first round says nothing of
@@ -456,6 +443,19 @@ class Spread:
         if len(self.samples) < self.MIN:
             return self.DEFAULT
         return min(2 * self.DEFAULT, statistics.fmean(self.samples))
+
+
+def measure(old: tuple[float, float] | None, x: float, first: float = Spread.DEFAULT) -> tuple[float, float]:
+    """A worker's (round time, mean deviation) after a round of x seconds, as RFC 6298 smooths a round trip.
+    The first round sets the deviation to `first` x the round (Spread.first(): what the fleet's rounds measured,
+    a quarter until enough are), so the margin is 4 x that. RFC 6298's half (up to three rounds) protected a
+    worker's first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of
+    which have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
+    (docs/fleet.md)."""
+    if old is None:
+        return x, first * x
+    r, d = old
+    return ewma(r, x), (1 - EWMA_DEV) * d + EWMA_DEV * abs(r - x)
 
 
 class Waiting:
