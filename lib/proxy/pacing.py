@@ -50,7 +50,10 @@ the trainer's remaining demand, so the last batches are granted to others instea
 deadline; it keeps its place in the staleness window like any grant (giving that up as well measured
 worse at 1,000 simulated workers: docs/fleet.md). A worker lost without its connection closing (a host
 gone) is seen once its open poll is answered (its wait_s) and the grace passes. A trainer that stops
-leaves the pipeline full: nothing more is granted until it leases again. The staleness filter stays as the
+leaves the pipeline full: nothing more is granted until it leases again. A late grant (past its expected
+arrival) no longer covers the demand either: at the end of a run its groups are granted to another worker as
+well, a backup round, so the last batch waits neither for a straggler nor for a death not seen yet; whichever
+comes second is left over (counted as never leased). Before the end the demand binds nothing. The staleness filter stays as the
 last guard (a group that arrives too stale anyway is dropped and counted).
 
 Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
@@ -178,7 +181,7 @@ class Pacer:
         self.grant_s, self.jitter = 30.0, 0.5     # set by the proxy from its options
         self.step_s: float | None = None          # lease -> the next version's registration
         self.leased_at: float | None = None
-        self.live = dict.fromkeys(("waits", "groups_expired", "groups_gone"), 0)
+        self.live = dict.fromkeys(("waits", "groups_expired", "groups_gone", "groups_backed_up"), 0)
         self.poll_grace_s = 5.0                   # set by the proxy: a poll not renewed within this is gone
         self.polls: dict[str, int] = {}           # key -> its long-polls open now
         self.dropped: dict[str, float] = {}       # key -> when its last open poll ended (answered or dropped)
@@ -265,15 +268,20 @@ class Pacer:
         if not self.batch:
             return None
         flight = Flight(self.in_flight(now), buffered, self.base(latest, pending_version), self.batch, self.max_staleness)
-        flight.fleet, flight.demand = self.fleet_round(), self.open_demand()
+        flight.fleet, flight.demand = self.fleet_round(), self.open_demand(now=now)
         return flight
 
-    def open_demand(self, key: str | None = None) -> int | None:
-        """The demand to grant against: groups of a grant whose worker is gone do not cover it (they will not
-        come; the last batches are granted to others), except `key`'s own (its request closes that grant)."""
+    def open_demand(self, key: str | None = None, now: float | None = None) -> int | None:
+        """The demand to grant against: groups of a grant whose worker is gone, or that is late (past its expected
+        arrival at `now`), do not cover it, except `key`'s own (its request closes that grant). A gone worker's
+        groups will not come; a late grant's may, but the trainer should not wait on it for the run's last
+        batches: they are granted to others as well (a backup round, as MapReduce reruns a job's last stragglers),
+        and whichever comes second is left over. Only the end of a run is affected: before it the demand is no
+        bound (the staleness window is), and there a late grant still holds its place as any grant does."""
         if self.demand is None:
             return None
-        return self.demand + sum(g.left for g in self.grants.values() if g.gone and g.key != key)
+        return self.demand + sum(g.left for g in self.grants.values()
+                                 if g.key != key and (g.gone or (now is not None and now > g.hi)))
 
     def room(self, key: str, n: int, latest: int, buffered: int, now: float, flight: Flight | None = None,
              pending_version: int = 0) -> int:
@@ -287,9 +295,9 @@ class Pacer:
         others = [g for g in self.in_flight(now) if g[4] != key]  # its own open grant: closed by this one
         if flight is not None:  # the others indexed afresh: room()'s loop is O(grants^2), 37 ms at 1,000 grants
             flight = Flight(others, buffered, flight.base, flight.batch, self.max_staleness)
-            return flight.room(n, latest, lo, hi, self.open_demand(key))
+            return flight.room(n, latest, lo, hi, self.open_demand(key, now))
         return room(n, latest, lo, hi, buffered, [g[:4] for g in others], self.base(latest, pending_version),
-                    self.batch or n, self.max_staleness, self.open_demand(key))
+                    self.batch or n, self.max_staleness, self.open_demand(key, now))
 
     def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None,
               dev_s: float | None = None) -> Grant:
@@ -303,6 +311,13 @@ class Pacer:
         self.counts["grants"] += 1
         self.counts["groups_granted"] += n
         return g
+
+    def backed_up(self, g: Grant, buffered: int) -> None:
+        """Count the groups of a grant just made that back up late grants (open_demand): those beyond what the
+        buffer and the grants of live workers already cover. One of the two copies will be left over."""
+        if self.demand is not None:
+            covered = buffered + sum(h.left for h in self.grants.values() if not h.gone and h is not g)
+            self.live["groups_backed_up"] += min(g.n, max(0, covered + g.n - self.demand))
 
     def ungrant(self, g: Grant) -> None:
         """The grant's journal write failed: it holds no place."""
@@ -520,7 +535,8 @@ class Waiting:
                 continue
             k = pacer.room(key, n, latest, buffered, now, flight, pending_version)
             if k > 0:
-                fut.set_result(pacer.grant(key, k, latest, now))
+                fut.set_result(g := pacer.grant(key, k, latest, now))
+                pacer.backed_up(g, buffered)
                 flight = pacer.flight(latest, buffered, now, pending_version)
             elif (misses := misses + 1) >= self.MISSES:
                 break
