@@ -137,6 +137,20 @@ class Args:
     the run's owner reinstates it (docs/trust.md)"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
+
+
+def settings_problems(a: Args) -> list[str]:
+    """What in the command line cannot work, each naming its option (a negative staleness or an empty buffer
+    would start a proxy that refuses everything, or hands out what it should not)."""
+    at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 1), ("max_prompt_tokens", 1),
+                ("max_completion_tokens", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
+                ("max_downloads", 1), ("snapshot_commits", 1), ("quarantine_after", 1), ("bucket_patience_s", 0),
+                ("grant_s", 0), ("pace_jitter", 0)]
+    above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    return ([f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
+            + [f"{flag(n)} {getattr(a, n)}: must be above 0" for n in above_zero if not getattr(a, n) > 0]
+            + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else []))
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
 
 # ---- state ----------------------------------------------------------------------------------------
@@ -792,6 +806,8 @@ if __name__ == "__main__":
 
     from common import script_args  # drops the shared modules that HF Jobs ships in argv
     ARGS = tyro.cli(Args, args=script_args())
+    if problems := settings_problems(ARGS):
+        raise SystemExit("proxy: " + "; ".join(problems))
     routing.LIMITS = ARGS.route
     if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
