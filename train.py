@@ -136,8 +136,8 @@ class Args:
     """a different trainer may take over a run whose owner's heartbeat is older than this"""
     lease_wait_s: float = 30.0
     prefetch: bool = True
-    """ask for the next batch while a step trains, so that its lease (the wait in the proxy's line, its journal
-    write, the transfer) overlaps the step (lib/train/batches.py)"""
+    """ask for the next batch once a step's update is made, so that its lease (the wait in the proxy's line, its
+    journal write, the transfer) overlaps the step's publish and registration (lib/train/batches.py)"""
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
@@ -499,7 +499,7 @@ def main(args: Args) -> None:
     t_start, done, last_ckpt, ckpt_s, pushed = time.time(), state["step"], state["step"], None, -1
     bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
                total=args.max_steps)
-    ahead = None  # the next batch, asked for while this step trains
+    ahead = None  # the next batch, asked for once this step's update is made
     for step in bar:
         t0 = time.time()
         got = lease(client, args, owner, trained, bar, stop, step,
@@ -508,9 +508,6 @@ def main(args: Args) -> None:
         if got is None:
             break
         t1 = time.time()
-        if args.prefetch and step < args.max_steps:  # trained from the version this step publishes, if it does
-            ahead = prefetch(client, args, owner, trained, stop, step + 1,
-                             version + 1 if step % args.publish_every == 0 else None)
         groups, fresh, devs = got["fresh"], steps_since_publish == 0, {}
         opt.zero_grad(set_to_none=True)
         st = train_step(model, groups, args, version, fresh, devs)
@@ -524,6 +521,11 @@ def main(args: Args) -> None:
         opt.step()
         sched.step()
         t2 = time.time()
+        # the next batch, asked for now (trained from the version this step publishes, if it does): its lease
+        # overlaps the publish and registration, and groups that came while this step trained are in it
+        if args.prefetch and step < args.max_steps:
+            ahead = prefetch(client, args, owner, trained, stop, step + 1,
+                             version + 1 if step % args.publish_every == 0 else None)
         trained.trained_on(got)
         steps_since_publish, done, final = steps_since_publish + 1, step, step == args.max_steps
         # batch_id and the groups left out let anyone audit from the proxy's journal what each step trained on

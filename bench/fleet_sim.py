@@ -105,8 +105,11 @@ class Args:
     dataset: int = 7473
     """prompts in the simulated dataset (GSM8K's train split)"""
     prefetch: bool = True
-    """the trainer asks for its next batch as it begins a step (train.py's --prefetch), so that the lease's own
+    """the trainer asks for its next batch before its step ends (train.py's --prefetch), so that the lease's own
     cost (the proxy's wait in line, its journal write, the answer's transfer) overlaps the step"""
+    prefetch_at: Literal["start", "publish"] = "publish"
+    """when the trainer asks for its next batch: as a step begins (as train.py did before), or once its work is
+    done, while it publishes and registers the version (train.py's)"""
     posts_together: bool = True
     """a worker posts its round's groups at once, as rollout.py does (False: one by one, each waiting for the
     journal commit of the one before, as rollout.py did before)"""
@@ -419,10 +422,13 @@ class Fleet:
                 p = g["meta"]["prompt_index"]
                 self.m["trained"][p] = self.m["trained"].get(p, 0) + 1
             v = self.latest + 1
-            # the next batch, asked for now: trained from the version this step makes
-            pending = asyncio.create_task(self.lease(http, step + 1, v)) if a.prefetch and step < a.steps else None
+            ahead = a.prefetch and step < a.steps
+            # the next batch, asked for now (trained from the version this step makes) or once the step's work is done
+            pending = asyncio.create_task(self.lease(http, step + 1, v)) if ahead and a.prefetch_at == "start" else None
             self.m["step_s"].append(self.draw.step(step / a.steps) * a.time_scale)
             await asyncio.sleep(self.m["step_s"][-1])
+            if ahead and a.prefetch_at == "publish":
+                pending = asyncio.create_task(self.lease(http, step + 1, v))
             await asyncio.to_thread(common.publish_adapter, self.bucket, self.adapter, v, step, "sim")
             status, raw = await self.call("POST", "/v1/adapters", http=http, json={
                 "version": v, "step": step, "published_at": time.time(), "final": step == a.steps})
@@ -607,7 +613,7 @@ def line(r: dict) -> str:
             f"(listing {r['listing_s_median'] or 0:.2f} s), "
             f"posts {r['post_s_median'] or 0:.2f} s (p90 {r['post_s_p90'] or 0:.2f} s))  "
             f"staleness {h} (max {r['staleness_max']})  never leased {100 * (r['never_leased'] or 0):.1f}%  "
-            f"stale {r['groups_stale']} 429 {r['answers_429']}  prompts trained {r['prompts_trained']:.2f} "
+            f"stale {r['groups_stale']} 429 {r['answers_429']}  backed up {(r['pacing'] or {}).get('groups_backed_up', 0)}  prompts trained {r['prompts_trained']:.2f} "
             f"(hardest {r['hardest_quarter_trained']:.2f}, easiest {r['easiest_quarter_trained']:.2f})  "
             f"rounds/worker {r['rounds_per_worker']} none {r['workers_without_a_round']}  "
             f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  "

@@ -1,13 +1,18 @@
 """How train.py gets its batches from the proxy: a lease, waited for as long as it takes, and the next one asked
-for while a step trains (prefetch).
+for before a step ends (prefetch).
 
 Why prefetch: a lease is not free. At 1,000 simulated workers and batches of 800 groups it took a median 0.33 s
 beyond the wait for groups (the proxy's journal write, its turn in the proxy's event loop, the 2.4 MB answer's
 transfer and parse), against steps of about 4.5 s (docs/fleet.md): seven points of the trainer's time. Asked for
-as the step begins, the next batch is there when the step ends. The request says which version the batch will
-be trained from (after_version: the one this step registers), so the proxy's staleness filter and pacing count
-from it, not from the version before (lib/proxy/pacing.py): a batch asked for early is no staler than one asked
-for late.
+once the step's update is made, the lease overlaps the step's publish and registration. The request says which
+version the batch will be trained from (after_version: the one this step registers), so the proxy's staleness
+filter and pacing count from it, not from the version before (lib/proxy/pacing.py).
+
+Why not as the step begins (as it was): from the lease until the version registers the trainer holds two batches,
+and a round granted meanwhile may be trained only by the leases after both (pacing's base), so the staleness
+window open to new rounds is a batch shorter for the whole step; where steps are shorter than rounds that is
+what the trainer waited behind (docs/fleet.md). Asked for at the publish, it is a batch shorter only while the
+version is published and registered; and the batch takes the groups that came while the step trained.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ def ask_batch(client: ProxyClient, args: Any, owner: Owner, stop: threading.Even
 
 def prefetch(client: ProxyClient, args: Any, owner: Owner, trained: TrainedGroups, stop: threading.Event,
              step: int, after: int | None) -> Future:
-    """ask_batch in a thread of its own, while this step trains: its Future. The lease is renewed from the
+    """ask_batch in a thread of its own, while this step publishes: its Future. The lease is renewed from the
     moment it comes (trained.hold), as a step may outlast it. A daemon thread: a trainer that stops does not
     wait for a long-poll; a batch that came and will not be trained is released (let_go)."""
     fut: Future = Future()
