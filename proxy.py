@@ -138,6 +138,8 @@ class Args:
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 
+MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
+
 
 def settings_problems(a: Args) -> list[str]:
     """What in the command line cannot work, each naming its option (a negative staleness or an empty buffer
@@ -151,7 +153,7 @@ def settings_problems(a: Args) -> list[str]:
     return ([f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
             + [f"{flag(n)} {getattr(a, n)}: must be above 0" for n in above_zero if not getattr(a, n) > 0]
             + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else []))
-MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
+
 
 # ---- state ----------------------------------------------------------------------------------------
 # The buffer, the leases, the duplicate window and the versions are a Book (book.py: every rule that changes

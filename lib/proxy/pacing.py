@@ -53,8 +53,8 @@ gone) is seen once its open poll is answered (its wait_s) and the grace passes. 
 leaves the pipeline full: nothing more is granted until it leases again. A late grant (past its expected
 arrival) no longer covers the demand either: at the end of a run its groups are granted to another worker as
 well, a backup round, so the last batch waits neither for a straggler nor for a death not seen yet; whichever
-comes second is left over (counted as never leased). Before the end the demand binds nothing. The staleness filter stays as the
-last guard (a group that arrives too stale anyway is dropped and counted).
+comes second is left over (counted as never leased). Before the end the demand binds nothing. The staleness
+filter stays as the last guard (a group that arrives too stale anyway is dropped and counted).
 
 Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
 expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
