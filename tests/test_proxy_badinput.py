@@ -4,13 +4,13 @@ Then schemathesis fuzzes every operation of /openapi.json: no 5xx."""
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import httpx
 import hypothesis
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from conftest import ROOT
 from proxyproc import wait_for
 from test_proxy import group, publish
 
@@ -216,10 +216,9 @@ def test_openapi_fuzz_no_5xx(bucket, start_proxy, seed):
 def test_settings_that_cannot_work_are_refused_at_the_start_each_named():
     """A negative staleness, a margin of NaN, a grace of 0, a port past 65535: the proxy does not start, and says
     which options and why, all at once (each was taken before, and a proxy started that could not work)."""
-    root = Path(__file__).resolve().parents[1]
-    bad = subprocess.run([sys.executable, str(root / "proxy.py"), "--max-staleness", "-1", "--pace-jitter", "nan",
+    bad = subprocess.run([sys.executable, str(ROOT / "proxy.py"), "--max-staleness", "-1", "--pace-jitter", "nan",
                           "--poll-grace-s", "0", "--port", "70000", "--no-use-bucket"],
-                         capture_output=True, text=True, timeout=60, cwd=root)
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode != 0
     for problem in ("--max-staleness -1: must be at least 0", "--pace-jitter nan: must be at least 0",
                     "--poll-grace-s 0.0: must be above 0", "--port 70000: must be at most 65535"):
