@@ -5,12 +5,14 @@ before any other of ours, and importing it puts the lib/ folders on sys.path: th
 imports live in lib/<who uses them>/ (docs/DESIGN.md, section 2). On Hugging Face Jobs every file a job
 ships lands flat beside its script (/data), so there is nothing to add there. Sections:
 
+  0. protocol        the one version of what a run writes and says (PROTOCOL), checked by every reader
   1. bucket          S3 client from the environment, put/get that wait out outages, JSON helpers
   2. adapters        versioned publish (files -> meta.json -> conditional latest.json), the one meta.json
                      check, and the verified fetch from the bucket (through the proxy: proxy_client.py)
   3. schema          the trajectory group that travels rollout -> proxy -> trainer (pydantic)
-  4. math            GRPO group advantages, zero-std groups, the policy objectives (ppo, cispo, decoupled)
-  5. command lines   CLI args without the files HF Jobs ships beside the script
+  4. rules           staleness, sampled tokens, zero-std groups, bf16: each rule every role applies, once
+  5. math            GRPO group advantages and the policy objectives (ppo, cispo, decoupled)
+  6. command lines   CLI args without the files HF Jobs ships beside the script
 """
 from __future__ import annotations
 
@@ -46,6 +48,28 @@ class _LazyTorch:
 
 
 torch = _LazyTorch()
+
+# ----------------------------------------------------------------------------------------------
+# 0. protocol: one number for everything a run's roles write to the bucket or say to each other
+
+PROTOCOL = 2
+"""The version of the proxy's routes and answers, its journal and snapshots, and the trainer's checkpoints.
+Bumped whenever any of them changes in a way an older reader would misread. Every reader checks it
+(check_protocol) and refuses another, naming both: a participant on an older clone is told to update, and a
+run is resumed only by code that reads what the run wrote. No reader guesses at an older layout."""
+
+
+class ProtocolError(RuntimeError):
+    """Something was written or said in another protocol than this code's; the message names both."""
+
+
+def check_protocol(found: Any, what: str, fix: str) -> None:
+    """Raise ProtocolError unless `found` (a record's "protocol" field; None: absent) is PROTOCOL.
+    what: the thing read ("the journal of run X"); fix: what the person should do."""
+    if found != PROTOCOL:
+        theirs = "1 (from before protocols were numbered)" if found is None else repr(found)
+        raise ProtocolError(f"{what} speaks protocol {theirs}; this code speaks protocol {PROTOCOL}: {fix}")
+
 
 # ----------------------------------------------------------------------------------------------
 # 1. bucket, and how every call waits out an outage of the bucket or the proxy
@@ -481,7 +505,51 @@ def new_group_id() -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. math (docs/DESIGN.md, "The math"). Shapes: B groups, G completions, N = B*G sequences, T
+# 4. the rules every role applies alike, each written once here
+
+MAX_STALENESS = 1
+"""Default of the proxy's --max-staleness (the run's rule; the proxy tells workers and trainer its own value):
+a group is trained at most this many versions after the one that sampled its oldest token. 1 is what the local
+measurements chose (docs/objectives.md#what-closes-the-gap)."""
+
+
+def too_stale(version: int, latest: int, max_staleness: int) -> bool:
+    """The staleness rule: a group (or a worker's adapter) of `version` can no longer be trained once the
+    latest registered version is more than max_staleness ahead of it. The proxy drops such groups, a worker
+    stops generating with such an adapter, the trainer forgets such groups' ids."""
+    return latest - version > max_staleness
+
+
+def sampled_mask(completion: dict) -> list[int]:
+    """1 for each token of a completion the policy sampled, 0 for the tokens an environment, a tool or the chat
+    template put there (its `mask`; absent: every token was sampled). Only sampled tokens are trained on, and
+    only they count as generated."""
+    return completion.get("mask") or [1] * len(completion["token_ids"])
+
+
+def sampled_tokens(group: dict) -> int:
+    """How many tokens of a group the policy sampled (sampled_mask over its completions)."""
+    return sum(sum(sampled_mask(c)) for c in group["completions"])
+
+
+def zero_std(rewards: list[float]) -> bool:
+    """A group whose G rewards are all equal: no signal (its advantages are exactly 0). Decided on the rewards as
+    given (max == min), not on a rounded std compared with 0: eight rewards of 0.1 have a float32 std of 7.45e-9."""
+    return max(rewards) == min(rewards)
+
+
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: below it (a T4) bf16 is emulated, so the sampler and trainer use float16/32
+
+
+def computes_bf16(capability: tuple[int, int]) -> bool:
+    """Whether a CUDA GPU of this compute capability (major, minor) computes in bf16: the one precision rule the
+    trainer's --dtype auto, the engines' dtype and the launcher's memory check follow. Not
+    torch.cuda.is_bf16_supported(), which also says yes on a T4."""
+    return tuple(capability)[:2] >= BF16_MIN_CAPABILITY
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. math (docs/DESIGN.md, "The math"). Shapes: B groups, G completions, N = B*G sequences, T
 # completion tokens. mu: the behaviour policy, i.e. the logprobs the worker recorded while sampling;
 # pi: the trainer's policy (with grad); pi_prox: pi's value before this optimizer step (detached).
 
@@ -490,11 +558,8 @@ OBJECTIVES: tuple[str, ...] = ("ppo", "cispo", "decoupled")
 
 
 def zero_std_groups(rewards) -> torch.Tensor:
-    """[B] bool: groups whose G rewards are all equal (no signal). Decided on the rewards as given:
-    max == min in float64, which holds every Python float exactly. A float32 std compared with 0
-    would miss some: eight rewards of 0.1 have a float32 std of 7.45e-9."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    return r.amax(dim=1) == r.amin(dim=1)
+    """[B] bool: zero_std() of each group's rewards ([B, G], a tensor or nested lists)."""
+    return torch.tensor([zero_std(row) for row in torch.as_tensor(rewards, dtype=torch.float64).tolist()])
 
 
 def group_advantages(rewards, eps: float = 1e-4, scale_std: bool = True) -> torch.Tensor:
@@ -592,7 +657,7 @@ def grpo_loss(logp: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor, m
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. command lines
+# 6. command lines
 
 
 def script_args(argv: list[str] | None = None) -> list[str]:

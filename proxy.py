@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import Bucket, BucketError, ConflictError, TrajectoryGroup
+from common import MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, TrajectoryGroup
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -78,10 +78,11 @@ class Args:
     """the admin token, sent as X-Proxy-Token or Authorization: Bearer (env PROXY_TOKEN); participants get their own"""
     group_size: int = 8
     """G: completions per group; groups of another size are refused"""
-    max_staleness: int = 3
-    """groups more than this many versions behind the latest are dropped"""
-    max_buffer: int = 512
-    """buffered groups; beyond it stale groups go first, then submissions get 429"""
+    max_staleness: int = MAX_STALENESS
+    """groups more than this many versions behind the latest are dropped (common.too_stale)"""
+    max_buffer: int = 0
+    """buffered groups; beyond it submissions get 429. 0: the staleness window, (max_staleness + 1) batches of the
+    trainer's (at least 8 groups a batch until its first lease request says its size): all that pacing may admit"""
     lease_s: float = 300.0
     """a lease not acked or renewed within this many seconds returns its groups to the buffer"""
     max_prompt_tokens: int = 4096
@@ -117,11 +118,10 @@ class Args:
     """write a snapshot of the state every this many seconds while commits come (a start reads it and the commits after)"""
     snapshot_commits: int = 200
     """... or every this many commits, if sooner: a start reads about this many commits at most"""
-    pace: bool = False
-    """--pace: grant a worker that asks with wait_s prompts only when its round can still be trained within
-    max_staleness and what the trainer will still lease (pacing.py); it waits otherwise. Off (every prompt lease
-    at once) unless asked for: the local launcher asks. It holds at 1,000 simulated workers (docs/fleet.md); a
-    worker that refuses a version (corrupt, another LoRA shape) is held up by grants counting on it"""
+    pace: bool = True
+    """grant a worker that asks with wait_s prompts only when its round can still be trained within max_staleness
+    and what the trainer will still lease (pacing.py); it waits otherwise. --no-pace: every prompt lease at once
+    (for comparison: docs/fleet.md)"""
     grant_s: float = 120.0
     """a grant holds its place for this long after 3 of its worker's round times (or its margin, if longer); then it is given up"""
     poll_grace_s: float = 5.0
@@ -144,7 +144,7 @@ MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep st
 def settings_problems(a: Args) -> list[str]:
     """What in the command line cannot work, each naming its option (a negative staleness or an empty buffer
     would start a proxy that refuses everything, or hands out what it should not)."""
-    at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 1), ("max_prompt_tokens", 1),
+    at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 0), ("max_prompt_tokens", 1),
                 ("max_completion_tokens", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
                 ("max_downloads", 1), ("snapshot_commits", 1), ("quarantine_after", 1), ("bucket_patience_s", 0),
                 ("grant_s", 0), ("pace_jitter", 0)]
@@ -163,7 +163,7 @@ def settings_problems(a: Args) -> list[str]:
 
 @dataclass
 class State:
-    book: Book = field(default_factory=lambda: Book(3, 300.0))
+    book: Book = field(default_factory=lambda: Book(MAX_STALENESS, 300.0))
     deadlines: dict = field(default_factory=dict)   # batch_id -> monotonic deadline of its open lease
     pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
     pending_version: int = 0                        # a version whose journal write is in flight
@@ -191,6 +191,10 @@ METRICS: Metrics | None = None
 DOWNLOADS: Downloads | None = None
 REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 POLICY = access.POLICY
+
+def max_buffer() -> int:
+    """--max-buffer, or (0) the staleness window: what pacing may admit, so that no admitted round meets a 429."""
+    return ARGS.max_buffer or (ARGS.max_staleness + 1) * max(8, S.book.pacing.batch)
 
 def end_lease(bid: str) -> bool:
     """An open lease's groups back to the buffer (it ran out, its answer went unread, or the trainer released
@@ -225,7 +229,7 @@ def stats() -> dict:
                  **({"checks": trust.public(n)} if n != ADMIN else {})}
              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
-            "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": ARGS.max_buffer, **S.counters,
+            "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": max_buffer(), **S.counters,
             "staleness_hist": {str(k): v for k, v in sorted(S.book.staleness_hist.items())},
             **S.senders.stats(time.time(), roles),
             "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
@@ -434,9 +438,9 @@ async def submit_group(request: Request) -> SubmitResponse:
         held = await record_checks({}, [(participant, gid, check, why)]) if counted else set()
         raise HTTPException(409, f"{check}: {why}" + ("; counted against this participant" if counted else "")
                                  + (f"; {QUARANTINED}" if held else ""))
-    if len(book.buffer) + len(S.pending) >= ARGS.max_buffer:  # stale groups are gone already (return_lease, register)
+    if len(book.buffer) + len(S.pending) >= (cap := max_buffer()):  # stale groups are gone already (return_lease, register)
         S.rejected_full += 1
-        raise HTTPException(429, f"buffer full ({ARGS.max_buffer} groups)", headers={"Retry-After": "1"})
+        raise HTTPException(429, f"buffer full ({cap} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding, without
     # the optional fields a sender left out (a single-turn group stays the line it was before episodes)
@@ -707,12 +711,18 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     if req.wait_s is not None and ARGS.pace:
         if req.worker_id is None:
             raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
+        if req.version is not None and req.version > S.latest:
+            raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
         who = request.scope["principal"]
-        grant = await granted(worker_key(None if who.name == ADMIN else who.name, req.worker_id), req.n, req.wait_s)
+        key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
+        released = release_grant(key, req.refused)
+        if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
+            return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
+                                      f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
+                                      "nothing generated with it can be trained; this worker must load a newer one")
+        grant = await granted(key, req.n, req.wait_s, req.version)
         if grant is None:
-            S.book.pacing.live["waits"] += 1
-            return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done,
-                    "retry_s": S.book.pacing.retry_s(time.monotonic())}
+            return no_grant(released)
         n = grant.n
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
         try:
@@ -740,13 +750,34 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
             S.book.pacing.ungrant(grant)
             pace()
         raise
-    return answer if grant is None else {**answer, "version": grant.version, "done": False}
+    return answer if grant is None else {**answer, "version": grant.version, "done": False,
+                                         **({"released": released} if released else {})}
 
 # ---- pacing: paced prompt requests wait for their grant in WAITING (pacing.Waiting) ----
 WAITING = Waiting()
 
-async def granted(key: str, n: int, wait_s: float) -> Grant | None:
-    return await WAITING.wait(key, n, wait_s, pace)
+async def granted(key: str, n: int, wait_s: float, version: int | None = None) -> Grant | None:
+    return await WAITING.wait(key, n, wait_s, pace, version)
+
+def release_grant(key: str, refused: str | None) -> int:
+    """A worker asking for prompts has done with any grant it still holds (its round was sent, lost in a crash,
+    or not generated: it refused the version the grant counted on), so that grant is closed now: its place in
+    the staleness window goes to others at once. Journaled, not awaited (lost, a restart holds the grant until
+    its deadline). Returns the groups it still held (0: none)."""
+    if (left := S.book.pacing.close(key)) or refused:
+        if refused:
+            print(f"proxy: worker {key} refused a version: {refused[:500]}", file=sys.stderr, flush=True)
+        if left:
+            JOURNAL.append({"t": "release", "key": key})
+            pace()
+    return left
+
+def no_grant(released: int, why: str | None = None) -> dict:
+    """The answer of a paced prompt lease that got no grant: when to ask again, and why when waiting cannot help."""
+    S.book.pacing.live["waits"] += 1
+    return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done,
+            "retry_s": S.book.pacing.retry_s(time.monotonic()), **({"released": released} if released else {}),
+            **({"why": why} if why else {})}
 
 def arrived(participant: str | None, worker: str) -> None:
     """A group of this worker is in (accepted, or refused as stale): one less of its grant in flight."""
@@ -779,11 +810,14 @@ def prompts_record(got: dict, dataset: str, name: str) -> dict:
 
 @app.get("/v1/whoami", openapi_extra=scope("worker"))
 async def whoami(request: Request) -> dict:
-    """Who this token is, and what a worker must agree on with the run. run_id identifies the run (for a
-    worker's spool) without naming its bucket or prefix."""
+    """Who this token is, and what a worker must agree on with the run: the protocol first (every role asks at its
+    start, with its X-Protocol; one without, an older clone, is told to update: 426). run_id identifies the run
+    (for a worker's spool) without naming its bucket or prefix."""
+    if request.headers.get("x-protocol") is None:  # (a mismatching one never gets here: access.guard)
+        raise HTTPException(426, access.protocol_mismatch(None))
     who = request.scope["principal"]
-    return {"participant": who.name, "role": who.role.name, "max_rps": who.max_rps, "run_id": S.run_id,
-            "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
+    return {"protocol": PROTOCOL, "participant": who.name, "role": who.role.name, "max_rps": who.max_rps,
+            "run_id": S.run_id, "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
 
 @app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:

@@ -1,5 +1,5 @@
 """The GPU check (run by bench/gpu_check.sh): one run of at most ~10 minutes on one GPU, no network.
-Models are built from the configs the project carries (lib/shared/configs/), with random weights;
+Models are built from the configs the project carries (lib/jobs/configs/), with random weights;
 the tokenizer is a word-level one built here. With the repository's own code (train.build_model /
 train_step, engines.VLLMSampler / engines.sample, models.completion_logprobs) it measures:
 

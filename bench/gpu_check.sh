@@ -2,7 +2,7 @@
 # GPU check: one run of at most ~10 minutes on one GPU, without network (bench/gpu_check.py says
 # what it measures: trainer step time and peak memory in bf16 for Qwen2.5-0.5B/1.5B and 7B in 4-bit,
 # vLLM tokens/s with and without a LoRA, hot-swap latency, vLLM's bf16 logprobs against the
-# trainer's recompute). Models are built from lib/shared/configs/ with random weights; nothing is downloaded.
+# trainer's recompute). Models are built from lib/jobs/configs/ with random weights; nothing is downloaded.
 # For a GPU machine that cannot install vLLM (its own Python and torch, no network, 64 MiB carried:
 # this workplace's nvidia-h200), use bench/gpu_hf_check.sh instead (docs/gpu.md).
 #

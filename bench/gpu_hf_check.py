@@ -1,6 +1,6 @@
 """The GPU check without vLLM (run by bench/gpu_hf_check.sh): one run of at most ~9 minutes on one
 GPU, no network, on the machine's own torch/transformers/peft. Models are built from the configs the
-project carries (lib/shared/configs/), with random weights (bf16) and a word-level tokenizer;
+project carries (lib/jobs/configs/), with random weights (bf16) and a word-level tokenizer;
 nothing is downloaded. With the repository's own code (train.build_model / train.train_step,
 engines.sample / engines.swap_in, models.load_base / completion_logprobs, memory.trainer_memory) it
 measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bitsandbytes imports:

@@ -16,7 +16,7 @@ import memory
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "lib" / "shared" / "configs" / "*.json"))), ids=os.path.basename)
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "lib" / "jobs" / "configs" / "*.json"))), ids=os.path.basename)
 def test_counts_match_the_real_architecture(path, tmp_path):
     """Parameters and LoRA (r=16, all-linear) parameters equal those of the model transformers and
     peft build from the same config.json (on the meta device: no memory, no download)."""
@@ -49,12 +49,12 @@ def test_configs_are_found_offline(tiny_model, monkeypatch):
     cfg, src = memory.config_for(tiny_model)
     assert src.endswith("config.json") and cfg["hidden_size"] == 64
     cfg, src = memory.config_for("local:SmolLM2-135M-Instruct")
-    assert src == "lib/shared/configs/HuggingFaceTB--SmolLM2-135M-Instruct.json" and cfg["num_hidden_layers"] == 30
+    assert src == "lib/jobs/configs/HuggingFaceTB--SmolLM2-135M-Instruct.json" and cfg["num_hidden_layers"] == 30
     cfg, src = memory.config_for("someone/not-carried-7B")
     assert cfg is None and "offline" in src
     assert memory.config_for(str(ROOT / "tests"))[0] is None  # a folder without config.json
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        memory.Arch.from_config({**json.load(open(ROOT / "lib" / "shared" / "configs" / "Qwen--Qwen3-8B.json")), "num_experts": 128})
+        memory.Arch.from_config({**json.load(open(ROOT / "lib" / "jobs" / "configs" / "Qwen--Qwen3-8B.json")), "num_experts": 128})
 
 
 def dry_run(capsys, *argv):
@@ -71,7 +71,7 @@ def offline(monkeypatch):
 def test_default_layout_passes_and_says_what_it_checked(offline, capsys):
     out = dry_run(capsys)
     assert "# memory check: trainer: Qwen/Qwen2.5-0.5B-Instruct needs about" in out and "a10g-small" in out
-    assert "lib/shared/configs/Qwen--Qwen2.5-0.5B-Instruct.json" in out and "rollout worker" in out
+    assert "lib/jobs/configs/Qwen--Qwen2.5-0.5B-Instruct.json" in out and "rollout worker" in out
     assert "hf jobs uv run" in out
 
 

@@ -39,7 +39,7 @@ from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from common import Bucket, ConflictError
+from common import PROTOCOL, Bucket, ConflictError
 
 
 class Role(IntEnum):
@@ -286,6 +286,8 @@ def guard(app, policy: Policy):
             elif who.role < role:
                 refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
                                       f"{scope['path']}: it needs a {role.name} token", has_body)
+            elif (spoken := headers.get(b"x-protocol")) is not None and spoken != str(PROTOCOL).encode():
+                refuse = refusal(426, protocol_mismatch(spoken.decode(errors="replace")), has_body)
             elif wait := policy.tokens.throttle(who):
                 refuse = refusal(429, f"participant {who.name!r} is limited to {who.max_rps:g} requests/s", has_body,
                                  {"Retry-After": str(math.ceil(wait))})
@@ -311,6 +313,13 @@ def guard(app, policy: Policy):
         finally:
             policy.observe(scope, time.perf_counter() - t0)
     return asgi
+
+
+def protocol_mismatch(spoken: str | None) -> str:
+    """What a client of another protocol (its X-Protocol header; None: it sent none) is told (common.PROTOCOL)."""
+    said = "sent no X-Protocol: an older clone, protocol 1" if spoken is None else f"speaks protocol {spoken}"
+    return (f"this proxy speaks protocol {PROTOCOL} and your client {said}: run the code the run was started with "
+            "(git pull, or check out the run owner's commit)")
 
 
 async def read_body(receive, cap: int) -> bytes | int | None:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import Any
 
+from common import too_stale
 from pacing import Pacer
 from quarantine import Quarantine
 from receipts import Receipts
@@ -140,7 +141,8 @@ class Book:
 
     # ---- the rules ------------------------------------------------------------------------------------
     def too_stale(self, version: int, latest: int | None = None) -> bool:
-        return version < self.window.floor or (self.latest if latest is None else latest) - version > self.max_staleness
+        """common.too_stale against the latest (or `latest`), and never below the duplicate window's floor."""
+        return version < self.window.floor or too_stale(version, self.latest if latest is None else latest, self.max_staleness)
 
     def drop_stale(self) -> int:
         """Remove groups staler than max_staleness from the buffer; returns how many. The buffer never holds

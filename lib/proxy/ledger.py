@@ -139,6 +139,8 @@ class Ledger(Book):
             self.pacing.arrived(worker_key(e.get("participant"), e["worker_id"]))
         elif t == "grant":  # prompts granted to a worker (pacing.py)
             self.pacing.grant(e["key"], e["n"], e["version"], round_s=e.get("round_s"), dev_s=e.get("dev_s"))
+        elif t == "release":  # a worker asked again: its open grant is closed (pacing.py)
+            self.pacing.close(e["key"])
         elif t == "demand":  # what the trainer will still lease, as a lease request said (pacing.py)
             self.pacing.demand = e["groups_left"]
         elif t == "duplicate":

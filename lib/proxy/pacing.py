@@ -74,6 +74,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from common import too_stale
+
 EWMA = 0.3        # weight of the newest measurement in a round or step time
 EWMA_DEV = 0.25   # ... in a round time's mean deviation (RFC 6298's beta)
 DEVIATIONS = 4    # a round is expected within this many mean deviations of its mean (RFC 6298's K)
@@ -284,20 +286,29 @@ class Pacer:
                                  if g.key != key and (g.gone or (now is not None and now > g.hi)))
 
     def room(self, key: str, n: int, latest: int, buffered: int, now: float, flight: Flight | None = None,
-             pending_version: int = 0) -> int:
-        """How many of the n prompts `key` asks for it may have now (0: none, wait). flight: this pass's
-        self.flight(...) of the same state (faster); without it, room() (the rule as written, the reference)."""
+             pending_version: int = 0, version: int | None = None) -> int:
+        """How many of the n prompts `key` asks for it may have now (0: none, wait), for a round generated with
+        `version` (None: the latest; older: a worker that cannot load the latest, counted at the version it
+        holds). flight: this pass's self.flight(...) of the same state (faster); without it, room() (the rule as
+        written, the reference)."""
         if self.demand == 0:
             return 0
+        v = latest if version is None else version
         lo, hi = self.expected_at(now, *self.expected_round(key, None if flight is None else flight.fleet))
         if flight is not None and key not in flight.keys:
-            return flight.room(n, latest, lo, hi, flight.demand)
+            return flight.room(n, v, lo, hi, flight.demand)
         others = [g for g in self.in_flight(now) if g[4] != key]  # its own open grant: closed by this one
         if flight is not None:  # the others indexed afresh: room()'s loop is O(grants^2), 37 ms at 1,000 grants
             flight = Flight(others, buffered, flight.base, flight.batch, self.max_staleness)
-            return flight.room(n, latest, lo, hi, self.open_demand(key, now))
-        return room(n, latest, lo, hi, buffered, [g[:4] for g in others], self.base(latest, pending_version),
+            return flight.room(n, v, lo, hi, self.open_demand(key, now))
+        return room(n, v, lo, hi, buffered, [g[:4] for g in others], self.base(latest, pending_version),
                     self.batch or n, self.max_staleness, self.open_demand(key, now))
+
+    def hopeless(self, version: int, latest: int, pending_version: int = 0) -> bool:
+        """No round generated with `version` can be trained any more: the next batch is trained from a version
+        more than max_staleness ahead of it (common.too_stale against room()'s base). A worker that cannot load
+        a newer version is told so instead of waiting for a grant that cannot come."""
+        return too_stale(version, self.base(latest, pending_version), self.max_staleness)
 
     def grant(self, key: str, n: int, version: int, now: float = 0.0, round_s: float | None = None,
               dev_s: float | None = None) -> Grant:
@@ -326,9 +337,12 @@ class Pacer:
             self.counts["grants"] -= 1
             self.counts["groups_granted"] -= g.n
 
-    def close(self, key: str) -> None:
-        if (old := self.grants.pop(key, None)) is not None:
-            self.counts["groups_abandoned"] += old.left
+    def close(self, key: str) -> int:
+        """Close `key`'s open grant, if it has one: its groups not arrived yet are abandoned (returned)."""
+        if (old := self.grants.pop(key, None)) is None:
+            return 0
+        self.counts["groups_abandoned"] += old.left
+        return old.left
 
     def arrived(self, key: str, now: float | None = None) -> None:
         """One group of `key` arrived (accepted, or refused as stale). The last of a grant measures the
@@ -480,16 +494,18 @@ class Waiting:
     MISSES = 32  # requests that do not fit, tried per pass: one slow worker does not hold up those behind it
 
     def __init__(self):
-        self.asking: dict[int, tuple[str, int, asyncio.Future]] = {}
+        self.asking: dict[int, tuple[str, int, int | None, asyncio.Future]] = {}
 
     def __len__(self) -> int:
         return len(self.asking)
 
-    async def wait(self, key: str, n: int, wait_s: float, pace: Callable[[], None]) -> Grant | None:
+    async def wait(self, key: str, n: int, wait_s: float, pace: Callable[[], None],
+                   version: int | None = None) -> Grant | None:
         """A grant of at most n prompts for worker `key`, waiting up to wait_s for room (None: none, or the run
-        is over). `pace`: the proxy's call of pace() with its state."""
+        is over). version: the one the worker generates with if it cannot load the latest (Pacer.room). `pace`:
+        the proxy's call of pace() with its state."""
         fut = asyncio.get_running_loop().create_future()
-        self.asking[id(fut)] = (key, n, fut)
+        self.asking[id(fut)] = (key, n, version, fut)
         pace()
         try:
             await asyncio.wait([fut], timeout=wait_s)  # does not cancel it: a grant made at the deadline stands
@@ -500,7 +516,7 @@ class Waiting:
         fut.cancel()
         return None
 
-    def order(self, pacer: Pacer, flight: Flight | None) -> list[tuple[str, int, asyncio.Future]]:
+    def order(self, pacer: Pacer, flight: Flight | None) -> list[tuple[str, int, int | None, asyncio.Future]]:
         """The waiting requests: first those whose worker still holds an open grant (a worker that crashed
         mid-round and came back: granting it closes the old grant, so it can only make room, and it must not
         wait behind MISSES others while its abandoned grant holds the window shut until the deadline), then the
@@ -519,7 +535,7 @@ class Waiting:
         long-waiting slow workers at the head would hide the fast ones behind them."""
         fleet = pacer.fleet_round() if flight is None else flight.fleet
 
-        def key(a: tuple[str, int, asyncio.Future]) -> tuple[bool, float]:
+        def key(a: tuple[str, int, int | None, asyncio.Future]) -> tuple[bool, float]:
             return a[0] not in pacer.grants, pacer.expected_round(a[0], fleet)[0] or 0.0
         return sorted(self.asking.values(), key=key)
 
@@ -527,15 +543,15 @@ class Waiting:
         """Give the waiting workers the grants there is room for, fastest first (order()); after MISSES that
         do not fit, the rest wait for the next pass. The run over (done): every one of them gets None."""
         flight, misses = pacer.flight(latest, buffered, now, pending_version), 0
-        for key, n, fut in self.order(pacer, flight):
+        for key, n, version, fut in self.order(pacer, flight):
             if fut.done():
                 continue
             if done:
                 fut.set_result(None)
                 continue
-            k = pacer.room(key, n, latest, buffered, now, flight, pending_version)
+            k = pacer.room(key, n, latest, buffered, now, flight, pending_version, version)
             if k > 0:
-                fut.set_result(g := pacer.grant(key, k, latest, now))
+                fut.set_result(g := pacer.grant(key, k, latest if version is None else version, now))
                 pacer.backed_up(g, buffered)
                 flight = pacer.flight(latest, buffered, now, pending_version)
             elif (misses := misses + 1) >= self.MISSES:

@@ -93,4 +93,10 @@ class PromptLeaseRequest(Strict):
     """the worker asking (as in its groups); needed with wait_s"""
     wait_s: float | None = Field(default=None, ge=0.0, le=60.0)
     """ask for a grant: the answer comes once the round can still be trained (at most n prompts), or after
-    wait_s with none (retry_s: when to ask again). Absent: n prompts at once, unpaced, as before"""
+    wait_s with none (retry_s: when to ask again). Absent (or a proxy started with --no-pace): n prompts at once"""
+    version: int | None = Field(default=None, ge=0, le=10**9)
+    """with wait_s, from a worker that cannot load the latest version (it refused it: corrupt, another LoRA's
+    shape): the version it generates with. The grant is counted at that version; none can come when nothing
+    generated with it can be trained any more (then `why` says so at once)"""
+    refused: str | None = Field(default=None, max_length=500)
+    """with version: why the worker refused the newer one (the proxy logs it)"""

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from common import computes_bf16
+
 # ----------------------------------------------------------------------------------------------
 # 1. shared-prefix logprobs. Shapes: N = B*G sequences, T completion tokens.
 
@@ -320,10 +322,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def gpu_computes_bf16() -> bool:
-    """A CUDA GPU is here and computes in bf16: compute capability >= 8.0 (memory.computes_bf16, the one
-    rule of --dtype auto). Not torch.cuda.is_bf16_supported(), which also says True where bf16 is only
-    emulated (a T4)."""
-    from memory import computes_bf16
+    """A CUDA GPU is here and computes in bf16 (common.computes_bf16, the one rule of --dtype auto)."""
     return torch.cuda.is_available() and computes_bf16(torch.cuda.get_device_capability())
 
 

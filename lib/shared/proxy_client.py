@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import httpx
 
-from common import AdapterError, Bucket, KnownFiles, check_meta, log, patiently
+from common import PROTOCOL, AdapterError, Bucket, KnownFiles, ProtocolError, check_meta, check_protocol, log, patiently
 
 # On Hugging Face Jobs a relaunched proxy is a new job with a new URL, so its address lives in the
 # run's prefix, not in anyone's environment: whoever can see the proxy's public URL and has seen it
@@ -102,7 +102,7 @@ class ProxyClient:
 
     def __init__(self, url: str, token: str | None, hf_token: str | None = None, patience_s: float | None = None,
                  resolve: Callable[[], str | None] | None = None):
-        headers = {}
+        headers = {"X-Protocol": str(PROTOCOL)}  # the proxy refuses another protocol, naming both (access.guard)
         if token:
             headers["X-Proxy-Token"] = token
         auth = hf_token or token
@@ -117,6 +117,23 @@ class ProxyClient:
         self.say = log
         self.resolve = resolve if resolve is not None else default_resolver()
         self.refresh_url()  # the run's record, when there is one, wins over the built-in default URL
+
+    def check_protocol(self) -> dict:
+        """Every role's first call: GET /v1/whoami, which says who this token is and the proxy's protocol. Exits
+        (SystemExit, naming both protocols) when the proxy speaks another than this code (common.PROTOCOL), so that
+        a clone older or newer than the run's proxy stops at its start with a message, not in the middle of a run.
+        Returns the answer."""
+        try:
+            who = self.get("/v1/whoami")
+            check_protocol(who.get("protocol"), f"the proxy at {self.url}",
+                           "run the code the run was started with (git pull, or check out the run owner's commit)")
+        except ProxyError as e:
+            if e.status == 426:  # it refused ours (an X-Protocol it does not speak): its message names both
+                raise SystemExit(f"the proxy at {self.url} refused this client: {e.detail}") from None
+            raise
+        except ProtocolError as e:
+            raise SystemExit(str(e)) from None
+        return who
 
     @property
     def url(self) -> str:

@@ -19,7 +19,7 @@ import time
 import httpx
 import torch
 
-from common import Bucket, ConflictError
+from common import Bucket, ConflictError, too_stale
 from proxy_client import ProxyClient, ProxyError
 
 
@@ -174,7 +174,7 @@ class TrainedGroups:
             self.unacked[got["batch_id"]] = [g["group_id"] for g in got["groups"]]
             self.trained.update({g["group_id"]: g["policy_version"] for g in got["groups"]})
             latest = got["latest_version"]
-            for gid in [g for g, v in self.trained.items() if latest - v > self.max_staleness]:
+            for gid in [g for g, v in self.trained.items() if too_stale(v, latest, self.max_staleness)]:
                 del self.trained[gid]  # the proxy drops these when they come back: no guard needed
 
     def ack_all(self, owner: "Owner") -> None:

@@ -3,12 +3,12 @@ from its config.json alone. Pure Python (no torch), so launch_hf.py can check a 
 before it creates anything; the tables of model sizes against Jobs flavors in docs/memory.md are its
 output.
 
-    python lib/shared/memory.py --table                            # docs/memory.md's two tables (markdown)
-    python lib/shared/memory.py --model Qwen/Qwen2.5-7B-Instruct   # one model: trainer and worker, per flavor
-    python lib/shared/memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
+    python lib/jobs/memory.py --table                            # docs/memory.md's two tables (markdown)
+    python lib/jobs/memory.py --model Qwen/Qwen2.5-7B-Instruct   # one model: trainer and worker, per flavor
+    python lib/jobs/memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
 
 Where a config comes from (config_for): a local folder with config.json, the configs the project
-carries in lib/shared/configs/ (Hub id with "/" as "--"), or the Hub when it answers; otherwise None
+carries in lib/jobs/configs/ (Hub id with "/" as "--"), or the Hub when it answers; otherwise None
 and the caller says it cannot judge. Counts are exact for dense Llama-like decoders (Llama,
 Qwen2/2.5/3, Mistral, SmolLM); activations follow what models.completion_logprobs keeps for backward
 (see trainer_memory), checked against measured peaks on CPU by bench/memory_check.py.
@@ -21,24 +21,13 @@ import json
 import os
 from dataclasses import dataclass, replace
 
+from common import computes_bf16  # the one precision rule (common.py): bf16 from compute capability 8.0
 from environments import is_environment  # stdlib only: which tasks train episodes of several turns
 
 GiB = 1024 ** 3
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(ROOT, "configs")
 
-# bf16 on a GPU: the one rule of --dtype auto, for every role (models.resolve_dtype for the trainer and the
-# hf backend, engines for a vLLM engine or server started by a worker, and the memory model and the
-# launcher's fit check below): compute capability 8.0 or more (Ampere and later), where bf16 runs in
-# hardware. Not torch.cuda.is_bf16_supported(): it also says True on a T4 (7.5), where bf16 is emulated
-# (slow, and not what the memory model counts there). vLLM draws the same line (its CUDA platform's
-# supported dtypes).
-BF16_MIN_CAPABILITY = (8, 0)
-
-
-def computes_bf16(capability: tuple[int, int]) -> bool:
-    """Whether a CUDA GPU of this compute capability (major, minor) computes in bf16."""
-    return tuple(capability)[:2] >= BF16_MIN_CAPABILITY
 
 
 # GPU memory per flavor as the driver reports it (nvidia-smi's total: the datasheet's 16/24/48/80/141 GB
@@ -302,7 +291,7 @@ def config_for(model: str, hub: bool = True) -> tuple[dict | None, str]:
         return json.load(open(path)), path
     carried = os.path.join(CONFIGS, model.replace("/", "--") + ".json")
     if os.path.isfile(carried):
-        return json.load(open(carried)), f"lib/shared/configs/{os.path.basename(carried)}"
+        return json.load(open(carried)), f"lib/jobs/configs/{os.path.basename(carried)}"
     if not hub or os.environ.get("HF_HUB_OFFLINE") == "1":
         return None, f"no carried config for {model} and the Hub is not asked (offline)"
     try:
