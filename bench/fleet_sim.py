@@ -588,7 +588,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
              "--max-buffer", str(max(512, (a.max_staleness + 1) * batch)), "--max-connections", str(4 * n + 64),
              "--commit-depth", str(a.commit_depth),
-             *(["--pace"] if pace else [])]
+             *([] if pace else ["--no-pace"])]
     proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), *flags], env=env,
                              stdout=open(tmp / f"proxy-{n}-{pace}.log", "w"), stderr=subprocess.STDOUT)
     try:

@@ -13,7 +13,7 @@ train_step, engines.VLLMSampler / engines.sample, models.completion_logprobs) it
      the same tokens with the same adapter, in bf16 and in float32: mean and max |diff| per token, and
      the on-policy ratio exp(trainer - vLLM) (mean, max |ratio - 1|) that ratio/onpolicy_mean shows
 
-    python bench/gpu_check.py --out bench/gpu_check_results.json
+    python bench/gpu_check.py --out runs/gpu_check_results.json
     python bench/gpu_check.py --cpu-smoke    # here, without a GPU: part 1 on a 2-layer model, tiny shapes; parts 2-3 only with vllm
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def vllm_checks(model_dir: str, work: str, P: int, G: int, NEW: int, swaps: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu_check_results.json"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "gpu_check_results.json"))
     p.add_argument("--budget-s", type=float, default=560, help="skip the 7B 4-bit step when less than 4 min are left")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=64)
@@ -248,6 +248,7 @@ def main() -> None:
 
     def save() -> None:  # after every part: a run cut short by the 10-minute limit keeps what it measured
         res["wall_s"] = round(time.time() - T0, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             f.write(json.dumps(res, indent=1) + "\n")
 

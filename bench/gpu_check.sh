@@ -8,7 +8,7 @@
 #
 #   bash bench/gpu_check.sh --download-wheels wheels/     # once, on a machine with PyPI (Linux x86_64 wheels, CPython 3.11)
 #   bash bench/gpu_check.sh --install-wheels wheels/      # on the GPU machine, offline: .venv-gpu from those wheels only
-#   bash bench/gpu_check.sh [results.json]                # the check (default bench/gpu_check_results.json)
+#   bash bench/gpu_check.sh [results.json]                # the check (default runs/gpu_check_results.json)
 #   bash bench/gpu_check.sh --cpu-smoke                   # no GPU: the trainer part on 2-layer models, tiny shapes (~5 min here)
 #
 # The wheels: bench/gpu_requirements.txt pins vllm (the CUDA build, which pins its torch), peft,
@@ -42,4 +42,4 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   exec "$PY" bench/gpu_check.py --cpu-smoke --out "${2:-bench/gpu_check_smoke.json}"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-exec timeout 600 "$PY" bench/gpu_check.py --out "${1:-bench/gpu_check_results.json}"
+exec timeout 600 "$PY" bench/gpu_check.py --out "${1:-runs/gpu_check_results.json}"

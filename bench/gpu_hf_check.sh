@@ -8,7 +8,7 @@
 #
 #   .venv/bin/python bench/gpu_wheels.py download   # once, here, with PyPI: wheels-gpu/ (22.5 MiB) and wheels-rehearsal/
 #   bash bench/gpu_hf_check.sh --cpu-smoke [DIR [--no-emulate]]   # here, no GPU: the whole command on tiny models (~2 min)
-#   bash bench/gpu_hf_check.sh                      # on the GPU machine: results in $OUT (or bench/)
+#   bash bench/gpu_hf_check.sh                      # on the GPU machine: results in $OUT (or runs/gpu-hf-check/)
 #
 # On the GPU machine, through the device tool (one call; the machine has 15 minutes in all). The tool
 # sends the session's own checkout: wheels-gpu/ is ignored, so download it there first.
@@ -59,7 +59,7 @@ gpu() {  # OUTDIR, SITE, PY set; arguments go to gpu_hf_check.py
 }
 if [ "${1:-}" = "--cpu-smoke" ]; then
   PY=${PYTHON:-.venv/bin/python}
-  OUTDIR=${2:-bench}
+  OUTDIR=${2:-runs/gpu-hf-check}; mkdir -p "$OUTDIR"
   EMULATE=1
   [ "${3:-}" = "--no-emulate" ] && EMULATE=0
   SITE=$(mktemp -d /tmp/gpu-hf-site.XXXXXX)
@@ -69,7 +69,7 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   exit 0
 fi
 PY=${PYTHON:-python3}
-OUTDIR=${OUT:-bench}
+OUTDIR=${OUT:-runs/gpu-hf-check}; mkdir -p "$OUTDIR"
 SITE=$(mktemp -d /tmp/gpu-hf-site.XXXXXX)
 trap 'rm -rf "$SITE"' EXIT
 gpu "$@" 2>&1 | tee "$OUTDIR/gpu_hf_check.log"
