@@ -15,9 +15,9 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
         --secrets AWS_SECRET_ACCESS_KEY -e BUCKET=async-grpo -e RUN_NAME=my-run \
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
-        -- evaluate.py common.py lib/rollout/engines.py lib/rollout/episodes.py lib/shared/env_types.py \
-        lib/shared/environments.py lib/jobs/memory.py lib/shared/models.py lib/shared/openenv_env.py \
-        lib/shared/proxy_client.py lib/shared/runconfig.py lib/shared/tasks.py \
+        -- evaluate.py common.py lib/rollout/engines.py lib/rollout/hf_engine.py lib/rollout/episodes.py \
+        lib/shared/env_types.py lib/shared/environments.py lib/shared/models.py \
+        lib/shared/openenv_env.py lib/shared/proxy_client.py lib/shared/runconfig.py lib/shared/tasks.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
@@ -54,7 +54,7 @@ from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls
 from runconfig import record_config
 from tasks import load_task
 from environments import is_environment, load_environment
-from engines import HFTurns
+from hf_engine import HFTurns
 from episodes import Budget, Renderer, run_episodes
 
 

@@ -1,5 +1,5 @@
 """The hf engine's numerical floor for the trainer's logprob audit (docs/trust.md) and for the importance ratio
-across a mid-round swap: how far the behaviour logprobs a worker's hf engine reports (engines.sample: batched
+across a mid-round swap: how far the behaviour logprobs a worker's hf engine reports (hf_engine.sample: batched
 prefill, then one token at a time from the KV cache) are from those the trainer recomputes
 (models.completion_logprobs: one full forward), for the same weights, the same prompts and the same
 temperature. The audit's limits (--audit.max-dev-mean, --audit.max-dev-token) must sit far above what this
@@ -12,7 +12,7 @@ prints, in the dtype the run computes in.
 
 The LoRA is the trainer's (train.build_model), its B matrices set to small random values so the adapter is not
 the identity; the worker side is the same model object (the two roles run the same code and dtype). With
---swap-at N a second version (other random B) is copied in by engines.swap_in between two decode steps, as
+--swap-at N a second version (other random B) is copied in by hf_engine.swap_in between two decode steps, as
 rollout.py does mid-round, and each token is compared with the trainer's forward under the version that
 sampled it: before N version 1, from N on version 2 (`after_swap`: there the importance ratio under version 2
 is what the trainer computes for an on-policy token, and must be 1 within the floor).
@@ -35,7 +35,7 @@ import tyro  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import train  # noqa: E402
-from engines import sample, swap_in  # noqa: E402
+from hf_engine import sample, swap_in  # noqa: E402
 from models import LOCAL_MODEL, completion_logprobs, encode_prompt, resolve_dtype  # noqa: E402
 from tasks import load_task  # noqa: E402
 
@@ -59,7 +59,7 @@ class Args:
 
 def save_version(model, version: int, root: str) -> dict:
     """The model's LoRA with fresh small random B matrices, saved as a version the worker's adapter sync would
-    hand to engines.swap_in."""
+    hand to hf_engine.swap_in."""
     g = torch.Generator().manual_seed(version)
     with torch.no_grad():
         for n, p in model.named_parameters():

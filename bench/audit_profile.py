@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from audit import Auditor, Options  # noqa: E402
-from engines import sample  # noqa: E402
+from hf_engine import sample  # noqa: E402
 from models import completion_logprobs, encode_prompt, local_smollm2  # noqa: E402
 
 

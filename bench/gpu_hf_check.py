@@ -2,7 +2,7 @@
 GPU, no network, on the machine's own torch/transformers/peft. Models are built from the configs the
 project carries (lib/jobs/configs/), with random weights (bf16) and a word-level tokenizer;
 nothing is downloaded. With the repository's own code (train.build_model / train.train_step,
-engines.sample / engines.swap_in, models.load_base / completion_logprobs, memory.trainer_memory) it
+hf_engine.sample / hf_engine.swap_in, models.load_base / completion_logprobs, memory.trainer_memory) it
 measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bitsandbytes imports:
 
   trainer   step time and peak GPU memory at the Jobs layout (8 groups a step, 2 per micro-batch,
@@ -12,10 +12,10 @@ measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bi
             prediction. "measured" = torch's peak reserved + what the process holds outside torch's
             allocator (CUDA context, ...: device used - reserved, read after the steps), which is what
             the prediction's overhead stands for.
-  sampler   the hf engine (engines.sample) on 8 prompts x G=8 (a worker's round), 256-token prompts,
+  sampler   the hf engine (hf_engine.sample) on 8 prompts x G=8 (a worker's round), 256-token prompts,
             128 new tokens: tokens/s without and with a LoRA (r=16, all linear layers, B non-zero);
-            the first adapter load (engines.swap_in wraps the model) and the in-place swap time
-            (engines.swap_in with the tensors in memory, as rollout.py's sync thread hands them over),
+            the first adapter load (hf_engine.swap_in wraps the model) and the in-place swap time
+            (hf_engine.swap_in with the tensors in memory, as rollout.py's sync thread hands them over),
             checked to have landed.
   logprobs  the sampler's bf16 logprobs of its own tokens against the trainer's recompute of the same
             tokens with the same adapter: bf16 with checkpointing and gradients on (the GPU trainer's
@@ -207,13 +207,13 @@ def sampler_run(d: str, name: str, work: str, n_prompts: int, G: int, Lp: int, n
                 device: str) -> tuple[dict, dict]:
     """The hf engine: tokens/s (base, LoRA), first adapter load, in-place swaps. Returns the row and
     what the logprob check needs (prompts, the LoRA round's samples, version 1's adapter folder)."""
-    import engines
+    import hf_engine
     from models import load_base
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file
     free()
     cfg = json.load(open(os.path.join(d, "config.json")))
-    row = {"model": name, "engine": "hf (engines.sample)", "precision": "bf16", "lora_r": 16, "prompts": n_prompts,
+    row = {"model": name, "engine": "hf (hf_engine.sample)", "precision": "bf16", "lora_r": 16, "prompts": n_prompts,
            "G": G, "prompt_tokens": Lp, "new_tokens": new}
     t0 = time.time()
     base, tok = load_base(d, "bfloat16")
@@ -232,9 +232,9 @@ def sampler_run(d: str, name: str, work: str, n_prompts: int, G: int, Lp: int, n
     eos, pad = eos_ids(cfg), tok.pad_token_id
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, cfg["vocab_size"] - 1, (Lp,), generator=g).tolist() for _ in range(n_prompts)]
-    if device == "cuda":  # rollout.py calls engines.sample with torch's default device left at the CPU
+    if device == "cuda":  # rollout.py calls hf_engine.sample with torch's default device left at the CPU
         try:
-            engines.sample(base, prompts[:1], 1, 2, 1.0, eos, pad)
+            hf_engine.sample(base, prompts[:1], 1, 2, 1.0, eos, pad)
             row["sample_with_default_device_cpu"] = "ok"
         except Exception as e:
             row["sample_with_default_device_cpu"] = f"{type(e).__name__}: {e}"[:300]
@@ -248,15 +248,15 @@ def sampler_run(d: str, name: str, work: str, n_prompts: int, G: int, Lp: int, n
         return out, time.time() - t
 
     def m_sample(m, ps, g_, n):
-        return engines.sample(m, ps, g_, n, 1.0, eos, pad)
+        return hf_engine.sample(m, ps, g_, n, 1.0, eos, pad)
 
-    with torch.device(device):  # engines.sample builds its own tensors on the default device
+    with torch.device(device):  # hf_engine.sample builds its own tensors on the default device
         m_sample(base, prompts[:2], 2, 4)  # warm-up
         out, dt = timed(base, 1)
         row["base_tokens_per_s"] = round(sum(len(o[0]) for o in out) / dt, 1)
         sync()
         t0 = time.time()
-        model = engines.swap_in(base, {"version": 1, "dir": adirs[0]})  # the first adapter: peft wraps the model
+        model = hf_engine.swap_in(base, {"version": 1, "dir": adirs[0]})  # the first adapter: peft wraps the model
         sync()
         row["first_load_s"] = round(time.time() - t0, 3)
         m_sample(model, prompts[:2], 2, 4)
@@ -268,7 +268,7 @@ def sampler_run(d: str, name: str, work: str, n_prompts: int, G: int, Lp: int, n
             tensors = load_file(os.path.join(a, "adapter_model.safetensors"))  # rollout.py's sync thread, before the swap
             sync()
             t0 = time.time()
-            model = engines.swap_in(model, {"version": v, "dir": a, "tensors": tensors})
+            model = hf_engine.swap_in(model, {"version": v, "dir": a, "tensors": tensors})
             sync()
             lat.append(time.time() - t0)
             now = get_peft_model_state_dict(model)
@@ -292,7 +292,7 @@ def logprob_run(d: str, name: str, s: dict, micro_groups: int, device: str) -> d
     from safetensors.torch import load_file
     prompts, out, G = s["prompts"], s["samples"], s["G"]
     comps, behav = [o[0] for o in out], [o[1] for o in out]
-    row = {"model": name, "sampler": "hf engines.sample, bf16, LoRA r=16", "tokens": sum(len(c) for c in comps),
+    row = {"model": name, "sampler": "hf hf_engine.sample, bf16, LoRA r=16", "tokens": sum(len(c) for c in comps),
            "sampled_logprob_mean": round(sum(map(sum, behav)) / sum(map(len, behav)), 3)}
     mine: dict[str, list[torch.Tensor]] = {}
     for label, dtype, grad in (("trainer_bf16_ckpt_grad", "bfloat16", True), ("trainer_fp32", "float32", False)):

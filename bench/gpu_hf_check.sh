@@ -19,7 +19,7 @@
 # What runs, in both modes: the carried wheels (bench/gpu_wheels.txt) are installed with pip
 # --no-index --no-deps --target into a fresh folder put on PYTHONPATH, never over the machine's
 # packages; gpu_wheels.py verify then checks that torch/transformers/peft import from the machine's
-# site-packages, the carried packages from that folder, and that train/engines/models/memory import,
+# site-packages, the carried packages from that folder, and that train, the engines, models and memory import,
 # and refuses to go on otherwise; then bench/gpu_hf_check.py.
 # --cpu-smoke differs only in what it can stand in for: this machine's Python is 3.11, so it takes
 # the cp311 build of pydantic-core from wheels-rehearsal/cp311 (every other carried wheel is the very

@@ -21,7 +21,7 @@ install: one wheel per distribution that this interpreter can install (packaging
 those the interpreter already has at the same or a newer version (--all: install every one); refuses
 a wheel of the machine's own stack (torch, transformers, peft, ...) unless --allow-protected.
 verify: in the interpreter that will run the check (PYTHONPATH=target): the protected packages
-import from outside the target, what the target holds imports from it, and train/engines/models/memory
+import from outside the target, what the target holds imports from it, and train/hf_engine/models/memory
 import; prints each package's version and where it came from; exits 1 on any failure.
 """
 from __future__ import annotations
@@ -313,7 +313,7 @@ def cmd_verify(a) -> None:
                     fails.append(f"{m} does not import")
     sys.path.insert(0, ROOT)
     import common  # noqa: F401 - first of ours: puts the lib/ folders on sys.path
-    for m in ("memory", "models", "engines", "train"):
+    for m in ("memory", "models", "hf_engine", "train"):
         try:
             importlib.import_module(m)
         except Exception as e:

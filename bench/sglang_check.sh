@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the server backend (engines.ServerSampler) against a real SGLang server, and the same
+# GPU check of the server backend (server_engine.ServerSampler) against a real SGLang server, and the same
 # against vLLM's OpenAI server, for a machine with a GPU and no network. SGLang has no CPU build on
 # PyPI (see docs/engines.md, "SGLang"), so this is where its code path is exercised.
 #
@@ -36,7 +36,7 @@ import torch
 if not torch.cuda.is_available():
     sys.exit("sglang_check.sh: no CUDA device visible to torch; this check is for a GPU machine")
 sys.path.insert(0, os.getcwd())
-import engines, models
+import server_engine, models
 from peft import LoraConfig, PeftModel, get_peft_model
 from tokenizers import Tokenizer, models as tok_models
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -84,7 +84,7 @@ for kind in os.environ["KINDS"].split():
     python = os.environ["SGLANG_PYTHON" if kind == "sglang" else "VLLM_PYTHON"]
     t0 = time.time()
     try:
-        eng = engines.ServerSampler.start(kind, model=model_dir, lora_rank=16, log_path=os.path.join(work, f"{kind}.log"),
+        eng = server_engine.ServerSampler.start(kind, model=model_dir, lora_rank=16, log_path=os.path.join(work, f"{kind}.log"),
                                           python=python, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3)
         res["start_s"] = round(time.time() - t0, 1)
         eng.check_processed_logprobs(prompts[0], T)

@@ -1,9 +1,9 @@
 """What a mid-round adapter swap costs the hf engine (docs/engines.md, "Mid-round swaps"): one round of the
 local run's shape (8 addition prompts x G 8, 24 new tokens, SmolLM2-135M, float32, one thread) sampled
-without a swap and with a swap at token i, the same seed each time. At a swap engines.sample recomputes the
+without a swap and with a swap at token i, the same seed each time. At a swap hf_engine.sample recomputes the
 KV cache of the completions still running under the new weights (finished ones leave the batch), so the cost
 grows with how far into the round the swap comes and with how many completions still run. A swap callback
-also makes the prefill go in chunks of engines.PREFILL_CHUNK prompt tokens (swap(0) asked between them):
+also makes the prefill go in chunks of hf_engine.PREFILL_CHUNK prompt tokens (swap(0) asked between them):
 `never` times that with no swap, `0` a swap after the prefill's first chunk (the prefill starts again).
 
     .venv/bin/python bench/swap_cost.py                       # none, never, 0, 6, 12, 18; median of 3 rounds each
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import train  # noqa: E402
-from engines import sample, swap_in  # noqa: E402
+from hf_engine import sample, swap_in  # noqa: E402
 from models import encode_prompt, load_base, local_smollm2  # noqa: E402
 from tasks import load_task  # noqa: E402
 

@@ -5,12 +5,13 @@ import math
 
 import pytest
 
-import engines
+import hf_engine
+import server_engine
 from runlib import hf_adapter
 
 
 def test_server_commands_ask_for_runtime_lora_and_processed_logprobs():
-    cmd, env = engines.server_command("vllm", "Qwen/Qwen2.5-0.5B-Instruct", 8123, lora_rank=24, python="py")
+    cmd, env = server_engine.server_command("vllm", "Qwen/Qwen2.5-0.5B-Instruct", 8123, lora_rank=24, python="py")
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--model"] == "Qwen/Qwen2.5-0.5B-Instruct" and flags["--port"] == "8123" and flags["--host"] == "127.0.0.1"
@@ -19,18 +20,18 @@ def test_server_commands_ask_for_runtime_lora_and_processed_logprobs():
     assert flags["--dtype"] == "float32"             # on CPU: logprobs must match the trainer's float32
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert "--api-key" not in cmd                    # the key goes through the environment (ManagedServer)
-    cmd, env = engines.server_command("sglang", "Qwen/Qwen2.5-0.5B-Instruct", 8123, lora_rank=24, python="py")
+    cmd, env = server_engine.server_command("sglang", "Qwen/Qwen2.5-0.5B-Instruct", 8123, lora_rank=24, python="py")
     flags = dict(zip(cmd, cmd[1:]))
     assert cmd[:3] == ["py", "-m", "sglang.launch_server"] and flags["--model-path"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert flags["--max-lora-rank"] == "24" and flags["--lora-target-modules"] == "all" and "--enable-lora" in cmd
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
     with pytest.raises(ValueError, match="unknown server kind 'tgi'"):
-        engines.server_command("tgi", "m", 1)
+        server_engine.server_command("tgi", "m", 1)
 
 
 def test_a_server_answer_is_checked_before_it_becomes_a_group():
     good = [([5, 6, 2], [-0.5, -1e-7, -2.0], "stop"), ([7], [0.0], "length")]
-    assert engines.checked(good, 2) == good
+    assert server_engine.checked(good, 2) == good
     bad = [
         (good[:1], "1 completions, expected 2"),
         ([([5, 6], [-0.5], "stop"), good[1]], "2 token ids, 1 logprobs"),
@@ -42,7 +43,7 @@ def test_a_server_answer_is_checked_before_it_becomes_a_group():
     ]
     for samples, says in bad:
         with pytest.raises(RuntimeError, match=r"the inference server returned .*" + says):
-            engines.checked(samples, 2)
+            server_engine.checked(samples, 2)
 
 
 # ---- the server backend against a recording stand-in of an OpenAI-compatible server (the platform boundary) ----
@@ -138,12 +139,12 @@ def test_the_processed_logprobs_check_compares_token_by_token(tiny_model, fake_s
     even when one answer carries that extra entry (pairing sorted values shifted every pair by one, so
     such a server passed), and one that reports processed logprobs passes."""
     raw = fake_server(processed=False)
-    engine = engines.ServerSampler(raw.url, "vllm", model=tiny_model)
+    engine = server_engine.ServerSampler(raw.url, "vllm", model=tiny_model)
     with pytest.raises(RuntimeError, match="same logprobs at temperature 1 and 0.7"):
         engine.check_processed_logprobs([1, 2, 3], 0.7)
     assert [b["logprobs"] for p, b in raw.bodies] == [5, 5]
     processed = fake_server(processed=True)
-    engines.ServerSampler(processed.url, "vllm", model=tiny_model).check_processed_logprobs([1, 2, 3], 0.7)
+    server_engine.ServerSampler(processed.url, "vllm", model=tiny_model).check_processed_logprobs([1, 2, 3], 0.7)
 
 
 NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -156,7 +157,7 @@ def test_the_server_backend_asks_for_neutral_sampling_in_chat_and_rollouts(kind,
     repetition penalty on the server backend but not on the hf one. Every request says the neutral value
     (top_k -1: SGLang's "off", which vLLM takes as its 0), and the client's own top_p."""
     srv = fake_server()
-    engine = engines.ServerSampler(srv.url, kind, model=tiny_model)
+    engine = server_engine.ServerSampler(srv.url, kind, model=tiny_model)
     engine.chat([{"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 4, "temperature": 0.8,
                   "top_p": 0.9, "seed": 1, "stop": []}])
     engine.sample([[1, 2, 3], [4, 5]], 2, 3, 0.7)
@@ -175,9 +176,9 @@ def test_the_hf_backend_ignores_the_models_sampling_defaults_too(tiny_model):
     model, tok = models.load_base(tiny_model)
     req = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 12, "temperature": 0.0,
            "top_p": 1.0, "seed": 5, "stop": []}
-    plain = [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)]
+    plain = [hf_engine.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)]
     model.generation_config.update(repetition_penalty=3.0, top_k=2, min_p=0.5)
-    assert [engines.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)] == plain
+    assert [hf_engine.hf_chat(model, tok, {**req, "temperature": t}) for t in (0.0, 1.0)] == plain
 
 
 # ---- the hf backend's hot-swap: an adapter of another shape is refused, the loaded one stays ----------------
@@ -195,26 +196,26 @@ def test_hf_swap_in_refuses_an_adapter_of_another_shape_and_keeps_serving_the_ol
         with torch.no_grad():
             return m(input_ids=ids).logits
     plain = logits(base)
-    served = engines.swap_in(base, hf_adapter(tiny_model, tmp_path / "v1", 1, r=4))
+    served = hf_engine.swap_in(base, hf_adapter(tiny_model, tmp_path / "v1", 1, r=4))
     v1 = logits(served)
     assert not torch.allclose(v1, plain)
     for v, r, alpha, says in ((2, 8, None, r"rank 8"), (3, 4, 32, r"lora_alpha 32")):
         with pytest.raises(AdapterError, match=rf"version {v}\b.*{says}") as e:
-            engines.swap_in(served, hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=r, alpha=alpha))
+            hf_engine.swap_in(served, hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=r, alpha=alpha))
         assert "rank 4" in str(e.value)             # what is loaded now, named too
         assert torch.equal(logits(served), v1)     # not one tensor of it copied in
     # the same shape still swaps in place, to exactly what the version loaded afresh computes
     v4 = hf_adapter(tiny_model, tmp_path / "v4", 4, r=4)
-    served = engines.swap_in(served, v4)
+    served = hf_engine.swap_in(served, v4)
     assert not torch.allclose(logits(served), v1)
-    assert torch.equal(logits(served), logits(engines.swap_in(models.load_base(tiny_model)[0], v4)))
+    assert torch.equal(logits(served), logits(hf_engine.swap_in(models.load_base(tiny_model)[0], v4)))
 
 
 # ---- a mid-round swap (hf): the next token on is the new version's, exactly --------------------------------
 
 
 def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(tiny_model, tmp_path):
-    """engines.sample with a swap between decode steps, as rollout.py does it: tokens before the swap carry
+    """hf_engine.sample with a swap between decode steps, as rollout.py does it: tokens before the swap carry
     version 1's logprobs, tokens from it on version 2's, each exactly (within the engine's numerical floor)
     what completion_logprobs (the trainer's and the audit's forward) computes under that version given the
     same context, so the importance ratio under version 2 is 1 on its tokens. Without recomputing the KV cache
@@ -230,21 +231,21 @@ def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(
     G, n, at = 2, 12, 5
 
     def run(rebuild: bool):
-        model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+        model = hf_engine.swap_in(models.load_base(tiny_model)[0], v1)
         swaps = []
 
         def swap(i: int) -> bool:
             if i != at:
                 return False
-            engines.swap_in(model, v2)          # in place, as between two decode steps of a real round
+            hf_engine.swap_in(model, v2)          # in place, as between two decode steps of a real round
             swaps.append((i, 2))
             return rebuild                      # False: pretend the cache need not be recomputed
         torch.manual_seed(0)
-        out = engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap)
+        out = hf_engine.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap)
         return model, out, swaps
 
     def logprobs(version: dict, out) -> torch.Tensor:
-        m = engines.swap_in(models.load_base(tiny_model)[0], version)
+        m = hf_engine.swap_in(models.load_base(tiny_model)[0], version)
         with torch.no_grad():
             return models.completion_logprobs(m, prompts, [ids for ids, _, _ in out], 1.0, pad=tok.pad_token_id)[0]
 
@@ -266,11 +267,11 @@ def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(
     # Make the token row 0 sampled at index 2 an end-of-sequence token: the same seed samples the same tokens
     # up to the swap, so row 0 now ends at its index 2 (or before) and the others run on
     eos = {out[0][0][2]}
-    model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+    model = hf_engine.swap_in(models.load_base(tiny_model)[0], v1)
     calls = []
     torch.manual_seed(0)
-    ended = engines.sample(model, prompts, G, n, 1.0, eos, tok.pad_token_id,
-                           swap=lambda i: i == at and (calls.append(engines.swap_in(model, v2)) or True))
+    ended = hf_engine.sample(model, prompts, G, n, 1.0, eos, tok.pad_token_id,
+                           swap=lambda i: i == at and (calls.append(hf_engine.swap_in(model, v2)) or True))
     assert calls and ended[0][2] == "stop" and len(ended[0][0]) <= 3 and ended[0][0] == out[0][0][:len(ended[0][0])]
     running = [k for k, (ids, _, _) in enumerate(ended) if len(ids) > at]
     assert running, "some completion ran past the swap"
@@ -287,7 +288,7 @@ def test_a_mid_round_swap_records_each_tokens_version_and_keeps_the_ratio_exact(
 
 
 def test_a_version_that_arrives_during_the_prefill_samples_every_token(tiny_model, tmp_path):
-    """engines.sample asks swap(0) between chunks of the prefill (PREFILL_CHUNK prompt tokens each): a version
+    """hf_engine.sample asks swap(0) between chunks of the prefill (PREFILL_CHUNK prompt tokens each): a version
     swapped in after the first chunk starts the prefill again under it, so every token is that version's
     (its logprobs what completion_logprobs computes under it, not under the version loaded at the start), and
     the chunked prefill samples exactly what one forward of the prompt does when nothing arrives."""
@@ -298,29 +299,29 @@ def test_a_version_that_arrives_during_the_prefill_samples_every_token(tiny_mode
     v1, v2 = (hf_adapter(tiny_model, tmp_path / f"v{v}", v, r=4) for v in (1, 2))
     prompts = [tok.encode("Once upon a time there was a tiny model that learned to add numbers " * 3),
                tok.encode("What is 12 + 30? Answer:")]
-    assert len(prompts[0]) > 2 * engines.PREFILL_CHUNK  # three chunks or more: swap(0) asked between them
+    assert len(prompts[0]) > 2 * hf_engine.PREFILL_CHUNK  # three chunks or more: swap(0) asked between them
     G, n = 2, 6
 
     def run(swap_at_chunk: int | None):
-        model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+        model = hf_engine.swap_in(models.load_base(tiny_model)[0], v1)
         asked = []
 
         def swap(i: int) -> bool:
             asked.append(i)
             if i == 0 and asked.count(0) == swap_at_chunk:
-                engines.swap_in(model, v2)
+                hf_engine.swap_in(model, v2)
                 return True
             return False
         torch.manual_seed(0)
-        return engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap), asked
+        return hf_engine.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id, swap=swap), asked
 
     def logprobs(version: dict, out) -> torch.Tensor:
-        m = engines.swap_in(models.load_base(tiny_model)[0], version)
+        m = hf_engine.swap_in(models.load_base(tiny_model)[0], version)
         with torch.no_grad():
             return models.completion_logprobs(m, prompts, [ids for ids, _, _ in out], 1.0, pad=tok.pad_token_id)[0]
 
     out, asked = run(swap_at_chunk=1)
-    chunks = -(-len(prompts[0]) // engines.PREFILL_CHUNK)
+    chunks = -(-len(prompts[0]) // hf_engine.PREFILL_CHUNK)
     assert asked[:1 + chunks] == [0] * (1 + chunks) and asked[1 + chunks] == 1, asked  # 1 chunk, then all again
     behaviour = torch.tensor([lps for _, lps, _ in out])
     floor = 1e-4  # float32 on CPU, as in the mid-round test above
@@ -328,9 +329,9 @@ def test_a_version_that_arrives_during_the_prefill_samples_every_token(tiny_mode
     assert (behaviour - logprobs(v1, out)).abs().max() > 100 * floor
     # nothing arrives: the chunked prefill samples what the one-forward prefill (no swap callback) samples
     quiet, _ = run(swap_at_chunk=None)
-    model = engines.swap_in(models.load_base(tiny_model)[0], v1)
+    model = hf_engine.swap_in(models.load_base(tiny_model)[0], v1)
     torch.manual_seed(0)
-    whole = engines.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id)
+    whole = hf_engine.sample(model, prompts, G, n, 1.0, set(), tok.pad_token_id)
     assert [ids for ids, _, _ in quiet] == [ids for ids, _, _ in whole]
     assert (torch.tensor([lps for _, lps, _ in quiet]) - torch.tensor([lps for _, lps, _ in whole])).abs().max() < floor
 

@@ -1,4 +1,4 @@
-"""Episodes of several turns on the worker (lib/rollout/episodes.py, engines.HFTurns, lib/shared/environments.py):
+"""Episodes of several turns on the worker (lib/rollout/episodes.py, hf_engine.HFTurns, lib/shared/environments.py):
 the token sequence is built turn by turn and never re-tokenised, the behaviour logprobs the hf engine records
 across turns (its KV cache kept) are the trainer's to float precision, the environment's tokens are exactly
 what the chat template writes for its messages, an environment whose history renders differently from the
@@ -14,7 +14,7 @@ import torch
 
 import environments
 from conftest import ROOT, stop
-from engines import HFTurns
+from hf_engine import HFTurns
 from episodes import Budget, Renderer, group_of, run_episodes
 from environments import Environment, Session, Step
 from models import completion_logprobs, load_base
@@ -86,24 +86,24 @@ def test_a_new_version_between_turns_samples_the_next_turns_exactly(tiny_model, 
     the later ones version 2's, each token recorded with its version, and its logprob what the trainer
     computes under that version (HFTurns recomputes its cache under the new weights: without that, the later
     turns would be sampled from version 2's weights on version 1's cache)."""
-    import engines
+    import hf_engine
     from common import token_versions
     from runlib import hf_adapter
     v1, v2 = (hf_adapter(tiny_model, tmp_path / f"v{v}", v) for v in (1, 2))
     _, tok = load_base(tiny_model)
-    scored = {v["version"]: engines.swap_in(load_base(tiny_model)[0], v) for v in (v1, v2)}
+    scored = {v["version"]: hf_engine.swap_in(load_base(tiny_model)[0], v) for v in (v1, v2)}
     eos = {tok.eos_token_id}
     rend, env = Renderer(tok, eos), echo_env(turns=3)
     prompts = [rend.ids(env.prompts[i]) for i in (0, 1)]
 
     def episodes(turns_class) -> list[dict]:
-        model = engines.swap_in(load_base(tiny_model)[0], v1)
+        model = hf_engine.swap_in(load_base(tiny_model)[0], v1)
         swapped = []
 
         def swap():
             if swapped:
                 return None
-            engines.swap_in(model, v2)
+            hf_engine.swap_in(model, v2)
             swapped.append(2)
             return 2
         torch.manual_seed(seed)
@@ -236,7 +236,7 @@ def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_epis
     environment's (mask 0), and a later prompt that re-renders an earlier turn differently is drift."""
     import threading
     import httpx
-    from engines import hf_generate
+    from hf_engine import hf_generate
     from generate_server import GenerateServer, episode_of
     model, tok = tiny
     torch.manual_seed(seed)

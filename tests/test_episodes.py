@@ -90,20 +90,20 @@ def test_the_proxy_refuses_bad_episodes_and_keeps_good_ones_as_sent(start_proxy,
     assert got["completions"] == good["completions"] and journaled(bucket) == 1
 
 
-def test_a_journal_written_before_episodes_replays(start_proxy, bucket):
-    """Commit objects as a proxy of 2026-11 wrote them (group lines without mask or versions): a proxy of
-    today starts from them, leases the groups out unchanged, and the trainer reads them as single-turn."""
+def test_a_journal_of_single_turn_groups_replays(start_proxy, bucket):
+    """A commit object whose group lines have no mask or versions (single-turn groups, as a worker sends them): a
+    proxy starts from it, leases the groups out unchanged, and the trainer reads them as single-turn."""
     old = [json.dumps({"group_id": f"old{i:05d}aa", "worker_id": "w1", "policy_version": 0, "prompt_ids": [1, 2, 3],
                        "completions": [{"token_ids": [5, 6], "logprobs": [-0.5, -1.0], "reward": float(k % 2),
                                         "finish_reason": "stop"} for k in range(4)], "meta": {"task": "t"}},
                       separators=(",", ":")).encode() for i in range(3)]
-    header = {"t": "commit", "incarnation": 0, "seq": 0, "writer": "old-proxy", "time": time.time()}
+    header = {"t": "commit", "protocol": common.PROTOCOL, "incarnation": 0, "seq": 0, "writer": "w", "time": time.time()}
     bucket.put(journal.object_name(0, 0), journal.encode(header, [*old, {"t": "counters", "counters": {}}]))
     p = start_proxy("--group-size", "4")
     assert p.stats()["buffer_size"] == 3 and p.stats()["incarnation"] == 1
     got = p.http.post("/v1/batches/lease", json={"num_groups": 3}).json()["groups"]
     assert [json.dumps({k: v for k, v in g.items()}, separators=(",", ":")).encode() for g in got] == old
-    assert all(train.sampled(c) == [1, 1] for g in got for c in g["completions"])
+    assert all(common.sampled_mask(c) == [1, 1] for g in got for c in g["completions"])
 
 
 # ---- the trainer --------------------------------------------------------------------------------

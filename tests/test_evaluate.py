@@ -127,7 +127,7 @@ def test_evaluate_runs_an_environment_through_the_workers_episode_runner(tiny_mo
     assert res["task"] == "calculator" and res["n"] == 4
     assert {"correct", "diag_tool_call", "turns", "drift"} <= set(res["components"])
     import environments
-    from engines import HFTurns
+    from hf_engine import HFTurns
     from episodes import Budget, Renderer, run_episodes
     from models import load_base
     model, tok = load_base(tiny_model)

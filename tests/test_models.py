@@ -179,9 +179,9 @@ GPUS = {"T4": (7, 5), "V100": (7, 0), "A100": (8, 0), "A10G": (8, 6), "L4": (8, 
 def test_dtype_auto_is_bf16_only_on_a_gpu_that_computes_it(gpu, monkeypatch):
     """The device query is emulated below the project's code: torch.cuda says a GPU of that compute capability
     is there and, as torch does on a T4, that bf16 is "supported" (it counts emulation). The trainer's base
-    weights (models.resolve_dtype), a vLLM engine or server started here (engines), and the memory model's
+    weights (models.resolve_dtype), a vLLM engine or server started here (server_engine), and the memory model's
     flavors (memory.py, launch_hf's fit check) must all decide alike."""
-    import engines
+    import server_engine
     import memory
     cap = GPUS[gpu]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -189,7 +189,7 @@ def test_dtype_auto_is_bf16_only_on_a_gpu_that_computes_it(gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     bf16 = cap >= (8, 0)
     assert models.resolve_dtype("auto") == (torch.bfloat16 if bf16 else torch.float32)
-    cmd, _ = engines.server_command("vllm", "Qwen/Qwen2.5-0.5B-Instruct", 8123)
+    cmd, _ = server_engine.server_command("vllm", "Qwen/Qwen2.5-0.5B-Instruct", 8123)
     assert cmd[cmd.index("--dtype") + 1] == ("bfloat16" if bf16 else "float16")  # vLLM has no use for fp32 on a GPU
     for flavor, (name, _, *_) in memory.FLAVORS.items():
         if name.split()[0] == gpu:

@@ -34,18 +34,17 @@ def record(message, category, filename, lineno, file=None, line=None):
 
 warnings.showwarning = record
 warnings.simplefilter("always")
-import engines, rollout, train
+import hf_engine, rollout, train
 from safetensors.torch import load_file
 phase = "load"
 # the trainer's model (train.build_model: base, then LoRA through peft), its adapter saved as a version
 model, _ = train.build_model(train.Args(model=tiny))
 model.save_pretrained(adapters)
-# the worker's hf backend: the base (rollout imports models.load_base), the first version wrapped by peft,
-# the next one copied in place
-base, tok = rollout.load_base(tiny)
+# the worker's hf backend: the base, the first version wrapped by peft, the next one copied in place
+engine = hf_engine.HFSampler(tiny)
 new = {"version": 1, "dir": adapters, "tensors": load_file(os.path.join(adapters, "adapter_model.safetensors"))}
-served = engines.swap_in(base, new)
-served = engines.swap_in(served, {**new, "version": 2})
+engine.swap_in(new)
+engine.swap_in({**new, "version": 2})
 print(json.dumps({"bitsandbytes": "bitsandbytes" in sys.modules, "warnings": seen}))
 """
 

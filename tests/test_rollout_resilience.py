@@ -70,30 +70,77 @@ def test_a_round_is_sent_at_once(start_proxy, tmp_path):
 
 
 def test_adapter_that_does_not_fit_is_refused():
-    args = rollout.Args(model="m", max_lora_rank=16)
     names = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp"}
-    adapter_sync.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}, args, names)
-    # "all-linear" is saved as the full module paths
-    adapter_sync.check_fits({"base_model": "m", "lora": {"r": 16, "target_modules": sorted(names)}}, args, names)
+    fits = lambda meta: adapter_sync.check_fits(meta, "m", 16, names)  # noqa: E731 - model "m", rank at most 16
+    fits({"base_model": "m", "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}})
+    fits({"base_model": "m", "lora": {"r": 16, "target_modules": sorted(names)}})  # "all-linear": the full paths
     with pytest.raises(common.AdapterError, match="rank 32 above the limit 16"):
-        adapter_sync.check_fits({"base_model": "m", "lora": {"r": 32, "target_modules": ["q_proj"]}}, args, names)
+        fits({"base_model": "m", "lora": {"r": 32, "target_modules": ["q_proj"]}})
     with pytest.raises(common.AdapterError, match=r"target modules \['wq'\] do not exist"):
-        adapter_sync.check_fits({"base_model": "m", "lora": {"r": 8, "target_modules": ["q_proj", "wq"]}}, args, names)
+        fits({"base_model": "m", "lora": {"r": 8, "target_modules": ["q_proj", "wq"]}})
     with pytest.raises(common.AdapterError, match="trained on 'other'"):
-        adapter_sync.check_fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}}, args, names)
+        fits({"base_model": "other", "lora": {"r": 8, "target_modules": ["q_proj"]}})
+
+
+def test_a_worker_that_cannot_load_the_latest_version_asks_at_its_own_and_waits_when_told_why(tmp_path, caplog):
+    """rollout.Worker against stand-ins of its engine, proxy and sync thread. Once it refused the newest version,
+    each paced prompt request names the version it holds and why; told that nothing generated with that version
+    can be trained (`why`), it says so once and waits for a newer version, answering routed requests meanwhile. A
+    grant counted at a newer version it then cannot have is not generated, and the next request says why."""
+    import logging
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="rollout")
+    asked, served = [], []
+    answers = [{"indices": [], "epochs": [], "version": 2, "done": False, "retry_s": 1.0, "why": "version 1 is too old"},
+               {"indices": [], "epochs": [], "version": 2, "done": False, "retry_s": 1.0, "why": "version 1 is too old"},
+               {"indices": [7], "epochs": [0], "lease_id": "l1", "version": 3, "done": False}]
+
+    def refuse(new: dict) -> None:
+        raise common.AdapterError("it has rank 8")
+
+    def post(path: str, body: dict) -> dict:
+        asked.append(body)
+        if answers[0]["version"] == 3:  # v3 fails to verify while the worker waits for it
+            sync.failed, sync.why_failed = 3, "version 3 not loaded: sha256 mismatch"
+        return answers.pop(0)
+    engine = SimpleNamespace(tok=None, eos=set(), swap_in=refuse, chat=lambda reqs: [{"text": ""} for _ in reqs])
+    client = SimpleNamespace(post=post)
+    new = {"version": 2, "dir": str(tmp_path / "v2"), "published": None, "ready": 0.0}
+    sync = SimpleNamespace(latest=2, seen=2, failed=0, why_failed="", max_staleness=3, done=False, ready=new,
+                           take=lambda: (sync.ready, setattr(sync, "ready", None))[0])
+    routed = SimpleNamespace(serve=lambda chat, version, wait_s=0.0: served.append(wait_s) or 0)
+    worker = rollout.Worker(rollout.Args(), engine, client, sync, None, None, routed, threading.Event(),
+                            SimpleNamespace(name="addition", prompts=list(range(10))))
+    worker.version = 1
+    worker.take_new()
+    assert worker.version == 1 and worker.refused[0] == 2
+    assert worker.ask_for_prompts() is None and worker.waits()  # told why: it waits, serving meanwhile
+    assert asked[-1]["version"] == 1 and asked[-1]["refused"].startswith("refused version 2: it has rank 8")
+    assert worker.ask_for_prompts() is None and worker.waits() and served[-1] == 0.5
+    assert [r.message for r in caplog.records].count("not generating with version 1: version 1 is too old") == 1
+    sync.latest = 3  # a newer version: asked for at the latest (it refused none that new), granted at v3 ...
+    assert not worker.waits()
+    assert worker.ask_for_prompts() is None and "version" not in asked[-1]  # ... which it cannot have: not generated
+    answers.append({"indices": [], "epochs": [], "version": 3, "done": False, "retry_s": 1.0})
+    assert worker.ask_for_prompts() is None
+    assert asked[-1]["version"] == 1 and asked[-1]["refused"] == "version 3 not loaded: sha256 mismatch"
 
 
 @pytest.mark.timeout(600)  # its own bound is 240 s, on top of the model and the proxy
 @pytest.mark.parametrize("pace", [False, True], ids=["unpaced", "paced"])
 def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model, start_proxy, bucket, run_name,
                                                                      tmp_path, pace):
-    """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why. Paced
-    (proxy --pace), its grants count on v2: it must not wait for a version that failed to verify."""
+    """The worker serves v1; v2 arrives with one flipped byte: it keeps generating with v1 and says why. Paced (the
+    proxy's default), once v2 failed to verify it asks for its grants at v1 (refused: why), so the proxy counts its
+    rounds at the version that generates them; a grant counted at v2 before it knew is not generated, and it never
+    waits long for v2. --max-staleness 3: v1's rounds stay trainable while the stand-in trainer (runlib) leases
+    without registering versions."""
     import time
 
     import train
     from runlib import worker_refuses_v2
-    proxy = start_proxy("--group-size", "4", *(["--pace"] if pace else []))
+    proxy = start_proxy("--group-size", "4", "--max-staleness", "3", *([] if pace else ["--no-pace"]))
     model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
 
     def publish(v: int, corrupt: bool = False) -> None:
@@ -109,28 +156,26 @@ def test_worker_keeps_previous_version_when_handed_a_corrupt_adapter(tiny_model,
         assert proxy.http.post("/v1/adapters", json={"version": v, "step": v, "published_at": time.time()}).is_success
 
     publish(1)
-    stop_leasing = threading.Event()
-
-    def trainer() -> None:  # paced, rounds are granted only while a trainer takes what arrives: lease and ack
-        while not stop_leasing.is_set():
-            got = proxy.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 1.0}).json()
-            if got.get("batch_id"):
-                proxy.http.post(f"/v1/batches/{got['batch_id']}/ack")
-    leasing = threading.Thread(target=trainer, daemon=True)
-    if pace:
-        leasing.start()
-    try:
-        text, after = worker_refuses_v2(tiny_model, proxy, run_name, tmp_path, lambda: publish(2, corrupt=True),
-                                        "not loading version 2", rounds_after=6)
-    finally:
-        stop_leasing.set()
+    text, after = worker_refuses_v2(tiny_model, proxy, run_name, tmp_path, lambda: publish(2, corrupt=True),
+                                    "not loading version 2", rounds_after=6)
     assert re.search(r"not loading version 2: .*sha256", text), text[-2000:]
     assert len(after) >= 6 and set(after) == {"1"}  # it kept generating, with v1 only
-    # its grants (paced) count on v2; it did not wait for it once v2 had failed to verify (the wait's bound is 60 s)
     rows = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
     waits = [r["rollout/adapter_wait_s"] for r in rows if "rollout/adapter_wait_s" in r]
-    assert max(waits, default=0.0) < 30, waits
-    assert bool(waits) == pace  # unpaced, no grant names a version
+    assert max(waits, default=0.0) < 30, waits  # never for v2 once it had failed (the wait's bound is 60 s)
+    if not pace:
+        assert not waits  # no grant names a version
+        return
+    # the proxy's journal, in log order, from v2's registration on
+    lines = [json.loads(x) for k in sorted(bucket.list("rollouts/")) for x in bucket.get(k)[0].splitlines()]
+    since = lines[next(i for i, x in enumerate(lines) if x.get("t") == "version" and x["version"] == 2):]
+    grants = [x["version"] for x in since if x.get("t") == "grant" and x["key"].endswith("w1")]
+    released = [x for x in since if x.get("t") == "release" and x["key"].endswith("w1")]
+    assert set(grants) <= {1, 2} and grants.count(1) >= 6, grants
+    # a grant counted at v2 (asked for before v2 had failed) was given back unused by the next request
+    assert grants.count(2) <= 2 and len(released) >= grants.count(2), (grants, released)
+    assert {x["policy_version"] for x in since if "group_id" in x and "t" not in x} == {1}
+    assert [r["version"] for r in rows if "rollout/gen_s" in r][-len(after):] == [1] * len(after)  # so do its rows
 
 
 PUBLISHER = r'''
@@ -360,6 +405,7 @@ def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_prox
 
     import train
     from conftest import ROOT, stop
+    from runlib import stand_in_trainer
     proxy = start_proxy("--group-size", "4")
     (tmp_path / "skewed.py").write_text(SKEWED)
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
@@ -369,19 +415,21 @@ def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_prox
                                "--group-size", "4", "--prompts-per-round", "1", "--max-new-tokens", "4",
                                "--worker-id", "w1", "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
-        t0 = time.time()
-        while " round 1 v0" not in log.read_text():
-            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)
-        model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
-        model.save_pretrained(tmp_path / "v1")
-        common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
-        assert proxy.http.post("/v1/adapters", json={"version": 1, "step": 1, "published_at": time.time()}).is_success
-        while not re.search(r" round \d+ v1:", log.read_text()):
-            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)
-        worker.terminate()  # SIGTERM: the worker ends its round and uploads its metrics
-        assert worker.wait(timeout=120) == 0, log.read_text()[-2000:]
+        with stand_in_trainer(proxy):  # paced: rounds are granted while a trainer takes what arrives
+            t0 = time.time()
+            while " round 1 v0" not in log.read_text():
+                assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.2)
+            model, _ = train.build_model(train.Args(model=tiny_model, lora_r=4, lora_alpha=8))
+            model.save_pretrained(tmp_path / "v1")
+            common.publish_adapter(bucket, tmp_path / "v1", 1, 1, tiny_model)
+            assert proxy.http.post("/v1/adapters", json={"version": 1, "step": 1,
+                                                         "published_at": time.time()}).is_success
+            while not re.search(r" round \d+ v1:", log.read_text()):
+                assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-2000:]
+                time.sleep(0.2)
+            worker.terminate()  # SIGTERM: the worker ends its round and uploads its metrics
+            assert worker.wait(timeout=120) == 0, log.read_text()[-2000:]
     finally:
         stop(worker)
     rows = [json.loads(x) for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()]
@@ -393,8 +441,8 @@ def test_worker_timings_do_not_depend_on_the_hosts_clocks(tiny_model, start_prox
 
 
 def test_a_worker_deletes_the_adapter_versions_it_will_not_load_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
-    sync = rollout.AdapterSync(rollout.Args(model="m"), None, None)
+    monkeypatch.setattr(adapter_sync.tempfile, "tempdir", str(tmp_path))
+    sync = adapter_sync.AdapterSync(None, None, model="m", worker_id="w1")
     for name in ("v000001", "v000002", "v000003", "v000005", "v1-notes"):
         os.makedirs(os.path.join(sync.workdir, name))
         open(os.path.join(sync.workdir, name, "adapter_model.safetensors"), "w").close()

@@ -1,6 +1,8 @@
 """A worker on the hf backend handed a version whose LoRA has another shape than the one it serves (the trainer
 restarted with another --lora-r, say): it refuses that version, says which and why, and keeps generating with
-the adapter it has; it does not die. A real worker process, the real proxy, the moto bucket, the tiny model."""
+the adapter it has; it does not die, and asks for its grants at the version it holds. A real worker process, the
+real proxy (--max-staleness 3: version 1's rounds stay trainable while runlib's stand-in trainer leases without
+registering versions), the moto bucket, the tiny model."""
 import re
 import time
 
@@ -11,7 +13,7 @@ from runlib import worker_refuses_v2
 
 def test_worker_refuses_an_adapter_of_another_rank_and_keeps_its_own(tiny_model, start_proxy, bucket, run_name,
                                                                       tmp_path):
-    proxy = start_proxy("--group-size", "4")
+    proxy = start_proxy("--group-size", "4", "--max-staleness", "3")
 
     def publish(v: int, r: int) -> None:
         model, _ = train.build_model(train.Args(model=tiny_model, lora_r=r, lora_alpha=2 * r))

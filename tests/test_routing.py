@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 import common
-import engines
+import hf_engine
 import routing
 from conftest import ROOT, stop
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
+from runlib import stand_in_trainer
 
 CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
 
@@ -185,38 +186,41 @@ def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model,
                                "--serve-per-round", "2"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     rounds = lambda: re.findall(r"round (\d+) v(\d+):[^\n]*", log.read_text())  # noqa: E731
     try:
-        t0 = time.time()
-        while not any(v == "1" for _, v in rounds()):
-            assert time.time() - t0 < 300 and worker.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
-        # a real client through the proxy: the worker answers with the adapter it serves (v1)
-        body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6, "temperature": 0}
-        r = proxy.http.post("/v1/chat/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        d = r.json()
-        assert d["adapter_version"] == 1 and d["worker_id"] == "wr" and r.headers["X-Adapter-Version"] == "1"
-        tok = AutoTokenizer.from_pretrained(tiny_model)
-        req = {"messages": body["messages"], "max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
-        want_v1 = engines.hf_chat(adapter_v1, tok, req)
-        with adapter_v1.disable_adapter():
-            want_base = engines.hf_chat(adapter_v1, tok, req)
-        assert want_v1["text"] != want_base["text"], "the adapter does not change the greedy answer: the test cannot tell"
-        assert d["choices"][0]["message"]["content"] == want_v1["text"]
-        assert d["usage"]["completion_tokens"] == want_v1["completion_tokens"]
+        with stand_in_trainer(proxy):  # paced (the proxy's default): rounds go on while a trainer takes them
+            t0 = time.time()
+            while not any(v == "1" for _, v in rounds()):
+                assert time.time() - t0 < 300 and worker.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            # a real client through the proxy: the worker answers with the adapter it serves (v1)
+            body = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 6, "temperature": 0}
+            r = proxy.http.post("/v1/chat/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            d = r.json()
+            assert d["adapter_version"] == 1 and d["worker_id"] == "wr" and r.headers["X-Adapter-Version"] == "1"
+            tok = AutoTokenizer.from_pretrained(tiny_model)
+            req = {"messages": body["messages"], "max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": None,
+                   "stop": []}
+            want_v1 = hf_engine.hf_chat(adapter_v1, tok, req)
+            with adapter_v1.disable_adapter():
+                want_base = hf_engine.hf_chat(adapter_v1, tok, req)
+            assert want_v1["text"] != want_base["text"], \
+                "the adapter does not change the greedy answer: the test cannot tell"
+            assert d["choices"][0]["message"]["content"] == want_v1["text"]
+            assert d["usage"]["completion_tokens"] == want_v1["completion_tokens"]
 
-        # evaluate.py --live: 8 held-out prompts, 4 in flight, all answered by v1; rollouts went on meanwhile
-        n_before = len(rounds())
-        p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--live", "--limit", "8", "--batch-size", "4",
-                            "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        assert res["n"] == 8 and res["adapter_versions"] == {"1": 8} and 0.0 <= res["accuracy"] <= 1.0
-        stored = [k for k in common.Bucket(run=run_name).list("evals/") if k.startswith("evals/live_addition_")]
-        assert len(stored) == 1
-        served = [int(m) for m in re.findall(r"(\d+) routed request\(s\) answered", log.read_text())]
-        assert sum(served) >= 8 and max(served) <= 2   # never more than --serve-per-round between two rounds
-        assert len(rounds()) > n_before                  # rollout rounds went on while serving
-        worker.terminate()  # SIGTERM: it finishes its round and exits cleanly
-        assert worker.wait(120) == 0, log.read_text()[-3000:]
+            # evaluate.py --live: 8 held-out prompts, 4 in flight, all answered by v1; rollouts went on meanwhile
+            n_before = len(rounds())
+            p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--live", "--limit", "8", "--batch-size",
+                                "4", "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=600)
+            assert p.returncode == 0, p.stderr[-3000:]
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            assert res["n"] == 8 and res["adapter_versions"] == {"1": 8} and 0.0 <= res["accuracy"] <= 1.0
+            stored = [k for k in common.Bucket(run=run_name).list("evals/") if k.startswith("evals/live_addition_")]
+            assert len(stored) == 1
+            served = [int(m) for m in re.findall(r"(\d+) routed request\(s\) answered", log.read_text())]
+            assert sum(served) >= 8 and max(served) <= 2   # never more than --serve-per-round between two rounds
+            assert len(rounds()) > n_before                  # rollout rounds went on while serving
+            worker.terminate()  # SIGTERM: it finishes its round and exits cleanly
+            assert worker.wait(120) == 0, log.read_text()[-3000:]
     finally:
         stop(worker)

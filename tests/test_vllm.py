@@ -3,7 +3,7 @@
 Skipped where vllm does not import (the main venv), except in the lane (VLLM_LANE=1, set by
 tests/vllm_lane.sh), where that fails. Nothing of ours is mocked: adapters go through
 the moto S3 server and the real proxy, the worker's own AdapterSync thread fetches and verifies
-them, engines.VLLMSampler hot-swaps them, and the trainer's own completion_logprobs recomputes
+them, vllm_engine.VLLMSampler hot-swaps them, and the trainer's own completion_logprobs recomputes
 the logprobs that vLLM recorded.
 
 Tolerance, |vLLM logprob - trainer logprob| per completion token, float32 engine on CPU: mean < 1e-3,
@@ -28,6 +28,7 @@ import common  # noqa: E402
 
 import proxy_client
 import engines  # noqa: E402
+import vllm_engine  # noqa: E402
 import models  # noqa: E402
 import tasks  # noqa: E402
 import rollout  # noqa: E402
@@ -87,7 +88,7 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path, monkeypatch):
     args = rollout.Args(proxy_url=proxy.url, proxy_token=proxy.token, backend="vllm", group_size=G,
                         max_new_tokens=MAX_NEW, temperature=T, poll_s=5.0, worker_id="lane", seed=1)
     t0 = time.time()
-    engine = engines.VLLMSampler(models.LOCAL_MODEL, lora_rank=engines.published_lora_rank(bucket), seed=1)
+    engine = vllm_engine.VLLMSampler(models.LOCAL_MODEL, lora_rank=engines.published_lora_rank(bucket), seed=1)
     t_engine = time.time() - t0
     assert engine.rank == 16 and engine.loaded() == set()
     base, tok = models.load_base(models.LOCAL_MODEL)
@@ -111,7 +112,8 @@ def test_vllm_hot_swap_and_logprobs(start_proxy, bucket, tmp_path, monkeypatch):
     # the worker's own sync thread against the real proxy and S3 bucket; its adapter folder under tmp_path
     # (pytest rotates it), since in this process nothing removes it as rollout.py does at exit
     monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
-    sync = rollout.AdapterSync(args, proxy_client.ProxyClient(proxy.url, proxy.token), bucket)
+    sync = rollout.AdapterSync(proxy_client.ProxyClient(proxy.url, proxy.token), bucket, model=args.model,
+                               worker_id=args.worker_id, poll_s=args.poll_s)
     sync.start()
     d1, d2 = tmp_path / "v1", tmp_path / "v2"
     m1 = make_adapter(base, d1, seed=1)

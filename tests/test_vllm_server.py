@@ -42,6 +42,7 @@ from peft import PeftModel  # noqa: E402
 
 import common  # noqa: E402
 import engines  # noqa: E402
+import server_engine  # noqa: E402
 import environments  # noqa: E402
 import models  # noqa: E402
 import train  # noqa: E402
@@ -69,7 +70,9 @@ def wait_for(log, pattern, proc, timeout, after=0):
 
 @pytest.mark.timeout(3600)  # its waits: the server's start (twice) up to 1200 s each, rounds up to 600 s
 def test_server_backend_hot_swaps_survives_a_dead_server_and_matches_the_trainer(start_proxy, bucket, run_name, tmp_path):
-    proxy = start_proxy("--group-size", str(G))
+    # no trainer takes the rounds (the test leases them all at the end): --no-pace, or the proxy would grant only
+    # the rounds a trainer can still train, and a buffer that holds them all
+    proxy = start_proxy("--group-size", str(G), "--no-pace", "--max-buffer", "256")
     spool = tmp_path / "spool"
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "SPOOL_DIR": str(spool)}
     log = tmp_path / "worker.log"
@@ -290,7 +293,7 @@ def test_server_backend_runs_multi_turn_episodes_the_trainer_scores_and_trains_o
     are multi-turn episodes (mask 0 and logprob null exactly where the calculator's answer went in), their
     behaviour logprobs are the trainer's recompute, and train.train_step trains on them."""
     t_start = time.time()
-    server = engines.ServerSampler.start("vllm", models.LOCAL_MODEL, lora_rank=8, log_path=str(tmp_path / "server.log"),
+    server = server_engine.ServerSampler.start("vllm", models.LOCAL_MODEL, lora_rank=8, log_path=str(tmp_path / "server.log"),
                                          seed=3)
     try:
         start_s = time.time() - t_start

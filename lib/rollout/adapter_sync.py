@@ -18,27 +18,30 @@ import time
 
 import httpx
 
-from common import AdapterError, Bucket, BucketError, KnownFiles, fetch_adapter
+from common import MAX_STALENESS, AdapterError, Bucket, BucketError, KnownFiles, fetch_adapter
 from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy
 
 log = logging.getLogger("rollout")  # rollout.py's: its lines are the worker's
 
 
 class AdapterSync(threading.Thread):
-    def __init__(self, args, client: ProxyClient, bucket: Bucket | None):
-        """args: rollout.Args (model, max_lora_rank, poll_s, worker_id)."""
+    def __init__(self, client: ProxyClient, bucket: Bucket | None, *, model: str, worker_id: str,
+                 max_lora_rank: int = 256, poll_s: float = 30.0, module_names: set[str] | None = None):
+        """model: the base model the worker serves; max_lora_rank: the largest rank it loads; poll_s: how long a
+        poll waits for a new version; module_names: the base model's module names (hf backend), else None."""
         super().__init__(daemon=True)
-        self.args, self.client, self.bucket = args, client, bucket
+        self.client, self.bucket, self.model, self.worker_id = client, bucket, model, worker_id
+        self.max_lora_rank, self.poll_s, self.module_names = max_lora_rank, poll_s, module_names
         self.seen = 0      # newest version downloaded and verified
         self.failed = 0    # newest version that failed to download or verify (retried until a newer one is seen)
+        self.why_failed = ""  # and why
         self.latest = 0    # newest version the proxy announced
         self.published: float | None = None  # when the proxy registered `latest` (this process's clock)
         self.final = False  # the proxy said the run is over (its final version is `latest`)
         self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
         self.done = False  # the final version is handled (or the main loop says the run is over)
-        self.max_staleness = 3
+        self.max_staleness = MAX_STALENESS  # the proxy's, from its first answer on
         self.lock = threading.Condition()
-        self.module_names: set[str] | None = None  # the base model's module names (hf backend)
         self.workdir = tempfile.mkdtemp(prefix="adapters-")
         self.known = KnownFiles()  # adapter_config.json: the same in every version, fetched once
 
@@ -46,17 +49,17 @@ class AdapterSync(threading.Thread):
         threading.Thread(target=self.fetch_newest, daemon=True).start()
         while not (self.done or self.final):
             try:
-                r = self.client.get("/v1/adapters/latest", after=self.latest, wait_s=self.args.poll_s,
-                                    worker_id=self.args.worker_id)
+                r = self.client.get("/v1/adapters/latest", after=self.latest, wait_s=self.poll_s,
+                                    worker_id=self.worker_id)
             except Exception as e:  # proxy down: keep serving what we have, try again
                 log.info(f"adapter poll failed: {e}")
                 time.sleep(2.0)
                 continue
             with self.lock:
-                self.max_staleness = r.get("max_staleness", self.max_staleness)
+                self.max_staleness = r["max_staleness"]
                 if r["version"] > self.latest:
                     self.latest, self.published = r["version"], registered_at(r)
-                self.final = self.final or r.get("done", False)
+                self.final = self.final or r["done"]
                 self.lock.notify_all()
 
     def fetch_newest(self) -> None:
@@ -78,7 +81,7 @@ class AdapterSync(threading.Thread):
                 d = os.path.join(self.workdir, f"v{v:06d}")
                 meta = (fetch_adapter(self.bucket, v, d, self.known) if self.bucket is not None
                         else fetch_adapter_via_proxy(self.client, v, d, self.known))
-                check_fits(meta, self.args, self.module_names)
+                check_fits(meta, self.model, self.max_lora_rank, self.module_names)
                 tensors = load_file(os.path.join(d, "adapter_model.safetensors"))
                 with self.lock:
                     self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
@@ -87,7 +90,7 @@ class AdapterSync(threading.Thread):
             except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
                 # never load what does not verify: keep the previous version, retry shortly
                 log.info(f"not loading version {v}: {e}")
-                self.failed = max(self.failed, v)
+                self.failed, self.why_failed = max(self.failed, v), f"version {v} not loaded: {e}"
                 if self.final and v == self.latest:
                     self.done = True  # the final version does not verify: nothing more will come
                     return
@@ -111,22 +114,19 @@ class AdapterSync(threading.Thread):
 def registered_at(answer: dict) -> float | None:
     """When the proxy registered the version it announces, on this process's monotonic clock: its
     `age_s` says how long ago on the proxy's own monotonic clock, so timings never compare two
-    hosts' wall clocks. (A proxy too old to send age_s: the trainer's published_at wall time.)"""
-    if "age_s" in answer:
-        return None if answer["age_s"] is None else time.monotonic() - answer["age_s"]
-    return time.monotonic() - (time.time() - answer["published_at"]) if answer.get("published_at") else None
+    hosts' wall clocks (None: the proxy does not know, e.g. a version registered before its restart)."""
+    return None if answer["age_s"] is None else time.monotonic() - answer["age_s"]
 
 
-def check_fits(meta: dict, args, module_names: set[str] | None) -> None:
-    """Refuse an adapter that does not fit the model we serve (rank, base model, target modules); args:
-    rollout.Args."""
-    if meta["lora"]["r"] > args.max_lora_rank:
-        raise AdapterError(f"rank {meta['lora']['r']} above the limit {args.max_lora_rank}")
+def check_fits(meta: dict, model: str, max_lora_rank: int, module_names: set[str] | None) -> None:
+    """Refuse an adapter that does not fit the model we serve (rank, base model, target modules)."""
+    if meta["lora"]["r"] > max_lora_rank:
+        raise AdapterError(f"rank {meta['lora']['r']} above the limit {max_lora_rank}")
     targets = meta["lora"]["target_modules"]
     # peft stores either short names ("q_proj") or, for "all-linear", full paths of the modules
     unknown = {t for t in ([targets] if isinstance(targets, str) else targets) if t != "all-linear"
                and t not in (module_names or ()) and not any(n.endswith("." + t) for n in module_names or ())}
     if module_names is not None and unknown:
-        raise AdapterError(f"target modules {sorted(unknown)} do not exist in {args.model!r}")
-    if meta.get("base_model") not in (None, args.model):
-        raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {args.model!r}")
+        raise AdapterError(f"target modules {sorted(unknown)} do not exist in {model!r}")
+    if meta.get("base_model") not in (None, model):
+        raise AdapterError(f"adapter trained on {meta['base_model']!r}, this worker serves {model!r}")

@@ -1,7 +1,7 @@
 """The episode runner: G episodes per prompt, a model turn, then the environment's turn, until the
 environment says done or a turn or token budget is reached. rollout.py and evaluate.py both run
 episodes through `run_episodes`; the environments are in lib/shared/environments.py, the engines'
-turn samplers in engines.py (`HFTurns`, `TokenTurns`).
+turn samplers in hf_engine.py (`HFTurns`) and engines.py (`TokenTurns`).
 
 The token sequence of an episode is built up turn by turn and never re-tokenised (`Episode`): what the
 engine sampled is appended with its behaviour logprob and the adapter version that sampled it (mask 1),

@@ -189,14 +189,3 @@ class LocalMetrics(Metrics):
         with open(self.path + ".tmp", "w") as f:
             f.write("".join(line + "\n" for line in self.lines))
         os.replace(self.path + ".tmp", self.path)
-
-
-def run_name(client: ProxyClient, log) -> str:
-    """The spool's run directory when there is no bucket: the proxy's run_id (a hash that names no bucket
-    or prefix), asked until the proxy answers."""
-    while True:
-        try:
-            return "run-" + client.get("/v1/whoami")["run_id"]
-        except httpx.HTTPError as e:
-            log(f"proxy unreachable ({type(e).__name__}); retrying")
-            time.sleep(2.0)

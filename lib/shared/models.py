@@ -75,7 +75,7 @@ def prefill(model, prompts: list[list[int]], repeats: int, pad: int, chunk: int 
     flowing through the shared cache, so the gradient is exact). Returns (cache, h_last [N, D],
     mask [N, Lp], next_pos [N]) already repeated to N = len(prompts) * repeats rows.
 
-    chunk (the sampler's, engines.sample): the prompts go through `chunk` tokens at a time, and restart()
+    chunk (the sampler's, hf_engine.sample): the prompts go through `chunk` tokens at a time, and restart()
     is asked after each chunk; True (newer weights were just swapped in) starts the prefill again under
     them, so that a version arriving during a round's prefill is taken within a chunk, not after all of it.
     """

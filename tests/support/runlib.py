@@ -3,12 +3,14 @@ loops): restartable roles with their logs, one worker and the trainer on the tin
 of a finished run from what it left in the bucket."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,11 +85,33 @@ def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *
     assert not list(tmp.iterdir()), f"the worker left {sorted(p.name for p in tmp.iterdir())} behind"
 
 
+@contextlib.contextmanager
+def stand_in_trainer(proxy):
+    """A trainer that leases whatever arrives, one group at a time, and acks it, registering no version: paced (the
+    proxy's default), a worker's rounds are granted only while a trainer takes what arrives."""
+    done = threading.Event()
+
+    def lease() -> None:
+        while not done.is_set():
+            got = proxy.http.post("/v1/batches/lease", json={"num_groups": 1, "wait_s": 1.0}).json()
+            if got.get("batch_id"):
+                proxy.http.post(f"/v1/batches/{got['batch_id']}/ack")
+    leasing = threading.Thread(target=lease, daemon=True)
+    leasing.start()
+    try:
+        yield
+    finally:
+        done.set()
+        leasing.join(10)
+
+
 def worker_refuses_v2(tiny_model: str, proxy, run_name: str, tmp_path: Path, publish_v2, said: str,
                       rounds_after: int) -> tuple[str, list[str]]:
     """A real worker (hf backend) generating with version 1, already published; publish_v2() then publishes a
-    version 2 it must not load. Waits (bounded) until its log holds `said` twice and it did `rounds_after`
-    rounds since its first with version 1; returns its log and the versions of its rounds since then."""
+    version 2 it must not load. A stand-in trainer takes its groups (the proxy must keep version 1's rounds
+    trainable meanwhile: a --max-staleness of 2 or more). Waits (bounded) until its log holds `said` twice and it
+    did `rounds_after` rounds since its first with version 1; returns its log and the versions of its rounds since
+    then."""
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
            "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
     log = tmp_path / "worker.log"
@@ -96,15 +120,16 @@ def worker_refuses_v2(tiny_model: str, proxy, run_name: str, tmp_path: Path, pub
                                "--poll-s", "1"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     rounds = lambda: re.findall(r"round \d+ v(\d+):", log.read_text())  # noqa: E731
     try:
-        t0 = time.time()
-        while "1" not in rounds():
-            assert time.time() - t0 < 180 and worker.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
-        publish_v2()
-        while log.read_text().count(said) < 2 or len(rounds()) < rounds().index("1") + rounds_after:
-            assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.2)
-        assert worker.poll() is None, log.read_text()[-3000:]
+        with stand_in_trainer(proxy):
+            t0 = time.time()
+            while "1" not in rounds():
+                assert time.time() - t0 < 180 and worker.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            publish_v2()
+            while log.read_text().count(said) < 2 or len(rounds()) < rounds().index("1") + rounds_after:
+                assert time.time() - t0 < 240 and worker.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert worker.poll() is None, log.read_text()[-3000:]
     finally:
         stop(worker)
     return log.read_text(), rounds()[rounds().index("1"):]
@@ -184,7 +209,7 @@ def spool_is_empty(spool_root: Path, run: str, worker: str) -> None:
 
 def hf_adapter(tiny_model: str, path, version: int, r: int = 4, alpha: int | None = None) -> dict:
     """A saved LoRA of rank r on the tiny model (random B, so that it changes the output), as the worker's
-    AdapterSync hands a verified version over to engines.swap_in."""
+    AdapterSync hands a verified version over to hf_engine.swap_in."""
     import torch
     from safetensors.torch import load_file
 
