@@ -14,18 +14,40 @@ make outbound HTTP calls to it; it never calls them.
     # it ships included; then `bash launch_jobs.sh --watch my-run` adopts it and records its URL for the others
     bash launch_jobs.sh --print-command proxy --run my-run
 
-Durability: the bucket is my only disk. Every change an answer depends on is in the journal
-(journal.py) before the answer goes out: one object per group commit, one JSON line per accepted group
-(as sent) or event (lease, renew, ack, expire, version, prompt cursor, duplicate, stale arrival), in
-order, and the counters. What those lines mean is ledger.py; a snapshot of that state is written every
-few seconds, and a start reads the newest one and the commits after it (snapshots.py), so `kill -9` at
-any moment is fine and a restart takes as long after a day as after a minute. Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP
-server's own limits are serving.py; checking published versions and handing their files to workers
-without bucket keys is adapter_files.py; which prompts a worker gets is prompts.py; who sent the groups
-(per participant and worker) is participants.py. What a participant's group is checked for on arrival (the
-prompt lease it answers, a replay of another group) is receipts.py; who failed checks, here or in the
-trainer's audit, and who is quarantined for it, is quarantine.py (docs/trust.md). The routes' bodies and answers
-are wire.py; /metrics is telemetry.py.
+Its routes, in the order a run uses them, as this file has them (least role; each answer: docs/proxy.md#the-api):
+
+  start        GET  /health                             open     alive, and the latest version
+               GET  /v1/whoami                          worker   who this token is; the protocol, run_id, group_size
+  a worker     POST /v1/prompts/lease                   worker   prompt indices; paced (wait_s): once its round fits
+               POST /v1/groups                          worker   a scored group, journaled: accepted, duplicate, stale
+               GET  /v1/adapters/latest                 worker   the newest version; long-polls (a sign of life)
+               GET  /v1/adapters/{version}/files        worker   where to download a version's files
+               GET  /v1/adapters/{version}/files/{name} worker   one of them, streamed from the bucket
+  the trainer  POST /v1/batches/lease                   trainer  the oldest fresh-enough groups; long-polls
+               POST /v1/batches/{batch_id}/renew        trainer  the lease runs --lease-s from now
+               POST /v1/batches/{batch_id}/ack          trainer  its groups are consumed for good
+               POST /v1/batches/{batch_id}/release      trainer  its groups back to the buffer's front now
+               POST /v1/batches/{batch_id}/audit        trainer  failed checks, counted against their senders
+               POST /v1/adapters                        trainer  register a published version (final: the run ends)
+  watching     GET  /v1/stats                           trainer  counters, workers, pacing, participants
+               GET  /v1/state                           trainer  the book in full: what a restart rebuilds
+               GET  /metrics                            trainer  Prometheus text (telemetry.py)
+  the owner    POST /v1/participants/{name}/reinstate   admin    lift a participant's quarantine
+  routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: worker
+  access.py    POST, GET /v1/tokens; PATCH, DELETE /v1/tokens/{name}: admin (participants' tokens)
+
+Durability: the bucket is my only disk. Every change an answer depends on is in the journal (journal.py)
+before the answer goes out: one object per group commit, one JSON line per accepted group (as sent) or
+event (lease, renew, ack, expire, version, prompt cursor, grant, duplicate, stale arrival), in order, and
+the counters. What those lines mean is ledger.py (the rules themselves: book.py); a snapshot of that state
+is written every few seconds, and a start reads the newest one and the commits after it (snapshots.py), so
+`kill -9` at any moment is fine and a restart takes as long after a day as after a minute. Every commit and
+snapshot names the protocol that wrote it (common.PROTOCOL): a start refuses a run written in another.
+Who may call what is access.py (scoped tokens, checked before a body is read); the HTTP server's limits
+serving.py; version checks and adapter files for workers without bucket keys adapter_files.py; which
+prompts a worker gets prompts.py, and when pacing.py; who sent the groups participants.py; what a
+participant's group is checked for on arrival receipts.py, who failed checks and is quarantined for it
+quarantine.py (docs/trust.md); the routes' bodies and answers wire.py; /metrics telemetry.py.
 """
 from __future__ import annotations
 
@@ -40,7 +62,7 @@ import uuid
 from collections import Counter
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NoReturn
 
 from fastapi import FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +70,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, TrajectoryGroup
+from common import MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -56,7 +78,7 @@ from metrics import Metrics, peak_rss_mb
 from adapter_files import FILES, Downloads, check_published
 from book import Book, Entry, Held
 from ledger import HEAD
-from pacing import Grant, Waiting
+from pacing import Waiting
 from participants import Senders, worker_key
 from prompts import Cursors, PromptError
 from receipts import fingerprint
@@ -189,28 +211,10 @@ S = State()
 BUCKET: Bucket | None = None
 METRICS: Metrics | None = None
 DOWNLOADS: Downloads | None = None
-REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 POLICY = access.POLICY
+JOURNAL = journal.Writer(None, 0)  # replaced at start (lifespan): the writer of this incarnation
 
-def max_buffer() -> int:
-    """--max-buffer, or (0) the staleness window: what pacing may admit, so that no admitted round meets a 429."""
-    return ARGS.max_buffer or (ARGS.max_staleness + 1) * max(8, S.book.pacing.batch)
-
-def end_lease(bid: str) -> bool:
-    """An open lease's groups back to the buffer (it ran out, its answer went unread, or the trainer released
-    it); False if it was not open. Under S.cond (the caller notifies). The journal's "expire" is not awaited: if
-    this write is lost, replay gives the lease a fresh lease_s, or a later lease of its groups ends it; an end
-    never needs to be durable before anything else."""
-    if S.deadlines.pop(bid, None) is None:
-        return False
-    S.book.return_lease(bid)
-    JOURNAL.append({"t": "expire", "batch_id": bid})
-    return True
-
-def expire_leases(now: float) -> None:
-    for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
-        end_lease(bid)
-
+# the long-polls (a version, a batch) wait on a condition, and give up when their client goes away
 async def wait_until(ready, wait_s: float, cond: asyncio.Condition | None = None, every_s: float = 1.0) -> bool:
     """Under `cond` (S.cond by default): wait up to wait_s for ready(), re-checked on every notify and at least
     every every_s (a ready() that changes with the clock; one that only a notify changes needs no re-check)."""
@@ -223,23 +227,16 @@ async def wait_until(ready, wait_s: float, cond: asyncio.Condition | None = None
             await asyncio.wait_for(cond.wait(), timeout=min(left, every_s))
     return True
 
-def stats() -> dict:
-    tokens, trust = POLICY.tokens, S.book.quarantine
-    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None,
-                 **({"checks": trust.public(n)} if n != ADMIN else {})}
-             for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
-    return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
-            "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": max_buffer(), **S.counters,
-            "staleness_hist": {str(k): v for k, v in sorted(S.book.staleness_hist.items())},
-            **S.senders.stats(time.time(), roles),
-            "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
-            "cursors": S.cursors.table, "pacing": S.book.pacing.stats(), "waiting_for_grants": len(WAITING),
-            "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
-            "quarantined": {n: trust.reason(n) for n in trust.people if trust.held(n)},
-            "quarantine_after": ARGS.quarantine_after, "open_prompt_leases": len(S.book.receipts.leases),
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> None:
+    """Returns when the client goes away (its body was read already: receive() has nothing else to give); wakes
+    those waiting on `cond` (S.cond by default)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cond = S.cond if cond is None else cond
+    async with cond:
+        cond.notify_all()
 
-# ---- start: the state read back from the bucket (snapshots.py) ----------------------------------
+# ---- start: the state read back from the bucket (snapshots.py), the app -------------------------------
 KEEPER: Keeper | None = None  # the state after the last commit in the bucket, and its snapshots (None: no bucket)
 
 def take_over(live: dict) -> None:
@@ -254,22 +251,16 @@ def take_over(live: dict) -> None:
 def pacing_options(book: Book) -> None:
     book.pacing.grant_s, book.pacing.jitter, book.pacing.poll_grace_s = ARGS.grant_s, ARGS.pace_jitter, ARGS.poll_grace_s
 
+def fatal(msg: str, status: int) -> NoReturn:
+    print(f"FATAL: {msg}", file=sys.stderr, flush=True)
+    os._exit(status)
+
 def fatal_foreign_writer(msg: str) -> None:
-    print(f"FATAL: {msg}. Another proxy is journaling to this run; stopping.", file=sys.stderr, flush=True)
-    os._exit(3)
+    fatal(f"{msg}. Another proxy is journaling to this run; stopping.", 3)
 
 def counters_trailer() -> list[dict]:  # every commit ends with them: a restart loses no count an answer reported
-    return [{"t": "counters", "counters": S.counters, "staleness_hist": dict(S.book.staleness_hist)}]
+    return [{"t": "counters", "counters": S.counters}]
 
-JOURNAL = journal.Writer(None, 0)
-
-# /metrics (telemetry.py): the histograms are observed as things happen, the state's numbers read at scrape time
-telemetry.install(lambda: S.counters,
-                  lambda: {"buffer_size": len(S.book.buffer), "open_leases": len(S.book.leases), "latest_version": S.latest,
-                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb()},
-                  lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
-
-# ---- app ------------------------------------------------------------------------------------------
 async def _housekeeping() -> None:
     while True:
         await asyncio.sleep(1.0)
@@ -294,14 +285,17 @@ async def lifespan(app: FastAPI):
         BUCKET = Bucket(patience_s=ARGS.bucket_patience_s)  # while serving; then 503 (which the callers wait out)
         startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
         S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
+        KEEPER = Keeper(startup, max_staleness=ARGS.max_staleness, lease_s=ARGS.lease_s, max_workers=MAX_WORKERS,
+                        max_datasets=MAX_DATASETS)
+        try:  # first: a run written in another protocol is refused before anything is written to it
+            live, S.incarnation, how = await asyncio.to_thread(KEEPER.start)
+        except ProtocolError as e:
+            fatal(f"not starting: {e}", 2)
+        KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
         POLICY.tokens = access.Tokens(startup, ARGS.token)
         await asyncio.to_thread(POLICY.tokens.load)
         POLICY.tokens.bucket = BUCKET
         await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
-        KEEPER = Keeper(startup, max_staleness=ARGS.max_staleness, lease_s=ARGS.lease_s, max_workers=MAX_WORKERS,
-                        max_datasets=MAX_DATASETS)
-        live, S.incarnation, how = await asyncio.to_thread(KEEPER.start)
-        KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
         take_over(live)
         print(f"proxy: incarnation {S.incarnation}, {how}: {S.counters['groups_accepted']} groups accepted, buffer "
               f"{len(S.book.buffer)}, {len(S.book.leases)} leases, duplicate window {len(S.book.window)}, version {S.latest}",
@@ -335,7 +329,6 @@ async def lifespan(app: FastAPI):
         METRICS.flush()
     print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
 
-# FastAPI's OpenTelemetry hooks off: /metrics is our telemetry, and they cost a lookup per request
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
 
 @app.exception_handler(RequestValidationError)
@@ -358,6 +351,126 @@ app.add_middleware(access.guard, policy=POLICY)
 @app.get("/health", openapi_extra=scope("open"))
 async def health() -> dict:
     return {"ok": True, "latest_version": S.latest}
+
+@app.get("/v1/whoami", openapi_extra=scope("worker"))
+async def whoami(request: Request) -> dict:
+    """Who this token is, and what a worker must agree on with the run: the protocol first (every role asks at its
+    start, with its X-Protocol; one without, an older clone, is told to update: 426). run_id identifies the run
+    (for a worker's spool) without naming its bucket or prefix."""
+    if request.headers.get("x-protocol") is None:  # (a mismatching one never gets here: access.guard)
+        raise HTTPException(426, access.protocol_mismatch(None))
+    who = request.scope["principal"]
+    return {"protocol": PROTOCOL, "participant": who.name, "role": who.role.name, "max_rps": who.max_rps,
+            "run_id": S.run_id, "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
+
+# ---- a worker: prompts, and the grants of pacing (pacing.py) ----------------------------------------
+WAITING = Waiting()  # paced prompt requests waiting for their grant
+
+def release_grant(key: str, refused: str | None) -> int:
+    """A worker asking for prompts has done with any grant it still holds (its round was sent, lost in a crash,
+    or not generated: it refused the version the grant counted on), so that grant is closed now: its place in
+    the staleness window goes to others at once. Journaled, not awaited (lost, a restart holds the grant until
+    its deadline). Returns the groups it still held (0: none)."""
+    if left := S.book.pacing.close(key):
+        if refused:  # said once per grant given back, not on every request while the refusal lasts
+            print(f"proxy: worker {key} gave back a grant of {left} group(s): it refused a version: {refused[:500]}",
+                  file=sys.stderr, flush=True)
+        JOURNAL.append({"t": "release", "key": key})
+        pace()
+    return left
+
+def no_grant(released: int, why: str | None = None) -> dict:
+    """The answer of a paced prompt lease that got no grant: when to ask again, and why when waiting cannot help."""
+    S.book.pacing.live["waits"] += 1
+    return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done,
+            "retry_s": S.book.pacing.retry_s(time.monotonic()), **({"released": released} if released else {}),
+            **({"why": why} if why else {})}
+
+def arrived(participant: str | None, worker: str) -> None:
+    """A group of this worker is in (accepted, or refused as stale): one less of its grant in flight."""
+    S.book.pacing.arrived(worker_key(participant, worker), time.monotonic())
+    pace()
+
+_pace_soon = False
+
+def pace() -> None:
+    """Hand out the grants there is room for (called when something pacing depends on changes): once, at the
+    event loop's next turn, however many changes asked for it meanwhile. A pass costs ~2 ms at 1,000 workers
+    (docs/fleet.md) and their groups arrive by hundreds a second; the busier the loop, the more one pass covers."""
+    global _pace_soon
+    if not _pace_soon:
+        _pace_soon = True
+        asyncio.get_running_loop().call_soon(_pace_now)
+
+def _pace_now() -> None:
+    global _pace_soon
+    _pace_soon = False
+    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
+
+def prompts_record(got: dict, dataset: str, name: str) -> dict:
+    """(Trust, docs/trust.md) The journal record of a prompt lease: a lease_id for these indices and whom they went
+    to. A group must name it, and only that participant may answer them, once each (receipts.py binds it once
+    the record is written)."""
+    who = None if name == ADMIN else name
+    return {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"],
+            "latest": S.latest, **({"participant": who} if who else {})}
+
+@app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
+async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
+    """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
+    across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
+    up to n of them once a round generated now can still be trained, with `version`, the version to
+    generate with (or newer); none after wait_s, or once the run is over (`done`)."""
+    grant, n = None, req.n
+    if req.wait_s is not None and ARGS.pace:
+        if req.worker_id is None:
+            raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
+        if req.version is not None and req.version > S.latest:
+            raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
+        who = request.scope["principal"]
+        key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
+        released = release_grant(key, req.refused)
+        if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
+            return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
+                                      f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
+                                      "nothing generated with it can be trained; this worker must load a newer one")
+        grant = await WAITING.wait(key, req.n, req.wait_s, pace, req.version)
+        if grant is None:
+            return no_grant(released)
+        n = grant.n
+    async with S.cond:  # only the cursor moves under the lock; the indices are computed after
+        try:
+            spans, record = S.cursors.reserve(req.dataset, req.size, n)
+        except PromptError as e:
+            if grant is not None:
+                S.book.pacing.ungrant(grant)
+                pace()
+            raise HTTPException(409, str(e)) from None
+        # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
+        writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
+    try:
+        answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
+                  await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
+        # trust: whom they went to. Appended in the same turn as the cursor (n <= 64), so the three records share
+        # one commit: the answer waits for one bucket write, not two in a row (a grant's round starts sooner)
+        bound = prompts_record(answer, req.dataset, request.scope["principal"].name)
+        writes.append(JOURNAL.append(bound))
+        for fut in writes:
+            await fut
+        S.book.receipts.bind(bound["lease_id"], bound.get("participant"), req.dataset, answer["indices"], bound["latest"])
+        answer = {"lease_id": bound["lease_id"], **answer}
+    except journal.JournalWriteError:
+        if grant is not None:  # the grant holds no place: nobody got its prompts
+            S.book.pacing.ungrant(grant)
+            pace()
+        raise
+    return answer if grant is None else {**answer, "version": grant.version, "done": False,
+                                         **({"released": released} if released else {})}
+
+# ---- a worker: groups -----------------------------------------------------------------------------
+def max_buffer() -> int:
+    """--max-buffer, or (0) the staleness window: what pacing may admit, so that no admitted round meets a 429."""
+    return ARGS.max_buffer or (ARGS.max_staleness + 1) * max(8, S.book.pacing.batch)
 
 async def journaled(gid: str, rec: bytes | dict | list, then=lambda: None):
     """Write a record (or several, in one commit) about group `gid`, then return then() at once: before anything
@@ -402,7 +515,9 @@ async def submit_group(request: Request) -> SubmitResponse:
             raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
     gid, who = group.group_id, request.scope["principal"]
     participant = None if who.name == ADMIN else who.name
-    if participant and group.lease_id is None:  # the run's own jobs may omit it (workers from before leases had ids)
+    # the run's own token may omit lease_id: it is trusted (never audited), and the run's tools and tests post groups
+    # with it directly (rollout.py always names its lease)
+    if participant and group.lease_id is None:
         raise HTTPException(422, "lease_id, prompt_index: a participant's group must name the prompt lease it answers "
                                  "(the lease_id of POST /v1/prompts/lease) and which of its prompt indices")
     if gid in S.pending:  # the same group is being written: answer once that write is done
@@ -443,7 +558,7 @@ async def submit_group(request: Request) -> SubmitResponse:
         raise HTTPException(429, f"buffer full ({cap} groups)", headers={"Retry-After": "1"})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding, without
-    # the optional fields a sender left out (a single-turn group stays the line it was before episodes)
+    # the optional fields a sender left out (a single-turn group's line carries no mask or versions)
     m = HEAD.match(body) if b"\n" not in body and b"\r" not in body else None
     keep = m and (m[1].decode(), m[2].decode(), int(m[3])) == (gid, group.worker_id, group.policy_version)
     raw = body.rstrip() if keep else group.model_dump_json(exclude_none=True).encode()
@@ -474,20 +589,76 @@ async def submit_group(request: Request) -> SubmitResponse:
         S.cond.notify_all()
     return SubmitResponse(status="accepted", duplicate=False, buffer_size=len(book.buffer))
 
+# ---- a worker: adapter versions and their files ----------------------------------------------------
+@app.get("/v1/adapters/latest", openapi_extra=scope("worker"))
+async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**9),
+                         wait_s: float = Query(0.0, ge=0.0, le=300.0),
+                         worker_id: str | None = Query(None, min_length=1, max_length=128,
+                                                       pattern=r"^[A-Za-z0-9_.:-]+$")) -> dict:
+    """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
+    proxy registered it, on its own clock (null if it did not, e.g. before a restart). worker_id (as in its
+    groups): the poll is the worker's sign of life for pacing; with no new poll within --poll-grace-s of this
+    one's end (answered, or its connection closed), the worker is taken for gone (pacing.py)."""
+    who = request.scope["principal"]
+    key = None if worker_id is None or wait_s <= 0 else worker_key(None if who.name == ADMIN else who.name, worker_id)
+    gone = None
+    if key is not None:
+        S.book.pacing.polling(key)
+        gone = asyncio.create_task(_until_disconnect(request.receive, S.versions))
+    try:
+        async with S.versions:  # only register() (a new version, or the final one) and a disconnect notify it
+            await wait_until(lambda: S.latest > after or S.book.done or (gone is not None and gone.done()), wait_s,
+                             S.versions, every_s=wait_s)
+    finally:
+        if key is not None:
+            S.book.pacing.polled(key, time.monotonic())
+            gone.cancel()
+    v = S.book.versions.last
+    return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
+            "max_staleness": ARGS.max_staleness,
+            "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
+
+def registered(version: int) -> None:
+    if DOWNLOADS is None:
+        raise HTTPException(404, "this proxy has no bucket: there are no adapter files to hand out")
+    if version not in S.book.versions:
+        raise HTTPException(404, f"version {version} is not registered (latest {S.latest})")
+
+@app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))
+async def adapter_files(version: int = Path(ge=1, le=10**9)) -> dict:
+    """Where a worker downloads meta.json and the adapter files of a registered version: `url` (a presigned
+    bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback); and
+    `meta`, meta.json itself as checked at registration (null if it no longer reads from the bucket)."""
+    registered(version)
+    return DOWNLOADS.listing(version, await DOWNLOADS.meta(version))
+
+@app.get("/v1/adapters/{version}/files/{name}", openapi_extra=scope("worker"), response_class=Response)
+async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES] = Path()) -> Response:
+    """One file of a registered version, streamed from the bucket by the proxy (503 when --max-downloads are under way)."""
+    registered(version)
+    return await DOWNLOADS.stream(version, name)
+
+# ---- the trainer: batches -------------------------------------------------------------------------
 def lease_answer(bid: str | None, entries: list[Entry], dropped: int, latest: int, waited_s: float) -> Response:
     # the groups go out as the bytes we logged: no parse, no re-serialisation of 33 kB per group
     head = json.dumps({"batch_id": bid, "latest_version": latest, "buffer_size": len(S.book.buffer), "dropped_stale": dropped,
                        "expires_in_s": ARGS.lease_s if bid else None, "waited_s": round(waited_s, 3)})
     return Response(head[:-1].encode() + b', "groups": [' + b",".join(e.raw for e in entries) + b"]}", media_type="application/json")
 
-async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> None:
-    """Returns when the client goes away (its body was read already: receive() has nothing else to give); wakes
-    those waiting on `cond` (S.cond by default)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    cond = S.cond if cond is None else cond
-    async with cond:
-        cond.notify_all()
+def end_lease(bid: str) -> bool:
+    """An open lease's groups back to the buffer (it ran out, its answer went unread, or the trainer released
+    it); False if it was not open. Under S.cond (the caller notifies). The journal's "expire" is not awaited: if
+    this write is lost, replay gives the lease a fresh lease_s, or a later lease of its groups ends it; an end
+    never needs to be durable before anything else."""
+    if S.deadlines.pop(bid, None) is None:
+        return False
+    S.book.return_lease(bid)
+    JOURNAL.append({"t": "expire", "batch_id": bid})
+    return True
+
+def expire_leases(now: float) -> None:
+    for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
+        end_lease(bid)
 
 @app.post("/v1/batches/lease", response_model=LeaseResponse, openapi_extra=scope("trainer"))
 async def lease_batch(req: LeaseRequest, request: Request) -> Response:
@@ -556,6 +727,24 @@ def open_lease(batch_id: str) -> Held:
         raise HTTPException(404, f"no open lease with batch_id {batch_id}")
     return S.book.leases[batch_id]
 
+@app.post("/v1/batches/{batch_id}/renew", openapi_extra=scope("trainer"))
+async def renew_batch(batch_id: str = BatchId) -> dict:
+    """Extend an open lease to lease_s from now (the trainer holds it until the checkpoint with its update)."""
+    async with S.cond:
+        held, deadline = open_lease(batch_id), S.deadlines[batch_id]
+        # extended before the write, so that it cannot run out while the write is under way
+        S.deadlines[batch_id] = time.monotonic() + ARGS.lease_s
+        S.book.renew(batch_id, ARGS.lease_s)
+        fut = JOURNAL.append({"t": "renew", "batch_id": batch_id, "lease_s": ARGS.lease_s})
+    try:
+        await fut
+    except journal.JournalWriteError:
+        if batch_id in S.book.leases:
+            S.deadlines[batch_id] = deadline
+            S.book.renew(batch_id, held.lease_s)
+        raise
+    return {"batch_id": batch_id, "expires_in_s": ARGS.lease_s}
+
 @app.post("/v1/batches/{batch_id}/ack", openapi_extra=scope("trainer"))
 async def ack_batch(batch_id: str = BatchId) -> dict:
     """The trainer's update from this batch is safe: its groups are consumed for good."""
@@ -596,34 +785,8 @@ async def audit_batch(req: AuditReport, batch_id: str = BatchId) -> dict:
     named = {*checked, *(who[f.group_id] for f in req.failures)}
     return {"participants": {n: S.book.quarantine.public(n) for n in sorted(named)}}
 
-@app.post("/v1/participants/{name}/reinstate", openapi_extra=scope("admin"))
-async def reinstate(name: NamePath) -> dict:
-    """Lift a participant's quarantine (its token works again, its count of failed checks starts over)."""
-    if not S.book.quarantine.held(name):
-        known = name in POLICY.tokens.by_name
-        raise HTTPException(409 if known else 404, f"participant {name!r} is not quarantined" if known else f"no participant {name!r}")
-    rec = {"t": "reinstate", "participant": name, "at": round(time.time(), 3)}
-    await JOURNAL.append(rec)
-    S.book.reinstate(name, rec["at"])
-    return {"participant": name, **S.book.quarantine.public(name)}
-
-@app.post("/v1/batches/{batch_id}/renew", openapi_extra=scope("trainer"))
-async def renew_batch(batch_id: str = BatchId) -> dict:
-    """Extend an open lease to lease_s from now (the trainer holds it until the checkpoint with its update)."""
-    async with S.cond:
-        held, deadline = open_lease(batch_id), S.deadlines[batch_id]
-        # extended before the write, so that it cannot run out while the write is under way
-        S.deadlines[batch_id] = time.monotonic() + ARGS.lease_s
-        S.book.renew(batch_id, ARGS.lease_s)
-        fut = JOURNAL.append({"t": "renew", "batch_id": batch_id, "lease_s": ARGS.lease_s})
-    try:
-        await fut
-    except journal.JournalWriteError:
-        if batch_id in S.book.leases:
-            S.deadlines[batch_id] = deadline
-            S.book.renew(batch_id, held.lease_s)
-        raise
-    return {"batch_id": batch_id, "expires_in_s": ARGS.lease_s}
+# ---- the trainer: versions ------------------------------------------------------------------------
+REGISTER_LOCK = asyncio.Lock()  # one version registration at a time (rare; it awaits the bucket)
 
 @app.post("/v1/adapters", openapi_extra=scope("trainer"))
 async def register_adapter(req: RegisterRequest) -> dict:
@@ -653,175 +816,23 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
         pace()  # a new version: room for rounds generated with it (and after the final one, nothing)
         return {"latest_version": S.latest, "dropped_stale": dropped}
 
-@app.get("/v1/adapters/latest", openapi_extra=scope("worker"))
-async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**9),
-                         wait_s: float = Query(0.0, ge=0.0, le=300.0),
-                         worker_id: str | None = Query(None, min_length=1, max_length=128,
-                                                       pattern=r"^[A-Za-z0-9_.:-]+$")) -> dict:
-    """The newest version; long-polls up to `wait_s` for one newer than `after`. age_s: seconds since this
-    proxy registered it, on its own clock (null if it did not, e.g. before a restart). worker_id (as in its
-    groups): the poll is the worker's sign of life for pacing; with no new poll within --poll-grace-s of this
-    one's end (answered, or its connection closed), the worker is taken for gone (pacing.py)."""
-    who = request.scope["principal"]
-    key = None if worker_id is None or wait_s <= 0 else worker_key(None if who.name == ADMIN else who.name, worker_id)
-    gone = None
-    if key is not None:
-        S.book.pacing.polling(key)
-        gone = asyncio.create_task(_until_disconnect(request.receive, S.versions))
-    try:
-        async with S.versions:  # only register() (a new version, or the final one) and a disconnect notify it
-            await wait_until(lambda: S.latest > after or S.book.done or (gone is not None and gone.done()), wait_s,
-                             S.versions, every_s=wait_s)
-    finally:
-        if key is not None:
-            S.book.pacing.polled(key, time.monotonic())
-            gone.cancel()
-    v = S.book.versions.last
-    return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
-            "max_staleness": ARGS.max_staleness,
-            "age_s": None if v["registered"] is None else round(time.monotonic() - v["registered"], 3)}
-
-def registered(version: int) -> None:
-    if DOWNLOADS is None:
-        raise HTTPException(404, "this proxy has no bucket: there are no adapter files to hand out")
-    if version not in S.book.versions:
-        raise HTTPException(404, f"version {version} is not registered (latest {S.latest})")
-
-@app.get("/v1/adapters/{version}/files", openapi_extra=scope("worker"))
-async def adapter_files(version: int = Path(ge=1, le=10**9)) -> dict:
-    """Where a worker downloads meta.json and the adapter files of a registered version: `url` (a presigned
-    bucket URL valid expires_in_s, or the proxy path) and `path` (the proxy streams it; the fallback); and
-    `meta`, meta.json itself as checked at registration (null if it no longer reads from the bucket)."""
-    registered(version)
-    return DOWNLOADS.listing(version, await DOWNLOADS.meta(version))
-
-@app.get("/v1/adapters/{version}/files/{name}", openapi_extra=scope("worker"), response_class=Response)
-async def adapter_file(version: int = Path(ge=1, le=10**9), name: Literal[FILES] = Path()) -> Response:
-    """One file of a registered version, streamed from the bucket by the proxy (503 when --max-downloads are under way)."""
-    registered(version)
-    return await DOWNLOADS.stream(version, name)
-
-@app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
-async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
-    """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
-    across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
-    up to n of them once a round generated now can still be trained, with `version`, the version to
-    generate with (or newer); none after wait_s, or once the run is over (`done`)."""
-    grant, n = None, req.n
-    if req.wait_s is not None and ARGS.pace:
-        if req.worker_id is None:
-            raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
-        if req.version is not None and req.version > S.latest:
-            raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
-        who = request.scope["principal"]
-        key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
-        released = release_grant(key, req.refused)
-        if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
-            return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
-                                      f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
-                                      "nothing generated with it can be trained; this worker must load a newer one")
-        grant = await granted(key, req.n, req.wait_s, req.version)
-        if grant is None:
-            return no_grant(released)
-        n = grant.n
-    async with S.cond:  # only the cursor moves under the lock; the indices are computed after
-        try:
-            spans, record = S.cursors.reserve(req.dataset, req.size, n)
-        except PromptError as e:
-            if grant is not None:
-                S.book.pacing.ungrant(grant)
-                pace()
-            raise HTTPException(409, str(e)) from None
-        # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
-        writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
-    try:
-        answer = (S.cursors.indices(req.dataset, req.size, spans) if n <= 64 else
-                  await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
-        # trust: whom they went to. Appended in the same turn as the cursor (n <= 64), so the three records share
-        # one commit: the answer waits for one bucket write, not two in a row (a grant's round starts sooner)
-        bound = prompts_record(answer, req.dataset, request.scope["principal"].name)
-        writes.append(JOURNAL.append(bound))
-        for fut in writes:
-            await fut
-        S.book.receipts.bind(bound["lease_id"], bound.get("participant"), req.dataset, answer["indices"], bound["latest"])
-        answer = {"lease_id": bound["lease_id"], **answer}
-    except journal.JournalWriteError:
-        if grant is not None:  # the grant holds no place: nobody got its prompts
-            S.book.pacing.ungrant(grant)
-            pace()
-        raise
-    return answer if grant is None else {**answer, "version": grant.version, "done": False,
-                                         **({"released": released} if released else {})}
-
-# ---- pacing: paced prompt requests wait for their grant in WAITING (pacing.Waiting) ----
-WAITING = Waiting()
-
-async def granted(key: str, n: int, wait_s: float, version: int | None = None) -> Grant | None:
-    return await WAITING.wait(key, n, wait_s, pace, version)
-
-def release_grant(key: str, refused: str | None) -> int:
-    """A worker asking for prompts has done with any grant it still holds (its round was sent, lost in a crash,
-    or not generated: it refused the version the grant counted on), so that grant is closed now: its place in
-    the staleness window goes to others at once. Journaled, not awaited (lost, a restart holds the grant until
-    its deadline). Returns the groups it still held (0: none)."""
-    if (left := S.book.pacing.close(key)) or refused:
-        if refused:
-            print(f"proxy: worker {key} refused a version: {refused[:500]}", file=sys.stderr, flush=True)
-        if left:
-            JOURNAL.append({"t": "release", "key": key})
-            pace()
-    return left
-
-def no_grant(released: int, why: str | None = None) -> dict:
-    """The answer of a paced prompt lease that got no grant: when to ask again, and why when waiting cannot help."""
-    S.book.pacing.live["waits"] += 1
-    return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done,
-            "retry_s": S.book.pacing.retry_s(time.monotonic()), **({"released": released} if released else {}),
-            **({"why": why} if why else {})}
-
-def arrived(participant: str | None, worker: str) -> None:
-    """A group of this worker is in (accepted, or refused as stale): one less of its grant in flight."""
-    S.book.pacing.arrived(worker_key(participant, worker), time.monotonic())
-    pace()
-
-_pace_soon = False
-
-def pace() -> None:
-    """Hand out the grants there is room for (called when something pacing depends on changes): once, at the
-    event loop's next turn, however many changes asked for it meanwhile. A pass costs ~2 ms at 1,000 workers
-    (docs/fleet.md) and their groups arrive by hundreds a second; the busier the loop, the more one pass covers."""
-    global _pace_soon
-    if not _pace_soon:
-        _pace_soon = True
-        asyncio.get_running_loop().call_soon(_pace_now)
-
-def _pace_now() -> None:
-    global _pace_soon
-    _pace_soon = False
-    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
-
-def prompts_record(got: dict, dataset: str, name: str) -> dict:
-    """(Trust, docs/trust.md) The journal record of a prompt lease: a lease_id for these indices and whom they went
-    to. A group must name it, and only that participant may answer them, once each (receipts.py binds it once
-    the record is written)."""
-    who = None if name == ADMIN else name
-    return {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"],
-            "latest": S.latest, **({"participant": who} if who else {})}
-
-@app.get("/v1/whoami", openapi_extra=scope("worker"))
-async def whoami(request: Request) -> dict:
-    """Who this token is, and what a worker must agree on with the run: the protocol first (every role asks at its
-    start, with its X-Protocol; one without, an older clone, is told to update: 426). run_id identifies the run
-    (for a worker's spool) without naming its bucket or prefix."""
-    if request.headers.get("x-protocol") is None:  # (a mismatching one never gets here: access.guard)
-        raise HTTPException(426, access.protocol_mismatch(None))
-    who = request.scope["principal"]
-    return {"protocol": PROTOCOL, "participant": who.name, "role": who.role.name, "max_rps": who.max_rps,
-            "run_id": S.run_id, "group_size": ARGS.group_size, "max_staleness": ARGS.max_staleness}
-
+# ---- watching the run: stats, state, metrics ----------------------------------------------------------
 @app.get("/v1/stats", openapi_extra=scope("trainer"))
 async def get_stats() -> dict:
-    return stats()
+    tokens, trust = POLICY.tokens, S.book.quarantine
+    roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None,
+                 **({"checks": trust.public(n)} if n != ADMIN else {})}
+             for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
+    return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
+            "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": max_buffer(), **S.counters,
+            "staleness_hist": {str(k): v for k, v in sorted(S.book.staleness_hist.items())},
+            **S.senders.stats(time.time(), roles),
+            "duplicate_window": {"groups": len(S.book.window), "min_version": S.book.window.floor},
+            "cursors": S.cursors.table, "pacing": S.book.pacing.stats(), "waiting_for_grants": len(WAITING),
+            "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
+            "quarantined": {n: trust.reason(n) for n in trust.people if trust.held(n)},
+            "quarantine_after": ARGS.quarantine_after, "open_prompt_leases": len(S.book.receipts.leases),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 @app.get("/v1/state", openapi_extra=scope("trainer"))
 async def get_state() -> dict:
@@ -829,10 +840,28 @@ async def get_state() -> dict:
     acked and expired batches, versions, counts. A restart rebuilds exactly this from the journal."""
     return S.book.state()
 
+# /metrics (telemetry.py): the histograms are observed as things happen, the state's numbers read at scrape time
+telemetry.install(lambda: S.counters,
+                  lambda: {"buffer_size": len(S.book.buffer), "open_leases": len(S.book.leases), "latest_version": S.latest,
+                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb()},
+                  lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
+
 @app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:
     """Prometheus text exposition (scrape with a trainer or admin token as a bearer token)."""
     return Response(telemetry.exposition(), media_type=telemetry.MEDIA_TYPE)
+
+# ---- the run's owner; then the routes of routing.py and access.py ----------------------------------------
+@app.post("/v1/participants/{name}/reinstate", openapi_extra=scope("admin"))
+async def reinstate(name: NamePath) -> dict:
+    """Lift a participant's quarantine (its token works again, its count of failed checks starts over)."""
+    if not S.book.quarantine.held(name):
+        known = name in POLICY.tokens.by_name
+        raise HTTPException(409 if known else 404, f"participant {name!r} is not quarantined" if known else f"no participant {name!r}")
+    rec = {"t": "reinstate", "participant": name, "at": round(time.time(), 3)}
+    await JOURNAL.append(rec)
+    S.book.reinstate(name, rec["at"])
+    return {"participant": name, **S.book.quarantine.public(name)}
 
 routing.install(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare

@@ -91,11 +91,12 @@ def write_journal(bucket: common.Bucket, n: int, a: Args) -> None:
     templates = [group_line("X" * 32, f"bench-{w}", 0, a.group_size, a.tokens, rng) for w in range(8)]
     counters = dict.fromkeys(["groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_rejected_full",
                               "groups_leased", "groups_acked", "batches_leased", "batches_acked", "leases_expired"], 0)
-    hist, t0 = {}, time.time() - n  # one group a second, as a slow GPU run
+    t0 = time.time() - n  # one group a second, as a slow GPU run
 
     def commit(seq: int, records: list) -> tuple[str, bytes]:
-        header = {"t": "commit", "incarnation": 0, "seq": seq, "writer": "bench", "time": round(t0 + seq * 4, 3)}
-        trailer = {"t": "counters", "counters": dict(counters), "staleness_hist": dict(hist)}
+        header = {"t": "commit", "protocol": common.PROTOCOL, "incarnation": 0, "seq": seq, "writer": "bench",
+                  "time": round(t0 + seq * 4, 3)}
+        trailer = {"t": "counters", "counters": dict(counters)}
         return journal.object_name(0, seq), journal.encode(header, records + [trailer])
 
     def objects():
@@ -110,7 +111,6 @@ def write_journal(bucket: common.Bucket, n: int, a: Args) -> None:
             bid = uuid.uuid4().hex
             counters.update({k: counters[k] + d for k, d in [("groups_leased", 8), ("batches_leased", 1), ("groups_acked", 8),
                                                               ("batches_acked", 1)]})
-            hist["0"] = hist.get("0", 0) + 8
             yield commit(2 * step + 1, [
                 {"t": "lease", "batch_id": bid, "group_ids": gids, "lease_s": 300.0, "expires_at": t0 + 300, "latest": step},
                 {"t": "version", "version": step + 1, "step": step + 1, "published_at": t0 + 8 * step, "final": False},

@@ -17,7 +17,8 @@ from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
 from test_proxy_access import as_, create, leased, own
 
-FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7", "--quarantine-after", "2")
+# --max-buffer: the traffic is random, not paced; the default (the staleness window) would answer it 429
+FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7", "--quarantine-after", "2", "--max-buffer", "512")
 LIMITS = {"max_staleness": 2, "lease_s": 1.0}
 
 

@@ -332,8 +332,7 @@ def test_a_worker_that_dies_between_two_polls_is_taken_for_gone_and_rollouts_syn
     s.sendall(f"GET /v1/adapters/latest?after=0&wait_s=60&worker_id=w1 HTTP/1.1\r\nHost: x\r\n"
               f"Authorization: Bearer {p.token}\r\n\r\n".encode())
     monkeypatch.setattr(rollout.tempfile, "tempdir", str(tmp_path))
-    sync = rollout.AdapterSync(rollout.Args(model="m", worker_id="w2", poll_s=60),
-                               proxy_client.ProxyClient(p.url, p.token), bucket)
+    sync = rollout.AdapterSync(proxy_client.ProxyClient(p.url, p.token), bucket, model="m", worker_id="w2", poll_s=60)
     sync.start()
     time.sleep(0.5)
     assert ask(p, "w3", wait_s=0.3)["indices"] == []         # nothing more while both are alive

@@ -24,7 +24,9 @@ from test_proxy import group, publish
 
 
 def as_(p, token: str) -> httpx.Client:
-    return httpx.Client(base_url=p.url, headers={"X-Proxy-Token": token}, timeout=30)
+    """A client of `token`, speaking this code's protocol as ProxyClient does (GET /v1/whoami needs it)."""
+    return httpx.Client(base_url=p.url, headers={"X-Proxy-Token": token, "X-Protocol": str(common.PROTOCOL)},
+                        timeout=30)
 
 
 def create(p, name: str, role: str = "worker", max_rps: float = 0.0) -> str:
@@ -66,7 +68,8 @@ def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
     assert worker.get("/v1/adapters/latest").json()["version"] == 1
     assert worker.get("/v1/adapters/1/files").status_code == 200
     assert worker.get("/v1/whoami").json() | {"run_id": None} == {
-        "participant": "alice", "role": "worker", "max_rps": 0.0, "run_id": None, "group_size": 4, "max_staleness": 3}
+        "protocol": common.PROTOCOL, "participant": "alice", "role": "worker", "max_rps": 0.0, "run_id": None,
+        "group_size": 4, "max_staleness": common.MAX_STALENESS}
     lease = trainer.post("/v1/batches/lease", json={"num_groups": 1}).json()
     for method, path, body in [("POST", "/v1/batches/lease", {"num_groups": 1}),
                                ("POST", f"/v1/batches/{lease['batch_id']}/renew", None),

@@ -1,14 +1,18 @@
 """Snapshots against the real proxy process and the real S3 server: a kill -9 in the middle of a snapshot
 write loses nothing (the cut-short snapshot never counts), a torn snapshot is skipped for the newest one
-that verifies, and the duplicate window holds across a restart that reads nothing but a snapshot."""
+that verifies, and the duplicate window holds across a restart that reads nothing but a snapshot. A run
+written in another protocol is refused at the start, untouched."""
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 import journal
-from conftest import ROOT, SUPPORT, free_port, stop
+from common import PROTOCOL, ProtocolError
+from conftest import ROOT, SUPPORT, free_port, stop, wait_http
 from ledger import Ledger
 from proxyproc import spawn, wait_for, wait_port  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
@@ -185,8 +189,8 @@ def test_a_second_proxy_on_the_run_fences_off_the_first(bucket, spawn):
     assert "Another proxy is journaling to this run" in open(a.log).read()
 
     # what a put of the first proxy already in flight would have left: a commit after its fence
-    orphan = journal.encode({"t": "commit", "incarnation": inc_a, "seq": seq_a + 2, "writer": "a", "time": time.time()},
-                            [journal._dumps(g3)])
+    orphan = journal.encode({"t": "commit", "protocol": PROTOCOL, "incarnation": inc_a, "seq": seq_a + 2, "writer": "a",
+                             "time": time.time()}, [journal._dumps(g3)])
     bucket.put(journal.object_name(inc_a, seq_a + 2), orphan, if_none_match=True)
 
     assert b.http.post("/v1/groups", json=g2).json()["status"] == "accepted"
@@ -196,3 +200,33 @@ def test_a_second_proxy_on_the_run_fences_off_the_first(bucket, spawn):
     assert f"incarnation {inc_a} was fenced off after seq {seq_a}" in open(c.log).read()
     assert sorted(drain(c)) == sorted([g1["group_id"], g2["group_id"]])  # not g3, never answered
     assert full_replay(bucket).fenced[inc_a] == seq_a  # (and c fenced b off at its start)
+
+
+def test_a_start_on_a_run_of_another_protocol_refuses_it_and_writes_nothing(s3_env, bucket, run_name, tmp_path):
+    """A journal written in another protocol (here a commit header without "protocol", as every proxy wrote before
+    protocols were numbered) is not read: the proxy stops at its start, naming both protocols and what to do, and
+    writes nothing to the run (no fence, no config, no snapshot). A snapshot of another protocol is refused alike."""
+    header = {"t": "commit", "incarnation": 0, "seq": 0, "writer": "old-proxy", "time": time.time()}
+    bucket.put(journal.object_name(0, 0), journal.encode(header, [journal._dumps(group(version=0)),
+                                                                  {"t": "counters", "counters": {}}]))
+    run = lambda: {k: bucket.get(k)[0] for k in bucket.list("")}  # noqa: E731 - everything under the run's prefix
+    before = run()
+    log, port = tmp_path / "proxy.log", free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--port", str(port), "--group-size", "4"],
+                            env={**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": "t"}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2 while starting"):  # not serving: stopped at its start
+            wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)
+    finally:
+        stop(proc)
+    said = log.read_text()
+    assert (f"the journal object {journal.object_name(0, 0)} speaks protocol 1 (from before protocols were numbered); "
+            f"this code speaks protocol {PROTOCOL}: finish that run with the clone") in said, said[-2000:]
+    assert "or start a new run" in said
+    assert run() == before  # nothing written: not a fence, not the proxy's config, not a snapshot
+
+    snapshot = {**Ledger(max_staleness=3, lease_s=300.0).to_snapshot(), "protocol": PROTOCOL - 1}
+    with pytest.raises(ProtocolError, match=f"the snapshot s.json speaks protocol {PROTOCOL - 1}; this code speaks "
+                                            f"protocol {PROTOCOL}: finish that run"):
+        Ledger.from_snapshot(snapshot, max_staleness=3, lease_s=300.0, name="s.json")

@@ -179,7 +179,7 @@ class Book:
         fresh = list(islice((it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)), n))
         return fresh if len(fresh) == n else None
 
-    def lease(self, bid: str, ids: list[str], lease_s: float, latest: int | None = None, left: int | None = None,
+    def lease(self, bid: str, ids: list[str], lease_s: float, latest: int, left: int | None = None,
               at: float | None = None) -> list:
         """Groups `ids` out of the buffer into the open lease `bid`, to be trained from version `latest` (the
         latest one, or the next for a batch the trainer asked for while it trains the one before: for the
@@ -193,10 +193,9 @@ class Book:
         self.holder.update(dict.fromkeys(ids, bid))
         self.counts["batches_leased"] += 1
         self.counts["groups_leased"] += len(ids)
-        v = self.latest if latest is None else latest
         for it in items:
-            self.staleness_hist[v - it.version] = self.staleness_hist.get(v - it.version, 0) + 1
-        self.pacing.leased(len(ids), left, at, held=max(1, v + 1 - self.latest))
+            self.staleness_hist[latest - it.version] = self.staleness_hist.get(latest - it.version, 0) + 1
+        self.pacing.leased(len(ids), left, at, held=max(1, latest + 1 - self.latest))
         return items
 
     def renew(self, bid: str, lease_s: float) -> None:
@@ -315,7 +314,7 @@ class Book:
         book.versions, book.done, book.staleness_hist = live["versions"], live["done"], live["staleness_hist"]
         book.leases = {b: Held(items, s, ids) for b, (items, s, ids) in live["leases"].items()}
         book.holder = {g: b for b, h in book.leases.items() for g in h.ids}
-        book.counts = {k: live["counters"].get(k, 0) for k in COUNTED}
+        book.counts = {k: live["counters"][k] for k in COUNTED}
         book.receipts, book.quarantine = live["receipts"], live["quarantine"]
-        book.pacing = Pacer.from_state(live.get("pacing"), max_staleness)
+        book.pacing = Pacer.from_state(live["pacing"], max_staleness)
         return book

@@ -6,7 +6,7 @@ decides what to write and applies what it reads.
 
 One commit object is JSON lines:
 
-    {"t":"commit","incarnation":3,"seq":17,"writer":"<random per process>","time":<unix s>}   the header
+    {"t":"commit","protocol":2,"incarnation":3,"seq":17,"writer":"<random per process>","time":<unix s>}  header
     {"group_id":...} or {"t":...}                 the records appended since the last commit, in order
     ...the trailer lines the owner asks for (the proxy: a snapshot of its counters)
 
@@ -15,10 +15,10 @@ lost (botocore retries it, the retry meets our own object and gets 412) is told 
 process writing the same key: read the object back; if it holds exactly our bytes, the write landed.
 
 Each process start is a new incarnation, one more than the newest writer the log names, and first
-fences that writer off: an object holding only {"t":"fence","incarnation":P,"seq":S,"by":N} at P's
-next key (put_fence), so P, should it still run, stops at its next put; readers skip any commit of P
-after S (ledger.py). Objects of runs
-from before 2026-11-29 also live under proxy/log/ (same naming); they are read in the same order.
+fences that writer off: an object holding only {"t":"fence","protocol":2,"incarnation":P,"seq":S,"by":N}
+at P's next key (put_fence), so P, should it still run, stops at its next put; readers skip any commit of
+P after S (ledger.py). Every commit header and fence names the protocol (common.PROTOCOL) that wrote it: a
+start refuses a log of another (ledger.py), it never guesses at an older layout.
 
 Snapshots make a start read a bounded amount: a snapshot is the owner's state after one commit, which
 it names; a start reads the newest complete one and then only the commits after it. The journal
@@ -47,10 +47,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from common import Bucket, ConflictError
+from common import PROTOCOL, Bucket, ConflictError
 
 PREFIX = "rollouts/"
-LEGACY_PREFIX = "proxy/log/"
 SNAPSHOTS = "proxy/snapshots/"
 POINTER = "proxy/snapshot.json"
 
@@ -59,20 +58,11 @@ def object_name(incarnation: int, seq: int) -> str:
     return f"{PREFIX}{incarnation:06d}-{seq:08d}.jsonl"
 
 
-def _order(key: str) -> tuple[str, bool]:
-    return key.rsplit("/", 1)[1], key.startswith("proxy/")  # incarnation, then sequence; legacy first on a tie
-
-
 def log_keys(bucket: Bucket, after: str | None = None) -> list[str]:
-    """Every journal object in log order, or only those after the commit `after`: then the listing starts
-    there (ListObjectsV2 StartAfter), so a start lists the tail, not the run."""
-    start = f"{PREFIX}{_order(after)[0].split('.')[0]}" if after else None  # sorts just before `after`'s name
-    keys = sorted(bucket.list(PREFIX, start_after=start) + bucket.list(LEGACY_PREFIX), key=_order)
-    return [k for k in keys if after is None or _order(k) > _order(after)]
-
-
-def next_incarnation(keys: list[str]) -> int:
-    return max((int(k.rsplit("/", 1)[1].split("-")[0]) for k in keys), default=-1) + 1
+    """Every journal object in log order (their names sort so: incarnation, then sequence), or only those after
+    the commit `after`: then the listing starts there (ListObjectsV2 StartAfter), so a start lists the tail,
+    not the run (a bucket that ignores StartAfter lists them all: the cut is made here too)."""
+    return sorted(k for k in bucket.list(PREFIX, start_after=after) if after is None or k > after)
 
 
 def put_fence(bucket: Bucket, incarnation: int, seq: int, by: int) -> tuple[str, bytes]:
@@ -84,8 +74,8 @@ def put_fence(bucket: Bucket, incarnation: int, seq: int, by: int) -> tuple[str,
     (futures resolve in log order), and a reader skips it (ledger.py). ConflictError: that key is taken
     (the older proxy wrote it meanwhile, or another start fenced it first): read it and fence again."""
     key = object_name(incarnation, seq)
-    data = encode({"t": "fence", "incarnation": incarnation, "seq": seq, "by": by, "writer": uuid.uuid4().hex,
-                   "time": round(time.time(), 3)}, [])
+    data = encode({"t": "fence", "protocol": PROTOCOL, "incarnation": incarnation, "seq": seq, "by": by,
+                   "writer": uuid.uuid4().hex, "time": round(time.time(), 3)}, [])
     put_once(bucket, key, data)
     return key, data
 
@@ -103,12 +93,6 @@ def read_objects(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator
         while ahead:
             done, fut = ahead.popleft()
             yield done, fut.result()
-
-
-def read_lines(bucket: Bucket, keys: list[str], threads: int = 16) -> Iterator[bytes]:
-    """The lines of the given objects, object by object in the given order (fetched in parallel)."""
-    for _, blob in read_objects(bucket, keys, threads):
-        yield from blob.splitlines()
 
 
 def put_once(bucket: Bucket, key: str, data: bytes) -> None:
@@ -229,8 +213,8 @@ class Writer:
             await self.slots.acquire()  # while all slots are busy, the next batch grows
             self.wake.clear()
             batch, self.queue = self.queue, []
-            header = {"t": "commit", "incarnation": self.incarnation, "seq": self.seq, "writer": self.writer_id,
-                      "time": round(time.time(), 3)}
+            header = {"t": "commit", "protocol": PROTOCOL, "incarnation": self.incarnation, "seq": self.seq,
+                      "writer": self.writer_id, "time": round(time.time(), 3)}
             records = [r for r, _ in batch] + self.trailer()
             data = encode(header, records)
             prev = asyncio.create_task(self.commit(object_name(self.incarnation, self.seq), data, batch, prev,

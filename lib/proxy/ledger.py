@@ -4,7 +4,9 @@ proxy.py writes them, keeps its live state, and drives a Ledger:
 
 - a start reads the newest snapshot (a Ledger's to_snapshot(), written by journal.write_snapshot),
   applies every commit after it, and takes its live state from live(); without a snapshot it applies
-  every commit ever written (a full replay): the same code either way;
+  every commit ever written (a full replay): the same code either way. A snapshot or commit written in
+  another protocol than this code's (common.PROTOCOL: every commit header, fence and snapshot names it)
+  is not read: the start stops, saying which (ProtocolError);
 - while it runs, the proxy applies each commit to its Ledger once the commit is in the bucket, so a
   snapshot is exactly the state after the commit it names, however far the live state has run ahead
   (a lease is taken before its write, an accepted group is buffered after it).
@@ -27,6 +29,7 @@ import sys
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterator
 
+from common import PROTOCOL, check_protocol
 from book import BATCHES, Book, Entry, Held, Recent, Versions, Window  # noqa: F401 - BATCHES: the bound, for callers
 
 from pacing import Pacer
@@ -35,7 +38,8 @@ from prompts import Cursors
 from quarantine import Quarantine
 from receipts import Receipts
 
-FORMAT = 1      # of to_snapshot()'s dict; a start refuses another (and replays every commit instead)
+# what a start on a journal or snapshot of another protocol tells the person who started it
+RESUME = "finish that run with the clone (commit) of async-grpo that started it, or start a new run (another --run)"
 
 # a group line as we write it leads with these fields (proxy.py keeps a body as sent only when it does)
 HEAD = re.compile(rb'^\{"group_id":"([^"]+)","worker_id":"([^"]*)","policy_version":(\d+),')
@@ -62,7 +66,6 @@ class Ledger(Book):
         self.keep_raw, self.max_workers, self.max_datasets = keep_raw, max_workers, max_datasets
         self.cursors = Cursors(0, max_datasets)
         self.senders = Senders(max_workers)
-        self.legacy_hist = False   # a lease without "latest" (journaled before 2026-12): the trailer's histogram
         self.trailer: dict = {}    # the counters line of the last commit: counts the log does not imply (429s)
         self.at = 0.0              # time of the commit being applied
         self.covers: str | None = None  # the last commit applied
@@ -74,12 +77,15 @@ class Ledger(Book):
     def apply_object(self, key: str, blob: bytes) -> None:
         """One journal object as read from the bucket. A commit of an incarnation after the seq where a later
         start fenced it off is not part of the log: that proxy died at its first put there (journal.put_fence),
-        and a put already in flight may have landed after it, its callers never answered."""
+        and a put already in flight may have landed after it, its callers never answered. ProtocolError: its
+        header (a commit's or a fence's) names another protocol than this code's, or none."""
         inc, seq = position(key)
         if seq > self.fenced.get(inc, seq):
             print(f"proxy: {key} is not applied: incarnation {inc} was fenced off after seq {self.fenced[inc]}",
                   file=sys.stderr)
             return
+        if blob:  # (b"": listed, then gone before it was read)
+            check_protocol(json.loads(blob.split(b"\n", 1)[0]).get("protocol"), f"the journal object {key}", RESUME)
         for line in blob.splitlines():
             if line.startswith(b'{"group_id"'):
                 self.group_line(key, line)
@@ -106,8 +112,8 @@ class Ledger(Book):
     def group_line(self, key: str, line: bytes) -> None:
         m, tail = HEAD.match(line), TAIL.search(line, max(0, len(line) - 64))  # lines are ~33 kB: no full parse
         gid, version = m[1].decode(), int(m[3])
-        if gid in self.window:  # the live proxy never logs a group twice; an old log might
-            return
+        if gid in self.window:  # logged twice: its first commit was answered as failed but landed, and the group,
+            return              # sent again, was logged again (a start applies such a commit: snapshots.py)
         participant, worker = tail[1].decode() if tail else None, m[2].decode()
         self.senders.touch(participant, worker, self.at, groups=1, live=False)
         self.accept(Ref(gid, version, key, line if self.keep_raw else None, participant))
@@ -121,8 +127,7 @@ class Ledger(Book):
             self.fenced[e["incarnation"]] = e["seq"] - 1
             self.tip = max(self.tip, (e["by"], 0))
         elif t == "lease":
-            self.legacy_hist |= "latest" not in e
-            self.lease(e["batch_id"], e["group_ids"], e.get("lease_s", self.lease_s), e.get("latest"), e.get("left"))
+            self.lease(e["batch_id"], e["group_ids"], e["lease_s"], e["latest"], e.get("left"))
         elif t == "renew" and e["batch_id"] in self.leases:
             self.renew(e["batch_id"], e["lease_s"])
         elif t == "ack":
@@ -130,7 +135,7 @@ class Ledger(Book):
         elif t == "expire" and e["batch_id"] in self.leases:
             self.return_lease(e["batch_id"])
         elif t == "version" and e["version"] > self.latest:
-            self.register(e["version"], e["step"], e["published_at"], e.get("final", False))
+            self.register(e["version"], e["step"], e["published_at"], e["final"])
         elif t == "cursor":
             self.cursors.apply(e)
         elif t == "stale":  # refused as stale on arrival
@@ -138,7 +143,7 @@ class Ledger(Book):
             self.senders.touch(e.get("participant"), e["worker_id"], self.at, live=False)
             self.pacing.arrived(worker_key(e.get("participant"), e["worker_id"]))
         elif t == "grant":  # prompts granted to a worker (pacing.py)
-            self.pacing.grant(e["key"], e["n"], e["version"], round_s=e.get("round_s"), dev_s=e.get("dev_s"))
+            self.pacing.grant(e["key"], e["n"], e["version"], round_s=e["round_s"], dev_s=e["dev_s"])
         elif t == "release":  # a worker asked again: its open grant is closed (pacing.py)
             self.pacing.close(e["key"])
         elif t == "demand":  # what the trainer will still lease, as a lease request said (pacing.py)
@@ -156,33 +161,33 @@ class Ledger(Book):
         elif t == "reinstate":
             self.reinstate(e["participant"], e["at"])
         elif t == "counters":
-            self.trailer = {"counters": dict(e.get("counters", {})), "staleness_hist": dict(e.get("staleness_hist", {}))}
+            self.trailer = dict(e["counters"])
 
     # ---- snapshots ------------------------------------------------------------------------------------
     def to_snapshot(self) -> dict:
         """The state after commit `covers`, as plain JSON values that share nothing with the ledger (taken on
         the event loop between two commits; encoded and written in a thread while the ledger moves on)."""
         ref = lambda r: [r.gid, r.version, r.key, r.who]  # noqa: E731
-        return {"format": FORMAT, "covers": self.covers, "commits": self.commits, "at": self.at,
+        return {"protocol": PROTOCOL, "covers": self.covers, "commits": self.commits, "at": self.at,
                 "buffer": [ref(r) for r in self.buffer.values()],
                 "leases": [[b, [ref(r) for r in h.items], h.lease_s, list(h.ids)] for b, h in self.leases.items()],
                 "window": self.window.state(), "acked": [[b, n] for b, n in self.acked.items()],
                 "expired": [[b, n] for b, n in self.expired.items()], "versions": self.versions.state(),
                 "done": self.done, "cursors": {d: dict(c) for d, c in self.cursors.table.items()},
                 "senders": self.senders.state(), "counts": dict(self.counts),
-                "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()}, "legacy_hist": self.legacy_hist,
-                "pacing": self.pacing.state(),
-                "trailer": json.loads(json.dumps(self.trailer)), "tip": list(self.tip),
+                "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()}, "pacing": self.pacing.state(),
+                "trailer": dict(self.trailer), "tip": list(self.tip),
                 "fenced": {str(k): v for k, v in self.fenced.items()},
                 "receipts": self.receipts.state(), "quarantine": self.quarantine.state()}
 
     @classmethod
     def from_snapshot(cls, d: dict, max_staleness: int, lease_s: float, max_workers: int = 4096,
-                      max_datasets: int = 64, keep_raw: bool = True) -> Ledger:
-        if d.get("format") != FORMAT:
-            raise ValueError(f"snapshot format {d.get('format')!r}, this proxy reads {FORMAT}")
+                      max_datasets: int = 64, keep_raw: bool = True, name: str = "a snapshot") -> Ledger:
+        """The ledger a snapshot (to_snapshot()) holds; ProtocolError when it was written in another protocol
+        than this code's. name: the snapshot's key, for that message."""
+        check_protocol(d.get("protocol"), f"the snapshot {name}", RESUME)
         led = cls(max_staleness, lease_s, max_workers, max_datasets, keep_raw)
-        ref = lambda x: Ref(x[0], x[1], x[2], None, x[3] if len(x) > 3 else None)  # noqa: E731 - [3]: since trust checks
+        ref = lambda x: Ref(x[0], x[1], x[2], None, x[3])  # noqa: E731
         led.covers, led.commits, led.at = d["covers"], d["commits"], d["at"]
         led.buffer = OrderedDict((x[0], ref(x)) for x in d["buffer"])
         led.leases = {b: Held([ref(x) for x in refs], lease_s_, ids) for b, refs, lease_s_, ids in d["leases"]}
@@ -192,27 +197,20 @@ class Ledger(Book):
         led.versions, led.done = Versions.from_state(d["versions"]), d["done"]
         led.cursors.table = {k: dict(v) for k, v in d["cursors"].items()}
         led.senders = Senders.from_state(d["senders"], max_workers)
-        led.counts = {**led.counts, **d["counts"]}
+        led.counts = dict(d["counts"])
         led.staleness_hist = {int(k): v for k, v in d["staleness_hist"].items()}
-        led.legacy_hist, led.trailer = d["legacy_hist"], d["trailer"]
-        led.pacing = Pacer.from_state(d.get("pacing"), max_staleness, max_workers)  # a snapshot from before pacing: none
-        led.fenced = {int(k): v for k, v in d.get("fenced", {}).items()}
-        led.receipts, led.quarantine = Receipts.from_state(d.get("receipts")), Quarantine.from_state(d.get("quarantine"))
-        if "tip" in d:
-            led.tip = tuple(d["tip"])
-        elif led.covers:  # a snapshot from before fences: the writer of the commit it covers
-            inc, seq = position(led.covers)
-            led.tip = (inc, seq + 1)
+        led.trailer = d["trailer"]
+        led.pacing = Pacer.from_state(d["pacing"], max_staleness, max_workers)
+        led.fenced = {int(k): v for k, v in d["fenced"].items()}
+        led.receipts, led.quarantine = Receipts.from_state(d["receipts"]), Quarantine.from_state(d["quarantine"])
+        led.tip = tuple(d["tip"])
         return led
 
     # ---- what a start hands the live proxy ----------------------------------------------------------
     def counters(self) -> dict:
-        """What the log implies, recounted; the rest (429s) from the last commit's counters line. For logs
-        from before duplicates and drops were journaled events, never below that line's count."""
-        old = self.trailer.get("counters", {})
-        return {**old, **self.counts,
-                "groups_duplicate": max(self.counts["groups_duplicate"], old.get("groups_duplicate", 0)),
-                "groups_dropped_stale": max(self.counts["groups_dropped_stale"], old.get("groups_dropped_stale", 0))}
+        """What the log implies, recounted; the rest (429s) from the last commit's counters line (none in an
+        empty log)."""
+        return {**self.trailer, **self.counts}
 
     def live(self, read: Callable[[list[str]], Iterator[tuple[str, bytes]]]) -> dict:
         """The live proxy's state, sharing nothing with the ledger. Groups whose line the ledger does not hold
@@ -235,8 +233,7 @@ class Ledger(Book):
                 "senders": Senders.from_state(snap["senders"], self.max_workers), "counters": self.counters(),
                 "pacing": snap["pacing"],
                 "receipts": Receipts.from_state(snap["receipts"]), "quarantine": Quarantine.from_state(snap["quarantine"]),
-                "staleness_hist": ({int(k): v for k, v in self.trailer.get("staleness_hist", {}).items()} if self.legacy_hist
-                                   else dict(self.staleness_hist))}
+                "staleness_hist": dict(self.staleness_hist)}
 
     def _refs(self) -> Iterator[Ref]:
         yield from self.buffer.values()

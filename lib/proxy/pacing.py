@@ -60,8 +60,9 @@ Durable (journaled, replayed, in snapshots): each grant (worker, groups, version
 expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
 lease records). Live only: the fleet's spread (a start measures it afresh), and, on this process's monotonic
 clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made
-(the lease rule: no clock of another process is compared). A worker that does not ask for a grant (no wait_s:
-an older rollout.py) gets its prompts at once, unrecorded, as before; the staleness filter guards its rounds.
+(the lease rule: no clock of another process is compared). A prompt lease that does not ask for a grant (no
+wait_s, or a proxy started with --no-pace) gets its prompts at once, unrecorded; the staleness filter guards
+its rounds.
 """
 from __future__ import annotations
 
@@ -426,15 +427,12 @@ class Pacer:
                 "held": self.held, "batch": self.batch, "counts": dict(self.counts)}
 
     @classmethod
-    def from_state(cls, d: dict | None, max_staleness: int, max_workers: int = 4096) -> Pacer:
+    def from_state(cls, d: dict, max_staleness: int, max_workers: int = 4096) -> Pacer:
         p = cls(max_staleness, max_workers)
-        if d:  # a snapshot from before pacing has none
-            # a snapshot from before deviations were measured has none: a grant's margin is then jitter x round_s
-            p.grants = {g[0]: Grant(*g[:5], dev_s=g[5] if len(g) > 5 else None) for g in d["grants"]}
-            p.round_s = OrderedDict((k, (r, rest[0] if rest else 0.0)) for k, r, *rest in d["round_s"])
-            # (a snapshot from before prefetch has "training": whether it held one)
-            p.demand, p.held, p.batch = d["demand"], int(d.get("held", d.get("training", 0))), d["batch"]
-            p.counts.update(d["counts"])
+        p.grants = {g[0]: Grant(*g) for g in d["grants"]}
+        p.round_s = OrderedDict((k, (r, dev)) for k, r, dev in d["round_s"])
+        p.demand, p.held, p.batch = d["demand"], d["held"], d["batch"]
+        p.counts.update(d["counts"])
         return p
 
     def stats(self) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from prometheus_client.core import GaugeMetricFamily
 
-CHECKS = ("reward", "prompt", "logprobs", "unleased", "reused", "replayed")  # the ones that count
 RECENT = 8  # failures kept per participant for /v1/stats (every one is in the journal)
 
 
@@ -88,9 +87,9 @@ class Quarantine:
                 for who, p in sorted(self.people.items())}
 
     @classmethod
-    def from_state(cls, d: dict | None) -> Quarantine:
+    def from_state(cls, d: dict) -> Quarantine:
         q = cls()
         q.people = {who: {**p, "by_check": dict(p["by_check"]), "recent": [dict(r) for r in p["recent"]],
                           "quarantined": dict(p["quarantined"]) if p["quarantined"] else None}
-                    for who, p in (d or {}).items()}
+                    for who, p in d.items()}
         return q

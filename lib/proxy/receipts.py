@@ -141,10 +141,8 @@ class Receipts:
                 "prints": {str(v): [[fp, self.prints[fp]] for fp in fps] for v, fps in sorted(self.by_version.items())}}
 
     @classmethod
-    def from_state(cls, d: dict | None) -> Receipts:
+    def from_state(cls, d: dict) -> Receipts:
         r = cls()
-        if not d:  # a snapshot from before receipts
-            return r
         for lid, x in d["leases"]:
             r.leases[lid] = {**x, "left": {int(i): n for i, n in x["left"]}, "by": {int(i): g for i, g in x["by"]}}
             r.held[x["who"] or ""] = r.held.get(x["who"] or "", 0) + x["size"]

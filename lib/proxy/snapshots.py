@@ -29,13 +29,11 @@ class Keeper:
 
     def start(self) -> tuple[dict, int, str]:
         """Read the state back (before the server accepts requests): (Ledger.live()'s state, this start's
-        incarnation, a line for the log)."""
+        incarnation, a line for the log). common.ProtocolError, before anything is written: the snapshot or a
+        commit was written in another protocol than this code's (its message says which, and what to do)."""
         t0, snap, start = time.time(), journal.read_snapshot(self.bucket), "the first commit"
         if snap:
-            try:
-                self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits), f"snapshot {snap[0]}"
-            except ValueError as e:
-                print(f"proxy: not using snapshot {snap[0]}: {e}; replaying every commit", file=sys.stderr)
+            self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits, name=snap[0]), f"snapshot {snap[0]}"
         before = self.ledger.commits
         keys = journal.log_keys(self.bucket, after=self.ledger.covers)
         for key, blob in journal.read_objects(self.bucket, keys):
