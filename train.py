@@ -20,9 +20,10 @@ to the bucket every `publish_every` steps.
     python train.py --report-to trackio --push-to-hub me/qwen-gsm8k-grpo --push-every 50   # dashboard, Hub
 
 Departures from the GRPO paper, on purpose:
-  1. Off-policy by design: each group was sampled by some older adapter version; the importance
-     ratio is taken against the logprob recorded at sampling time, clipped PPO-style, and the
-     proxy drops groups more than `max_staleness` versions old.
+  1. Off-policy by design: each group was sampled by some older adapter version, and the proxy drops
+     groups more than `max_staleness` versions old. The importance ratio is taken against the logprob
+     recorded at sampling time; by default (--loss cispo) every token keeps its gradient, weighted by
+     that ratio capped at --is-cap and detached; --loss ppo clips the ratio PPO-style instead.
   2. No reference model by default (beta=0); with beta>0 the reference is the same model with the
      adapter disabled, so no second copy of the weights.
   3. Token-level loss aggregation (sum over completion tokens / their count) by default.
@@ -43,18 +44,20 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
 import httpx
 import torch
 from tqdm import tqdm
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, token_versions,
-                    zero_std_groups)
+from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, sampled_mask, sampled_tokens,
+                    token_versions, zero_std, zero_std_groups)
 from audit import Auditor, Options as AuditOptions
-from batches import lease, let_go, prefetch
+from batches import Batches
 from metrics import Metrics
 from models import (LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls,
                     resolve_dtype)
@@ -104,10 +107,11 @@ class Args:
     """recompute activations in backward (models.enable_checkpointing); auto: on with a GPU (the Jobs
     layout's 512-token completions need it at every model size, docs/memory.md),
     off on CPU (the local demo's short completions fit without, and run ~30% faster)"""
-    loss: Literal["ppo", "cispo", "decoupled"] = "ppo"
-    """policy objective (docs/objectives.md): ppo = PPO clip of pi/mu against the recorded behaviour
-    logprobs; cispo = capped, detached IS weight times A log pi (MiniMax-M1); decoupled = PPO clip
-    around the pre-step weights times a capped IS weight pi_prox/mu (AReaL)"""
+    loss: Literal["ppo", "cispo", "decoupled"] = "cispo"
+    """policy objective (docs/objectives.md): cispo (the default: the fewest steps to the local run's goal,
+    docs/objectives.md#what-closes-the-gap) = capped, detached IS weight times A log pi (MiniMax-M1); ppo = PPO
+    clip of pi/mu against the recorded behaviour logprobs; decoupled = PPO clip around the pre-step weights
+    times a capped IS weight pi_prox/mu (AReaL)"""
     eps_low: float = 0.2
     """ppo, decoupled: the ratio is clipped to [1 - eps_low, 1 + eps_high]"""
     eps_high: float = 0.2
@@ -176,11 +180,6 @@ def build_model(args: Args):
     return model, tok
 
 
-def sampled(c: dict) -> list[int]:
-    """1 for each token of a completion the policy sampled, 0 for an episode's environment tokens."""
-    return c.get("mask") or [1] * len(c["token_ids"])
-
-
 def group_temperature(group: dict, default: float) -> float | None:
     """The temperature the group was sampled at (meta.temperature, else `default`); None when it
     is not a finite number > 0, so the group cannot be scored."""
@@ -238,9 +237,8 @@ class ByStaleness:
 def trainable(group: dict, args: Args) -> bool:
     """Whether train_step trains on `group`: a usable temperature and, with --skip-zero-std and beta 0,
     rewards that are not all equal (a zero-std group has no gradient then)."""
-    rewards = [c["reward"] for c in group["completions"]]
     return group_temperature(group, args.temperature) is not None and not (
-        args.skip_zero_std and args.beta == 0 and max(rewards) == min(rewards))
+        args.skip_zero_std and args.beta == 0 and zero_std([c["reward"] for c in group["completions"]]))
 
 
 def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool,
@@ -263,7 +261,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     # gradient, so it is trained.
     keep = [i for i, g in enumerate(groups) if trainable(g, args)]
     # only the tokens the policy sampled are trained on: an episode's environment tokens are context
-    n_tok = sum(sum(sampled(c)) for i in keep for c in groups[i]["completions"])
+    n_tok = sum(sampled_tokens(groups[i]) for i in keep)
     by_lag = ByStaleness(groups, rewards, version)
     stats: dict[str, float] = {}
     agg_stats: dict[str, list] = {}
@@ -275,7 +273,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
         comps = [c for i in mb for c in groups[i]["completions"]]
         logp, mask = completion_logprobs(model, prompts, ids, row_t, pad=0)
-        mask = mask * pad_right([sampled(c) for c in comps], 0)[0].to(mask.device)  # padding and environment: 0
+        mask = mask * pad_right([sampled_mask(c) for c in comps], 0)[0].to(mask.device)  # padding and environment: 0
         behav = pad_right([[0.0 if x is None else x for x in c["logprobs"]] for c in comps], 0.0,
                           dtype=torch.float32)[0].to(logp.device)
         lags = pad_right([[version - v for v in token_versions(c, groups[i]["policy_version"])]
@@ -323,7 +321,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 
 
 # ---------------------------------------------------------------------------------------------
-# a step's traffic (its lease: batches.py): publish, register, checkpoint + acks, and the final registration
+# a step's traffic (its lease: batches.py): publish, register, and the final registration
 
 
 def publish(bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int:
@@ -353,18 +351,6 @@ def register(client: ProxyClient, owner: Owner, body: dict) -> None:
             raise
     except httpx.HTTPError as e:  # stopping: the next trainer or a restarted proxy adopts it from the bucket
         say(f"version {body['version']} not registered: stopping, proxy unreachable ({e})")
-
-
-def checkpoint(bucket: Bucket, owner: Owner, metrics: Metrics, trained: TrainedGroups, model, opt, sched,
-               step: int, version: int) -> float:
-    """Save the weights with the record of the batches they hold, then ack those batches; returns
-    the seconds it took. The metrics of every step it holds are in the bucket before it is."""
-    t0 = time.time()
-    owner.check()
-    metrics.flush(wait=True)
-    save_checkpoint(bucket, model, opt, sched, {"step": step, "version": version, "trained": trained.state()})
-    trained.ack_all(owner)
-    return time.time() - t0
 
 
 def register_final(client: ProxyClient, bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int | None:
@@ -408,7 +394,7 @@ def batch_metrics(groups: list[dict], latest: int) -> dict:
             "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
             "sample/completion_len": sum(len(c["token_ids"]) for g in groups for c in g["completions"]) / len(rewards),
             # the tokens the policy sampled (an episode's environment tokens are not), as the workers count them generated
-            "tokens/leased": sum(sum(c["mask"]) if c.get("mask") else len(c["token_ids"]) for g in groups for c in g["completions"]),
+            "tokens/leased": sum(sampled_tokens(g) for g in groups),
             "rollout/backpressure_s": sum(t.get("backpressure_s", 0.0) for t in timings) / len(timings)}
 
 
@@ -434,8 +420,6 @@ def check_push_target(args: Args) -> None:
 def push_to_hub(bucket: Bucket, args: Args, version: int, final: bool = False) -> int:
     """Push adapter `version`; returns it. A failed intermediate push is reported and training goes
     on; a failed final push exits non-zero (the adapter stays safe in the bucket)."""
-    from tqdm import tqdm
-
     from hub import push_adapter
     try:
         url = push_adapter(bucket, version, args.push_to_hub, private=args.hub_private)
@@ -450,21 +434,63 @@ def push_to_hub(bucket: Bucket, args: Args, version: int, final: bool = False) -
         return -1
 
 
-def main(args: Args) -> None:
+# ---------------------------------------------------------------------------------------------
+# the run: what the trainer holds between steps, its start, a step, its end
+
+
+@dataclass
+class Trainer:
+    """A run's trainer between steps: its connections, its model and optimizer, and where it stands."""
+    args: Args
+    bucket: Bucket
+    client: ProxyClient
+    owner: Owner
+    metrics: Metrics
+    model: Any
+    params: list[torch.nn.Parameter]   # the LoRA weights: what AdamW steps, and the gradient norm is clipped over
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    auditor: Auditor
+    trained: TrainedGroups
+    batches: Batches
+    stop: threading.Event              # set by SIGTERM: checkpoint, ack, then exit
+    step: int                          # the last step taken: its update is in the weights
+    version: int                       # the newest version of the run: the next publish is version + 1
+    since_publish: int                 # steps no published version holds (0: the weights are exactly `version`'s)
+    checkpointed: int                  # the step the last checkpoint holds
+    started: float = field(default_factory=time.time)
+    ahead: Future | None = None        # the next step's batch, asked for once this step's update is made
+    checkpoint_s: float | None = None  # the last checkpoint's seconds, logged in the row of the step after it
+    pushed: int = -1                   # the last version pushed to the Hub
+
+    def audit(self, got: dict) -> tuple[list[dict], dict]:
+        """A leased batch's groups to train on, and the audit's metrics (Batches.lease's `audit`)."""
+        return self.auditor.check(got, got["fresh"], self.model, self.version, self.since_publish == 0)
+
+
+def from_proxy(client: ProxyClient, call, *args):
+    """call(*args), a request the client waits on through any outage: an error means SIGTERM came meanwhile."""
+    try:
+        return call(*args)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
+
+
+def start(args: Args, stop: threading.Event) -> Trainer:
+    """The trainer before its first step: the proxy speaks this code's protocol, the run is ours
+    (trainer/owner.json), the weights are those of the run's last checkpoint, and what it trained is acked."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, ack, then exit
-    # outages of the bucket or the proxy are waited out however long they last, saying so every
-    # 30 s; only SIGTERM ends a wait for the proxy (the bucket is waited for even then: the
-    # checkpoint needs it)
     check_push_target(args)
+    # outages of the bucket or the proxy are waited out however long they last, saying so every 30 s; only
+    # SIGTERM ends a wait for the proxy (the bucket is waited for even then: the checkpoint needs it)
     bucket = Bucket(patience_s=None)
     client = ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=None)
     bucket.say = client.say = say
     client.should_stop = stop.is_set
+    max_staleness = from_proxy(client, client.check_protocol)["max_staleness"]
     owner = Owner(bucket, args.trainer_id, args.owner_ttl_s)
     config = record_config(bucket, "train", args, __file__)
     metrics = Metrics(bucket, "train", report_to=args.report_to, trackio_project=args.trackio_project,
@@ -472,102 +498,143 @@ def main(args: Args) -> None:
     owner.on_lost = metrics.discard  # the new owner writes metrics/train.jsonl from now on
     model, tok = build_model(args)
     auditor = Auditor(args.audit, args.task, tok, bucket, client, args.micro_groups,
-                      lambda g: group_temperature(g, args.temperature), lambda g: trainable(g, args), say,
+                      partial(group_temperature, default=args.temperature), partial(trainable, args=args), say,
                       dtype=resolve_dtype(args.dtype))
+    auditor.weights.keep = min(max_staleness, 64) + 1  # the versions a leased group may have been sampled by
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    state = None if args.fresh else load_checkpoint(bucket, model, opt, sched)
-    state = state or {"step": 0, "version": 0}
-    # "ledger": the key of checkpoints written before the record was called TrainedGroups
-    trained = TrainedGroups(client, state.get("trained") or state.get("ledger"), say)
-    try:
-        proxy_latest = client.get("/v1/adapters/latest")
-    except httpx.HTTPError as e:  # the client waits out outages: this means SIGTERM
-        raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
-    trained.max_staleness = proxy_latest.get("max_staleness", trained.max_staleness)
-    auditor.weights.keep = min(trained.max_staleness, 64) + 1  # the versions a leased group may have been sampled by
+    state = (None if args.fresh else load_checkpoint(bucket, model, opt, sched)) or {"step": 0, "version": 0}
+    trained = TrainedGroups(client, state.get("trained"), say, max_staleness)
     auditor.recall()  # whom a trainer before this one caught lying: every group of theirs audited, as then
-    # versions only go up, across restarts too: continue after the newest published one even if
-    # the checkpoint is older (its weights win, its version number does not)
-    published = bucket.get_json("adapters/latest.json")
-    version = max(state["version"], published["version"] if published else 0, proxy_latest["version"])
+    # versions only go up, across restarts too: continue after the newest of the checkpoint's, the proxy's and
+    # the bucket's, even if the checkpoint is older (its weights win, its version number does not)
+    proxy_latest = from_proxy(client, client.get, "/v1/adapters/latest")["version"]
+    published = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
+    version = max(state["version"], published, proxy_latest)
     if state["step"]:
         say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
     trained.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
-    steps_since_publish = 1 if version != state["version"] else 0  # the weights we hold are not `version`'s
-    t_start, done, last_ckpt, ckpt_s, pushed = time.time(), state["step"], state["step"], None, -1
-    bar = tqdm(range(state["step"] + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=state["step"],
+    batches = Batches(client, owner, trained, stop, args.batch_groups, args.lease_wait_s, args.max_steps)
+    return Trainer(args, bucket, client, owner, metrics, model, params, opt, sched, auditor, trained, batches, stop,
+                   step=state["step"], version=version, since_publish=0 if version == state["version"] else 1,
+                   checkpointed=state["step"])
+
+
+def learn(t: Trainer, got: dict) -> tuple[dict, float]:
+    """The step's update from its batch: forward/backward, the gradient norm clipped, AdamW; returns the step's
+    metrics and the gradient norm. A participant's lie the step's own forward catches (logprobs off the weights
+    that sampled them) is left out and the step taken again without it: no lie steers an update."""
+    groups, fresh, devs = got["fresh"], t.since_publish == 0, {}
+    t.opt.zero_grad(set_to_none=True)
+    st = train_step(t.model, groups, t.args, t.version, fresh, devs)
+    if left_out := t.auditor.onpolicy(got, groups, devs):
+        t_redo, groups, audit = time.time(), [g for g in groups if g["group_id"] not in left_out], got["audit"]
+        t.opt.zero_grad(set_to_none=True)
+        st = train_step(t.model, groups, t.args, t.version, fresh) if groups else {**st, "groups/trained": 0}
+        got["audit"] = {**audit, "audit/redone": 1, "audit/left_out": audit.get("audit/left_out", 0) + len(left_out),
+                        "perf/audit_s": audit.get("perf/audit_s", 0.0) + time.time() - t_redo}
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm).item()
+    t.opt.step()
+    t.sched.step()
+    return st, grad_norm
+
+
+def publish_version(t: Trainer, final: bool) -> None:
+    """Publish the weights as the next version and register it; the run's last is registered (as final) only
+    after the checkpoint that holds it and the acks of its batches (finish)."""
+    t.version, t.since_publish = publish(t.bucket, t.owner, t.model, t.args, t.version, t.step), 0
+    t.auditor.weights.remember(t.version, t.model)  # groups it samples are audited under exactly these weights
+    if not final:
+        register(t.client, t.owner, {"version": t.version, "step": t.step, "published_at": time.time()})
+
+
+def checkpoint(t: Trainer) -> None:
+    """Save the weights with the record of the batches they hold, then ack those batches. The metrics of
+    every step it holds are in the bucket before it is."""
+    t0 = time.time()
+    t.owner.check()
+    t.metrics.flush(wait=True)
+    save_checkpoint(t.bucket, t.model, t.opt, t.sched, {"step": t.step, "version": t.version, "trained": t.trained.state()})
+    t.trained.ack_all(t.owner)
+    t.checkpoint_s, t.checkpointed = time.time() - t0, t.step
+
+
+def take_step(t: Trainer, step: int, bar) -> bool:
+    """Step `step`: a leased (and audited) batch, the update, the next batch asked for, the publish and the
+    checkpoint on their turns, the metrics row. False when the trainer stops before it has a batch."""
+    args, t0 = t.args, time.time()
+    got = t.batches.lease(step, t.audit, t.ahead, bar.set_postfix_str)
+    t.ahead = None
+    if got is None:
+        return False
+    t1 = time.time()
+    st, grad_norm = learn(t, got)
+    t2 = time.time()
+    publishes, final = step % args.publish_every == 0, step == args.max_steps
+    if args.prefetch and not final:  # the next batch, trained from the version this step publishes (if it does): its
+        # lease overlaps the publish and registration, and takes the groups that came while this step trained
+        t.ahead = t.batches.prefetch(step + 1, t.version + 1 if publishes else None)
+    t.trained.trained_on(got)
+    t.step, t.since_publish = step, t.since_publish + 1
+    # batch_id and the groups left out let anyone audit from the proxy's journal what each step trained on
+    row = {"step": step, "batch_id": got["batch_id"], "groups/already_trained": len(got["skipped"]),
+           **({"groups/already_trained_ids": got["skipped"]} if got["skipped"] else {}),
+           **({"perf/checkpoint_s": t.checkpoint_s} if t.checkpoint_s is not None else {})}
+    t.owner.check()  # a takeover stops us here, before this step writes anything
+    if publishes or final:
+        publish_version(t, final)
+        row["perf/publish_s"] = time.time() - t2
+        if args.push_to_hub and args.push_every and t.version % args.push_every == 0:
+            t.pushed = push_to_hub(t.bucket, args, t.version)
+    row.update({**batch_metrics(got["fresh"], got["latest_version"]), **st, **got["audit"], "grad_norm": grad_norm,
+                "version": t.version, "lr": t.sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
+                "buffer/dropped_stale": got["dropped_stale"],
+                "perf/rollout_wait_s": t1 - t0 - got["audit"].get("perf/audit_s", 0.0),
+                "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
+                "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t.started})
+    t.metrics.log(row)
+    t.checkpoint_s = None
+    if step % args.checkpoint_every == 0 or final or t.stop.is_set():
+        checkpoint(t)
+    show_step(bar, row, st, t1 - t0)
+    return True
+
+
+def show_step(bar, row: dict, st: dict, wait_s: float) -> None:
+    bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=row["version"], stale=f"{row['sample/staleness_mean']:.1f}",
+                    wait=f"{wait_s:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
+    by_lag = " ".join(f"{k.split('/')[1]}:{v}" for k, v in st.items() if k.startswith("stale/") and k.endswith("/groups"))
+    tqdm.write(f"step {row['step']:4d}  reward {row['reward/mean']:.3f}  v{row['version']}  groups by staleness {by_lag}  "
+               f"ratio {st.get('ratio/mean', 1):.3f}  clip {st.get('clip/frac', 0):.3f}  "
+               f"wait {wait_s:.1f}s  fwd/bwd {row['perf/fwd_bwd_s']:.1f}s")
+
+
+def finish(t: Trainer) -> None:
+    """After the last step, or on SIGTERM: the batch asked for ahead goes back, a checkpoint holds every step
+    taken, then (once max_steps are taken) the final registration and the final push."""
+    t.batches.let_go(t.ahead)
+    if t.stop.is_set() and t.checkpointed != t.step:  # SIGTERM while waiting for a batch
+        checkpoint(t)
+    done = t.step >= t.args.max_steps
+    final = register_final(t.client, t.bucket, t.owner, t.model, t.args, t.version, t.step) if done else None
+    if final is None and t.stop.is_set():
+        say(f"SIGTERM: checkpoint at step {t.step}, exiting")
+    t.metrics.close()
+    if t.args.push_to_hub and final is not None and t.pushed != final:
+        push_to_hub(t.bucket, t.args, final, final=True)
+
+
+def main(args: Args) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, ack, then exit
+    t = start(args, stop)
+    bar = tqdm(range(t.step + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=t.step,
                total=args.max_steps)
-    ahead = None  # the next batch, asked for once this step's update is made
     for step in bar:
-        t0 = time.time()
-        got = lease(client, args, owner, trained, bar, stop, step,
-                    lambda got: auditor.check(got, got["fresh"], model, version, steps_since_publish == 0), ahead)
-        ahead = None
-        if got is None:
+        if not take_step(t, step, bar) or stop.is_set():
             break
-        t1 = time.time()
-        groups, fresh, devs = got["fresh"], steps_since_publish == 0, {}
-        opt.zero_grad(set_to_none=True)
-        st = train_step(model, groups, args, version, fresh, devs)
-        if left_out := auditor.onpolicy(got, groups, devs):  # a lie the step's own forward caught: again without it
-            t_redo, groups = time.time(), [g for g in groups if g["group_id"] not in left_out]
-            opt.zero_grad(set_to_none=True)
-            st = train_step(model, groups, args, version, fresh) if groups else {**st, "groups/trained": 0}
-            got["audit"] = {**got["audit"], "audit/redone": 1, "audit/left_out": got["audit"].get("audit/left_out", 0) + len(left_out),
-                            "perf/audit_s": got["audit"].get("perf/audit_s", 0.0) + time.time() - t_redo}
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-        opt.step()
-        sched.step()
-        t2 = time.time()
-        # the next batch, asked for now (trained from the version this step publishes, if it does): its lease
-        # overlaps the publish and registration, and groups that came while this step trained are in it
-        if args.prefetch and step < args.max_steps:
-            ahead = prefetch(client, args, owner, trained, stop, step + 1,
-                             version + 1 if step % args.publish_every == 0 else None)
-        trained.trained_on(got)
-        steps_since_publish, done, final = steps_since_publish + 1, step, step == args.max_steps
-        # batch_id and the groups left out let anyone audit from the proxy's journal what each step trained on
-        row = {"step": step, "batch_id": got["batch_id"], "groups/already_trained": len(got["skipped"]),
-               **({"groups/already_trained_ids": got["skipped"]} if got["skipped"] else {}),
-               **({"perf/checkpoint_s": ckpt_s} if ckpt_s is not None else {})}
-        owner.check()  # a takeover stops us here, before this step writes anything
-        if step % args.publish_every == 0 or final:
-            version, steps_since_publish = publish(bucket, owner, model, args, version, step), 0
-            auditor.weights.remember(version, model)  # groups it samples are audited under exactly these weights
-            if not final:  # the last version is registered (as final) only after its checkpoint and acks
-                register(client, owner, {"version": version, "step": step, "published_at": time.time()})
-            row["perf/publish_s"] = time.time() - t2
-            if args.push_to_hub and args.push_every and version % args.push_every == 0:
-                pushed = push_to_hub(bucket, args, version)
-        row.update({**batch_metrics(got["fresh"], got["latest_version"]), **st, **got["audit"], "grad_norm": grad_norm, "version": version,
-                    "lr": sched.get_last_lr()[0], "buffer/size": got["buffer_size"],
-                    "buffer/dropped_stale": got["dropped_stale"],
-                    "perf/rollout_wait_s": t1 - t0 - got["audit"].get("perf/audit_s", 0.0),
-                    "perf/fwd_bwd_s": t2 - t1, "perf/step_s": time.time() - t0,
-                    "perf/tokens_per_s": st["tokens"] / (t2 - t1), "wall_s": time.time() - t_start})
-        metrics.log(row)
-        ckpt_s = None
-        if step % args.checkpoint_every == 0 or final or stop.is_set():
-            ckpt_s, last_ckpt = checkpoint(bucket, owner, metrics, trained, model, opt, sched, step, version), step
-        bar.set_postfix(reward=f"{row['reward/mean']:.2f}", v=version, stale=f"{row['sample/staleness_mean']:.1f}",
-                        wait=f"{t1 - t0:.0f}s", step_s=f"{row['perf/step_s']:.0f}s")
-        by_lag = " ".join(f"{k.split('/')[1]}:{v}" for k, v in st.items() if k.startswith("stale/") and k.endswith("/groups"))
-        tqdm.write(f"step {step:4d}  reward {row['reward/mean']:.3f}  v{version}  groups by staleness {by_lag}  "
-                   f"ratio {st.get('ratio/mean', 1):.3f}  clip {st.get('clip/frac', 0):.3f}  "
-                   f"wait {t1 - t0:.1f}s  fwd/bwd {t2 - t1:.1f}s")
-        if stop.is_set():
-            break
-    let_go(trained, ahead)
-    if stop.is_set() and last_ckpt != done:  # SIGTERM while waiting for a batch
-        checkpoint(bucket, owner, metrics, trained, model, opt, sched, done, version)
-    final = register_final(client, bucket, owner, model, args, version, done) if done >= args.max_steps else None
-    if final is None and stop.is_set():
-        say(f"SIGTERM: checkpoint at step {done}, exiting")
-    metrics.close()
-    if args.push_to_hub and final is not None and pushed != final:
-        push_to_hub(bucket, args, final, final=True)
+    finish(t)
 
 
 if __name__ == "__main__":

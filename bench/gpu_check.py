@@ -1,7 +1,7 @@
 """The GPU check (run by bench/gpu_check.sh): one run of at most ~10 minutes on one GPU, no network.
 Models are built from the configs the project carries (lib/jobs/configs/), with random weights;
 the tokenizer is a word-level one built here. With the repository's own code (train.build_model /
-train_step, engines.VLLMSampler / engines.sample, models.completion_logprobs) it measures:
+train_step, vllm_engine.VLLMSampler / hf_engine.sample, models.completion_logprobs) it measures:
 
   1. trainer: step time and peak GPU memory in bf16 (checkpointing on, the GPU default) for
      Qwen2.5-0.5B and 1.5B at the Jobs layout (8 groups a step, 2 per micro-batch, G=8, prompts of
@@ -129,7 +129,8 @@ def trainer_check(model_dir: str, name: str, dtype: str, four_bit: bool, lay: me
 
 
 def vllm_checks(model_dir: str, work: str, P: int, G: int, NEW: int, swaps: int, res: dict) -> None:
-    import engines
+    import hf_engine
+    import vllm_engine
     import train
     from models import completion_logprobs
     from peft import LoraConfig, get_peft_model
@@ -148,7 +149,7 @@ def vllm_checks(model_dir: str, work: str, P: int, G: int, NEW: int, swaps: int,
         m.save_pretrained(adirs[-1])
         del m
     t0 = time.time()
-    eng = engines.VLLMSampler(model_dir, lora_rank=16, max_model_len=1024)
+    eng = vllm_engine.VLLMSampler(model_dir, lora_rank=16, max_model_len=1024)
     res["vllm_engine_start_s"] = round(time.time() - t0, 1)
     eng.sample(prompts[:2], G, 8, 1.0)  # warm-up
     samples = {}
@@ -201,16 +202,16 @@ def vllm_checks(model_dir: str, work: str, P: int, G: int, NEW: int, swaps: int,
         del model
         torch.cuda.empty_cache()
 
-    # the hf backend (engines.sample builds its tensors on the default device)
+    # the hf backend (hf_engine.sample builds its tensors on the default device)
     from models import load_base
     base, tok = load_base(model_dir, "bfloat16")
     torch.set_default_device("cuda")
     try:
         eos = {cfg["eos_token_id"]} if isinstance(cfg["eos_token_id"], int) else set(cfg["eos_token_id"])
-        engines.sample(base, prompts[:2], G, 8, 1.0, eos, tok.pad_token_id)  # warm-up
+        hf_engine.sample(base, prompts[:2], G, 8, 1.0, eos, tok.pad_token_id)  # warm-up
         torch.cuda.synchronize()
         t0 = time.time()
-        out = engines.sample(base, prompts, G, NEW, 1.0, eos, tok.pad_token_id)
+        out = hf_engine.sample(base, prompts, G, NEW, 1.0, eos, tok.pad_token_id)
         torch.cuda.synchronize()
         dt = time.time() - t0
         res["hf_bf16_tokens_per_s"] = round(sum(len(o[0]) for o in out) / dt, 1)

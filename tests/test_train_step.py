@@ -99,7 +99,7 @@ def test_per_staleness_diagnostics(tiny_model):
     group's recorded logprobs are log 2 lower than the weights now give: ratio 2 on every token,
     clipped (ppo, eps 0.2) on the completions with A > 0: one of its four (rewards [1, 0, 0, 0], not
     symmetric, so a flipped advantage would clip three of four instead)."""
-    model, args = _model(tiny_model)
+    model, args = _model(tiny_model, loss="ppo")
     groups = [_group(model, 6, [1.0, 0.0, 1.0, 0.0], version=3), _group(model, 7, [1.0, 0.0, 0.0, 0.0], version=2, shift=math.log(2)),
               _group(model, 8, [0.1] * G, version=1)]
     st = train.train_step(model, groups, args, version=3, fresh_weights=True)

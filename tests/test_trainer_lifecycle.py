@@ -104,9 +104,11 @@ def test_killed_at_every_point_of_its_last_step_the_run_still_finishes(tiny_mode
         for i, (_, _, name) in enumerate(KILL_POINTS):
             wait_for(lambda: len(fired) > i, 300, f"the trainer reaching the point '{name}'", trainer)
             trainer.proc.wait(timeout=30)
-            # nothing more is needed from the workers only once the final version is registered
-            assert worker.alive(), f"the worker exited while the trainer was down ({name})\n{worker.text()[-2000:]}"
-            assert _proxy_latest(env)["done"] == (name == "after final registration"), name
+            # nothing more is needed from the workers only once the final version is registered: then a worker
+            # may be gone already (it exits as soon as it hears of the final version), and must be gone soon (below)
+            done = name == "after final registration"
+            assert done or worker.alive(), f"the worker exited while the trainer was down ({name})\n{worker.text()[-2000:]}"
+            assert _proxy_latest(env)["done"] == done, name
             if i + 1 < len(KILL_POINTS):
                 armed[0] = KILL_POINTS[i + 1]
             trainer.start(*args)

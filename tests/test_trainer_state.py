@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import common
 import train
 import trainer_state
 
@@ -49,6 +50,30 @@ def test_corrupt_checkpoint_refused(tiny_model, bucket):
         trainer_state.load_checkpoint(bucket, model, opt, sched)
 
 
+@pytest.mark.parametrize("protocol", [None, common.PROTOCOL - 1, common.PROTOCOL + 1])
+def test_a_checkpoint_of_another_protocol_is_refused(tiny_model, bucket, protocol):
+    """A checkpoint records the protocol that wrote it (meta.json); one of another protocol (absent: from before
+    protocols were numbered) stops the trainer before anything is loaded, naming both protocols and what to do."""
+    model, opt, sched, params = _model(tiny_model)
+    trainer_state.save_checkpoint(bucket, model, opt, sched, {"step": 3, "version": 3, "trained": {}})
+    key = "checkpoints/step_00000003/meta.json"
+    meta = bucket.get_json(key)
+    assert meta["protocol"] == common.PROTOCOL
+    bucket.put_json(key, {k: v for k, v in meta.items() if k != "protocol"} if protocol is None
+                    else {**meta, "protocol": protocol})
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(SystemExit) as e:
+        trainer_state.load_checkpoint(bucket, model, opt, sched)
+    theirs = "1 (from before protocols were numbered)" if protocol is None else str(protocol)
+    assert f"speaks protocol {theirs}; this code speaks protocol {common.PROTOCOL}" in str(e.value), e.value
+    assert "checkpoints/step_00000003" in str(e.value)
+    assert "--fresh" in str(e.value) and "new run" in str(e.value) and "wrote it" in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))  # nothing loaded
+
+
 def test_second_trainer_fails_at_once(bucket):
     etag = trainer_state.claim_run(bucket, "trainer-a", ttl=60)
     with pytest.raises(SystemExit, match="another trainer .'trainer-a'"):
@@ -90,7 +115,6 @@ def test_final_registration_of_a_version_the_proxy_adopted(tiny_model, start_pro
     """The last version published and checkpointed, then the proxy restarts and adopts it from
     adapters/latest.json as not final: the trainer's final registration publishes the same weights
     once more and registers that as final; a relaunch after that finds it done and does nothing."""
-    import common
     import proxy_client
     model, _, _, _ = _model(tiny_model)
     args = train.Args(model=tiny_model, lora_r=4, lora_alpha=8)

@@ -25,6 +25,18 @@ def answer(client, g: dict) -> tuple[int, str]:
     return r.status_code, (r.json()["status"] if r.status_code == 200 else r.json()["detail"])
 
 
+class AuditReports:
+    """The proxy as the audit reports to it (POST /v1/batches/{id}/audit), in process: each report recorded, and
+    the answer that no participant is quarantined (the proxy's own answers: the tests above)."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, dict]] = []
+
+    def post(self, path: str, body: dict) -> dict:
+        self.sent.append((path, body))
+        return {"participants": {}}
+
+
 def test_the_proxy_binds_groups_to_their_leases_and_quarantines_a_liar_across_a_restart(bucket, spawn):
     p = spawn("--quarantine-after", "5")
     publish(bucket, p, 1)
@@ -204,7 +216,7 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
 
     import train
     from audit import Auditor, Options
-    from engines import sample
+    from hf_engine import sample
     from models import encode_prompt, lora_views
     torch.manual_seed(seed)
     args = train.Args(model=tiny_model)
@@ -327,9 +339,9 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
     from models import encode_prompt
     model, tok = train.build_model(train.Args(model=tiny_model))
     trains = {"a0", "b0"}
-    auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, None, 2, lambda g: 1.0,
+    proxy = AuditReports()
+    auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, proxy, 2, lambda g: 1.0,
                       lambda g: g["group_id"] in trains, say=lambda s: None)
-    auditor.reports = False  # no proxy here: the verdicts stay in the trainer
     task = auditor.task
 
     def made_up(gid: str, i: int) -> dict:  # the right prompt, honest rewards, logprobs nobody computed
@@ -344,6 +356,8 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
     assert [g["group_id"] for g in kept] == ["a1"] and auditor.suspects == {"p"}
     kept, row = auditor.check({"batch_id": "b2"}, [made_up("b0", 1), made_up("b1", 2)], model, 1, fresh=False)
     assert row["audit/logprob_groups"] == 2 and row["audit/failed_logprobs"] == 2 and not kept, row  # a suspect: all
+    assert [(path, [f["group_id"] for f in body["failures"]]) for path, body in proxy.sent] == [
+        ("/v1/batches/b1/audit", ["a0"]), ("/v1/batches/b2/audit", ["b0", "b1"])]
 
 
 def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_versions(tiny_model):
@@ -356,14 +370,14 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
 
     import train
     from audit import Auditor, Options
-    from engines import sample
+    from hf_engine import sample
     from models import encode_prompt
     from rollout import single_turn
     torch.manual_seed(0)
     args = train.Args(model=tiny_model, skip_zero_std=False)
     model, tok = train.build_model(args)
-    auditor = Auditor(Options(), "addition", tok, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None)
-    auditor.reports = False
+    auditor = Auditor(Options(), "addition", tok, None, AuditReports(), 2, lambda g: 1.0, lambda g: True,
+                      say=lambda s: None)
 
     def perturb() -> bool:
         with torch.no_grad():

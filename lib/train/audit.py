@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import httpx
 import torch
 
-from common import AdapterError, BucketError, fetch_adapter, token_versions
+from common import AdapterError, BucketError, fetch_adapter, sampled_mask, token_versions
 from models import completion_logprobs, encode_prompt, lora_views, pad_right
 from proxy_client import ProxyClient, ProxyError
 from tasks import load_task
@@ -58,14 +58,9 @@ class Options:
     """a re-scored reward may differ from the one sent by this much"""
 
 
-def sampled(c: dict) -> list[int]:
-    """1 for each token the policy sampled, 0 for an episode's environment tokens."""
-    return c.get("mask") or [1] * len(c["token_ids"])
-
-
 def versions_sampled(g: dict) -> set[int]:
     """The adapter versions that sampled a group's tokens (its policy_version, or its completions' runs)."""
-    return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled(c)) if m}
+    return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled_mask(c)) if m}
 
 
 class Weights:
@@ -147,7 +142,6 @@ class Auditor:
         self.weights = Weights(bucket)
         self.rng = random.SystemRandom()  # which groups are audited: nothing a participant can predict
         self.suspects: set[str] = set()    # participants with a failed check: every group of theirs is audited
-        self.reports = True                # False: the proxy has no audit route (an older proxy.py)
         self._task = None
 
     def recall(self) -> None:
@@ -190,7 +184,7 @@ class Auditor:
         for k, c in enumerate(g["completions"]):
             if hasattr(task, "episode_reward"):  # an environment scores its own episodes
                 r = task.episode_reward(self.tok, c, i)
-            elif 0 in sampled(c):
+            elif 0 in sampled_mask(c):
                 return f"completion {k} has environment tokens, but task {task.name} is single-turn"
             else:
                 r = task.reward(self.tok.decode(c["token_ids"], skip_special_tokens=True), i)[0]
@@ -237,7 +231,7 @@ class Auditor:
                 continue
             comps = [c for g in mb for c in g["completions"]]
             temps = [self.temperature_of(g) for g in mb for _ in g["completions"]]
-            ours = [[int(m and t == v) for t, m in zip(token_versions(c, g["policy_version"]), sampled(c))]
+            ours = [[int(m and t == v) for t, m in zip(token_versions(c, g["policy_version"]), sampled_mask(c))]
                     for g in mb for c in g["completions"]]
             # each completion up to its last token of version v: what a newer version sampled after a mid-round
             # swap is judged under that version (or by the step's own forward), so it need not be computed here
@@ -308,23 +302,17 @@ class Auditor:
             who = next(g["participant"] for g in groups if g["group_id"] == gid)
             self.suspects.add(who)
             self.say(f"audit: group {gid} of participant {who!r} failed the {check} check: {why}")
-        if self.reports:
-            body = {"checked": checked, "failures": [{"group_id": g, "check": c, "detail": w[:2000]} for g, (c, w) in failed.items()]}
-            try:
-                for who, p in self.client.post(f"/v1/batches/{batch_id}/audit", body)["participants"].items():
-                    if p["quarantined"]:
-                        held.add(who)
-                    if p["failed"]:
-                        self.suspects.add(who)
-            except ProxyError as e:
-                if e.status == 404 and e.detail == "Not Found":
-                    self.say("audit: this proxy takes no audit reports (an older proxy.py): failed groups are left out, "
-                             "nobody is quarantined")
-                    self.reports = False
-                else:
-                    self.say(f"audit: report on batch {batch_id} refused: {e}")
-            except httpx.HTTPError as e:  # stopping: the groups are left out all the same
-                self.say(f"audit: report on batch {batch_id} not delivered ({type(e).__name__})")
+        body = {"checked": checked, "failures": [{"group_id": g, "check": c, "detail": w[:2000]} for g, (c, w) in failed.items()]}
+        try:
+            for who, p in self.client.post(f"/v1/batches/{batch_id}/audit", body)["participants"].items():
+                if p["quarantined"]:
+                    held.add(who)
+                if p["failed"]:
+                    self.suspects.add(who)
+        except ProxyError as e:
+            self.say(f"audit: report on batch {batch_id} refused: {e}")
+        except httpx.HTTPError as e:  # stopping: the groups are left out all the same
+            self.say(f"audit: report on batch {batch_id} not delivered ({type(e).__name__})")
         for who in held:
             self.say(f"audit: participant {who!r} is quarantined now: its groups in this batch are left out")
         return [g for g in groups if g["group_id"] not in failed and g.get("participant") not in held]

@@ -1,7 +1,7 @@
 """What keeps one trainer's progress durable across crashes and relaunches (train.py uses it):
 
   1. checkpoints   adapter, optimizer, scheduler, RNG, step, version and the trained groups, each file with its
-                   sha256, then the checkpoints/latest.json pointer
+                   sha256 and the protocol that wrote them, then the checkpoints/latest.json pointer
   2. ownership     one trainer per run: trainer/owner.json, a conditional-write claim with a heartbeat
   3. trained groups batches acked only after the checkpoint that holds their update; groups our weights
                    hold are never trained twice, whatever a lease expiry hands out again
@@ -19,7 +19,7 @@ import time
 import httpx
 import torch
 
-from common import Bucket, ConflictError, too_stale
+from common import PROTOCOL, Bucket, ConflictError, ProtocolError, check_protocol, too_stale
 from proxy_client import ProxyClient, ProxyError
 
 
@@ -40,13 +40,15 @@ def save_checkpoint(bucket: Bucket, model, opt, sched, state: dict) -> None:
             data = open(os.path.join(d, name), "rb").read()
             files[name] = hashlib.sha256(data).hexdigest()
             bucket.put(f"{prefix}/{name}", data)
-    bucket.put_json(f"{prefix}/meta.json", {"step": state["step"], "version": state["version"], "files": files})
+    bucket.put_json(f"{prefix}/meta.json", {"protocol": PROTOCOL, "step": state["step"], "version": state["version"],
+                                            "files": files})
     bucket.put_json("checkpoints/latest.json", {"step": state["step"], "version": state["version"], "prefix": prefix})
 
 
 def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
     """Restore the newest complete checkpoint into model/opt/sched; returns its state or None.
-    A checkpoint that is incomplete or fails its sha256 stops the trainer: no retry can fix it."""
+    A checkpoint that is incomplete, fails its sha256 or was written in another protocol (common.PROTOCOL)
+    stops the trainer: no retry can fix it."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
     ptr = bucket.get_json("checkpoints/latest.json")
@@ -57,6 +59,12 @@ def load_checkpoint(bucket: Bucket, model, opt, sched) -> dict | None:
     if meta is None:
         raise SystemExit(f"checkpoint {where}: checkpoints/latest.json names it but its meta.json is missing: "
                          f"refusing to resume (point checkpoints/latest.json at an older one, or --fresh)")
+    try:
+        check_protocol(meta.get("protocol"), f"checkpoint {where}",
+                       "resume it with the clone of this repository that wrote it, or start over: --fresh (its weights "
+                       "and records ignored), or a new run (RUN_NAME; the launcher's --run)")
+    except ProtocolError as e:
+        raise SystemExit(str(e)) from None
     with tempfile.TemporaryDirectory() as d:
         for name, digest in meta["files"].items():
             got = bucket.get(f"{ptr['prefix']}/{name}")
@@ -145,14 +153,15 @@ class TrainedGroups:
     runs out anyway (the trainer stalled past the proxy's --lease-s), the proxy hands its groups out
     again; they are dropped from the batch that brings them back: no group is trained twice."""
 
-    def __init__(self, client: ProxyClient, saved: dict | None, say):
-        saved = saved or {}
+    def __init__(self, client: ProxyClient, saved: dict | None, say, max_staleness: int):
+        """saved: a checkpoint's state() (None: nothing trained yet); max_staleness: the proxy's (GET /v1/whoami)."""
+        saved = saved or {"unacked": {}, "trained": {}}
         self.client, self.say = client, say
         self.renewer = client.with_patience(0)  # best effort: a missed renewal costs at most a 410, handled
-        self.unacked: dict[str, list[str]] = {b: list(g) for b, g in saved.get("unacked", {}).items()}
-        self.trained: dict[str, int] = dict(saved.get("trained", {}))
+        self.unacked: dict[str, list[str]] = {b: list(g) for b, g in saved["unacked"].items()}
+        self.trained: dict[str, int] = dict(saved["trained"])
         self.renew_at: dict[str, float] = {}  # batch_id -> monotonic time of its next renewal
-        self.max_staleness = 10**9  # the proxy's (main sets it); groups staler than that never come back
+        self.max_staleness = max_staleness  # groups staler than that never come back
         self.lock = threading.Lock()
         threading.Thread(target=self._renew_loop, daemon=True).start()
 
@@ -164,7 +173,7 @@ class TrainedGroups:
         """A new lease: keep it renewed from now on (a step may outlast it). Returns its groups our
         weights do not hold yet, and the ids of those they do."""
         with self.lock:
-            self.renew_at[got["batch_id"]] = time.monotonic() + got.get("expires_in_s", 60) / 2
+            self.renew_at[got["batch_id"]] = time.monotonic() + got["expires_in_s"] / 2
             fresh = [g for g in got["groups"] if g["group_id"] not in self.trained]
         return fresh, [g["group_id"] for g in got["groups"] if g["group_id"] in self.trained]
 
@@ -224,11 +233,7 @@ class TrainedGroups:
             for bid in due:
                 try:
                     nxt = time.monotonic() + self.renewer.post(f"/v1/batches/{bid}/renew")["expires_in_s"] / 2
-                except ProxyError as e:
-                    if e.status == 404 and e.detail == "Not Found":  # the route, not the lease
-                        self.say("this proxy cannot renew leases (an older proxy.py): a step or checkpoint longer "
-                                 "than its --lease-s hands groups out again early; they are still not trained twice")
-                        return
+                except ProxyError:
                     nxt = None  # acked, ran out, or unknown: nothing left to renew
                 except httpx.HTTPError:
                     nxt = time.monotonic() + 5.0  # proxy unreachable: try again soon
