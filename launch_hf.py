@@ -68,9 +68,10 @@ NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it coul
 class Args:
     run: str = field(default_factory=lambda: time.strftime("grpo-%Y%m%d-%H%M%S"))
     """run name: the bucket prefix s3://BUCKET/RUN/ and the job label; reuse it to resume a run"""
-    preset: str = "jobs"
+    preset: str | None = None
     """the run's configuration (lib/jobs/presets.py: --list-presets shows them): every role's options, the model,
-    task, workers, steps and flavors; each option below that is left unset comes from it"""
+    task, workers, steps and flavors; each option below that is left unset comes from it (default: jobs; with
+    --local-plan, local)"""
     workers: int | None = None
     """rollout jobs (default: the preset's)"""
     model: str | None = None
@@ -150,8 +151,8 @@ LAYOUT = ("model", "task", "workers", "steps", "group_size", "proxy_flavor", "ro
 def with_preset(args: Args) -> Args:
     """args with every layout option left unset taken from its preset (--max-new-tokens: the preset's rollout
     option). Idempotent."""
-    p = presets.get(args.preset)
-    got = {k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}
+    p = presets.get(args.preset or ("local" if args.local_plan else "jobs"))
+    got = {"preset": p.name, **{k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}}
     if args.max_new_tokens is None:
         got["max_new_tokens"] = p.rollout.get("max_new_tokens")
     return replace(args, **got)

@@ -18,7 +18,7 @@ cd "$(dirname "$0")"
 LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
-PLAN=(--preset local)
+PLAN=()
 usage() { sed -n '2,13p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
@@ -97,7 +97,7 @@ wait_http() { # url, seconds, pid
 }
 
 # RUN_PRESET, WORKERS, PROXY_ARGS, TRAIN_ARGS, ROLLOUT_ARGS: the preset with this command line's options applied
-PLAN_SH=$("$PY" launch_hf.py --local-plan "${PLAN[@]}") || exit 2
+PLAN_SH=$("$PY" launch_hf.py --local-plan ${PLAN[@]+"${PLAN[@]}"}) || exit 2
 eval "$PLAN_SH"
 export RUN_PRESET  # every role records it with its configuration (lib/shared/runconfig.py)
 OUT="runs/$RUN"; mkdir -p "$OUT"

@@ -584,7 +584,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
     batch = max(8, round(a.batch_per_worker * n))
     # the buffer holds what the staleness window lets be in flight (pacing admits up to max_staleness batches;
-    # a smaller buffer turned admitted rounds away with 429 at 1,000 workers, docs/fleet.md)
+    # a smaller buffer turned admitted rounds away with 429 at 1,000 workers, docs/results/fleet.md)
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
              "--max-buffer", str(max(512, (a.max_staleness + 1) * batch)), "--max-connections", str(4 * n + 64),
              "--commit-depth", str(a.commit_depth),

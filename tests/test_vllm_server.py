@@ -232,7 +232,7 @@ def lease_until(proxy, worker, log, done, timeout=600):
 def multi_turn(groups, version):
     """The episodes of `version`'s groups with more than one model turn."""
     return [c for g in groups.values() if g["policy_version"] == version for c in g["completions"]
-            if len(sampled_runs(c.get("mask") or [1])) > 1]
+            if len(sampled_runs(common.sampled_mask(c))) > 1]
 
 
 def check_calculator_groups(groups, tok, rend, backend):
@@ -242,7 +242,7 @@ def check_calculator_groups(groups, tok, rend, backend):
         common.TrajectoryGroup.model_validate(g)
         assert g["meta"]["backend"] == backend and g["meta"]["task"] == "calculator" and len(g["completions"]) == EP_G
         for c in g["completions"]:
-            mask = c.get("mask") or [1] * len(c["token_ids"])
+            mask = common.sampled_mask(c)
             assert all((lp is None) == (m == 0) for m, lp in zip(mask, c["logprobs"])), c
             assert c["finish_reason"] in ("stop", "length", "turns")
             runs = sampled_runs(mask)
@@ -262,7 +262,7 @@ def train_on(model, groups, version):
     model.zero_grad(set_to_none=True)
     st = train.train_step(model, groups, train.Args(skip_zero_std=False), version=version, fresh_weights=True,
                           onpolicy_dev=dev)
-    n_sampled = [sum(c.get("mask") or [1] * len(c["token_ids"])) for g in groups for c in g["completions"]]
+    n_sampled = [sum(common.sampled_mask(c)) for g in groups for c in g["completions"]]
     assert st["tokens"] == sum(n_sampled) and sorted(dev) == list(range(len(groups)))
     assert [n for _, _, n in dev.values()] == [sum(n_sampled[i * EP_G:(i + 1) * EP_G]) for i in range(len(groups))]
     diff = (sum(s for s, _, _ in dev.values()) / sum(n_sampled), max(m for _, m, _ in dev.values()))
@@ -379,7 +379,7 @@ def test_server_backend_runs_multi_turn_episodes_the_trainer_scores_and_trains_o
     assert "not sent" not in log.read_text(), "a group was held back (drift)"
     check_calculator_groups(groups, tok, rend, "server")
     comps = [c for g in groups.values() for c in g["completions"]]
-    turns = sum(len(sampled_runs(c.get("mask") or [1])) for c in comps)
+    turns = sum(len(sampled_runs(common.sampled_mask(c))) for c in comps)
     mine = [g for g in groups.values() if g["policy_version"] == 1]
     print(f"worker: {len(groups)} groups ({len(mine)} of v1), {len(multi_turn(groups, 1))} multi-turn episode(s) of v1, "
           f"{turns} model turns in {len(comps)} episodes, in {worker_s:.0f} s")

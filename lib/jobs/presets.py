@@ -8,8 +8,9 @@ Jobs launch plan). Options given on the launcher's command line come after a pre
 
 The scripts' own defaults are the settings the project measured best (docs/objectives.md#what-closes-the-gap):
 `local` spells them out (tests/test_presets.py checks that they agree), so a script started by hand behaves as
-the local run measured. `jobs` changes only what the Jobs layout needs, each choice with its reason below; the
-fleet simulation that chose its pacing settings is in docs/results/fleet.md#the-jobs-preset.
+the local run measured. `jobs` changes only what the Jobs layout needs (answers of 512 tokens, max_staleness 2), each
+choice with its reason below; the fleet simulation that chose its staleness is in
+docs/results/fleet.md#the-jobs-preset, the table of its settings in docs/jobs.md#the-jobs-preset.
 
 A preset's `version` goes up whenever one of its values changes, so a recorded `jobs@2` names one
 configuration. Changing a value here changes what a resumed run's relaunched jobs get only if the launcher is
@@ -89,14 +90,17 @@ PRESETS = {p.name: p for p in [
     replace(LOCAL, name="local-calculator", version=1, task="calculator",
             about="this machine: a * b with a calculator the model may call, episodes of several turns, 40 steps"),
     # Hugging Face Jobs: Qwen2.5-0.5B on GSM8K, two vLLM workers on L4s, the trainer on an A10G. Answers of up to 512
-    # tokens (a GSM8K solution needs a few hundred). max_staleness 1 as locally: the fleet simulation at this
-    # layout's modelled round and step times (a round ~1.5 steps) kept the trainer as busy with 1 as with 2 or 3
-    # (docs/results/fleet.md#the-jobs-preset), and staleness costs learning (docs/objectives.md).
+    # tokens (a GSM8K solution needs a few hundred). max_staleness 2: the fleet simulation at this layout's
+    # modelled times kept the trainer busy 0.80 of the time at 1 (rounds of 0.8-1.4 steps) and 0.52 (3.4 steps),
+    # 0.89-0.91 / 0.67 at 2; staleness costs learning too (locally, cispo reached 0.8 in a median 11 steps at 1, 13
+    # in the run whose staleness reached 2): 2 is 6% slower to learn on the shorter rounds, 8% faster on the long
+    # ones (docs/jobs.md#the-jobs-preset)
     Preset(
         name="jobs", version=1, about="Hugging Face Jobs: Qwen2.5-0.5B-Instruct on GSM8K, 2 vLLM workers on l4x1, "
                                       "the trainer on a10g-small, 200 steps",
         model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", workers=2, steps=200,
-        proxy=dict(LOCAL.proxy), train=dict(LOCAL.train), rollout={**LOCAL.rollout, "max_new_tokens": 512}),
+        proxy={**LOCAL.proxy, "max_staleness": 2}, train=dict(LOCAL.train),
+        rollout={**LOCAL.rollout, "max_new_tokens": 512}),
 ]}
 
 

@@ -40,8 +40,11 @@ What it cannot know, and how it degrades: a round time is a prediction. A worker
 overtake a grant and push it out of its window; a worker much slower than the others is admitted only where
 its groups still fit, so while the rest of the fleet keeps the trainer busy it waits. A grant whose worker
 never delivers (a crash) holds its place until its deadline (grant_s after 3 round times of its worker, or
-after its margin if longer), or until the same worker is granted again: a worker asks for its next
-grant only after sending its round, so a new request closes the worker's earlier grant. A worker that
+after its margin if longer), or until the same worker asks again: a worker asks for its next grant only
+after sending its round, so its new request closes the earlier grant at once (proxy.release_grant, journaled
+as "release"). A worker that cannot load the version its grant counts on gives that grant back the same way and
+asks counted at the version it holds (Pacer.room's `version`: a shorter window), or is told at once that
+nothing generated with it can be trained (Pacer.hopeless). A worker that
 long-polls for new versions with its worker_id (rollout.py does, all through its rounds, opening the next poll
 as soon as one is answered) says it is alive: one with no poll open for poll_grace_s since its last one ended
 (its process died: the kernel closed the poll's connection, or it died between two polls) is taken for gone
@@ -57,7 +60,7 @@ comes second is left over (counted as never leased). Before the end the demand b
 filter stays as the last guard (a group that arrives too stale anyway is dropped and counted).
 
 Durable (journaled, replayed, in snapshots): each grant (worker, groups, version, the round time it was
-expected to take), arrivals (group lines and stale records name their worker), the trainer's demand (in
+expected to take) and its release, arrivals (group lines and stale records name their worker), the trainer's demand (in
 lease records). Live only: the fleet's spread (a start measures it afresh), and, on this process's monotonic
 clock, when each grant was made, is expected and runs out; at a start every open grant is taken as just made
 (the lease rule: no clock of another process is compared). A prompt lease that does not ask for a grant (no
