@@ -143,7 +143,7 @@ class Args:
     pace: bool = True
     """grant a worker that asks with wait_s prompts only when its round can still be trained within max_staleness
     and what the trainer will still lease (pacing.py); it waits otherwise. --no-pace: every prompt lease at once
-    (for comparison: docs/fleet.md)"""
+    (for comparison: docs/results/fleet.md)"""
     grant_s: float = 120.0
     """a grant holds its place for this long after 3 of its worker's round times (or its margin, if longer); then it is given up"""
     poll_grace_s: float = 5.0
@@ -396,7 +396,7 @@ _pace_soon = False
 def pace() -> None:
     """Hand out the grants there is room for (called when something pacing depends on changes): once, at the
     event loop's next turn, however many changes asked for it meanwhile. A pass costs ~2 ms at 1,000 workers
-    (docs/fleet.md) and their groups arrive by hundreds a second; the busier the loop, the more one pass covers."""
+    (docs/results/fleet.md) and their groups arrive by hundreds a second; the busier the loop, the more one pass covers."""
     global _pace_soon
     if not _pace_soon:
         _pace_soon = True

@@ -87,7 +87,7 @@ class Args:
     """a round's drawn time times this as well (0.25: a fleet generating four times as fast, relative to the
     trainer, as the local run's CPU worker). A round granted at version v is trainable only while the trainer
     has taken at most max_staleness steps since, so with rounds of R s and steps of S s no admission rule keeps
-    the trainer busier than (max_staleness + 1) x S / R (docs/fleet.md); printed as `ceiling`"""
+    the trainer busier than (max_staleness + 1) x S / R (docs/results/fleet.md); printed as `ceiling`"""
     speed_sigma: float = 0.5
     """workers' speeds are lognormal with this sigma (0.5: a quarter of them over 1.4x slower or faster)"""
     prompt_sigma: float = 0.3

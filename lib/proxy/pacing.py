@@ -51,7 +51,7 @@ as soon as one is answered) says it is alive: one with no poll open for poll_gra
 (polling/polled). Its grant then no longer covers
 the trainer's remaining demand, so the last batches are granted to others instead of waiting for the
 deadline; it keeps its place in the staleness window like any grant (giving that up as well measured
-worse at 1,000 simulated workers: docs/fleet.md). A worker lost without its connection closing (a host
+worse at 1,000 simulated workers: docs/results/fleet.md). A worker lost without its connection closing (a host
 gone) is seen once its open poll is answered (its wait_s) and the grace passes. A trainer that stops
 leaves the pipeline full: nothing more is granted until it leases again. A late grant (past its expected
 arrival) no longer covers the demand either: at the end of a run its groups are granted to another worker as
@@ -137,7 +137,7 @@ def room(n: int, version: int, lo: float, hi: float, buffered: int, in_flight: l
 class Flight:
     """The open grants of one pacing pass, indexed so that room() answers a request in O(log grants) instead of
     O(grants): at 1,000 workers a pass tries tens of requests against hundreds of open grants, on every arrival
-    (docs/fleet.md). Gives exactly what room() gives for a request whose worker has no open grant of its own
+    (docs/results/fleet.md). Gives exactly what room() gives for a request whose worker has no open grant of its own
     (for one that has, Pacer.room indexes the other grants afresh; room() answers while the trainer's batch is
     not known yet).
     in_flight: as Pacer.in_flight returns it, in the order the grants are expected; base, batch: room()'s."""
@@ -457,7 +457,7 @@ class Spread:
     its own spread, but the fleet's rounds do (the same task, the same sampling; what differs most between
     workers, their speed, is in r). At 1,000 simulated workers most have had one round or none, and a fixed
     quarter (DEFAULT, what they got before) protected their grants for up to twice their round, holding the
-    window shut behind a slow one; rounds there land a mean 20% from their expected time (docs/fleet.md).
+    window shut behind a slow one; rounds there land a mean 20% from their expected time (docs/results/fleet.md).
     Until MIN rounds are measured: DEFAULT; at most twice it (a fleet whose rounds scatter that much)."""
 
     DEFAULT, MIN, SAMPLES = 0.25, 16, 256
@@ -481,7 +481,7 @@ def measure(old: tuple[float, float] | None, x: float, first: float = Spread.DEF
     a quarter until enough are), so the margin is 4 x that. RFC 6298's half (up to three rounds) protected a
     worker's first grants so long that one slow round held the window shut: at 1,000 simulated workers, most of
     which have had one round or none, a quarter cut the trainer's waits over 1.5 s from 11 to 5 in three seeds
-    (docs/fleet.md)."""
+    (docs/results/fleet.md)."""
     if old is None:
         return x, first * x
     r, d = old
@@ -528,7 +528,7 @@ class Waiting:
         trained per second are what is in flight over the round time of those holding it (Little's law). In
         the order they came, a slow worker's grant holds its share of the window through its whole long round;
         fastest first, the room goes where it comes back soonest (the fleet simulation's trainer: 0.88 -> 0.95
-        busy, docs/fleet.md). Where there is room for every request, every one is granted, so only a worker that
+        busy, docs/results/fleet.md). Where there is room for every request, every one is granted, so only a worker that
         would have slowed the run waits; which prompts are trained does not change (they are drawn at the grant).
         The cost: a worker measured slow (even on one bad round) waits whenever the window is short, and is
         measured again only when there is room for it too. No aging: tried in that order, a pass stops after

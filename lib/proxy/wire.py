@@ -59,7 +59,7 @@ class LeaseResponse(BaseModel):
     expires_in_s: float | None
     waited_s: float
     """how long this request waited for the groups (0: a batch was there); the rest of the answer's time is the
-    lease's journal write and the transfer (the fleet simulation tells the two apart, docs/fleet.md)"""
+    lease's journal write and the transfer (the fleet simulation tells the two apart, docs/results/fleet.md)"""
 
 
 class AuditFailure(Strict):

@@ -120,7 +120,7 @@ class Spool:
         answers a group once its journal line is in the bucket, and the groups that arrive together share
         one journal write: a round's groups sent one by one would each wait for a write of their own (at
         1,000 simulated workers a round's posts took a median 0.42-0.46 s one by one, 0.05-0.21 s together;
-        docs/fleet.md). The first goes alone, so that an outage is waited out, and said, by one call. The
+        docs/results/fleet.md). The first goes alone, so that an outage is waited out, and said, by one call. The
         client waits out a proxy outage; it gives up only when we are stopping, and then the rest stays on
         disk (or in memory). Returns (group_id, the proxy's status) per group sent."""
         items = [(g, None) for g in self.held] + [(None, name) for name in self.pending()]

@@ -117,7 +117,7 @@ class Weights:
 
 
 # --audit.max-dev-mean and --audit.max-dev-token where not given, by the dtype the trainer computes in: each well
-# above the hf engine's floor in that dtype (bench/audit_floor.py, docs/trust.md). float32: 2.3e-6 mean, 1.9e-5
+# above the hf engine's floor in that dtype (bench/audit_floor.py, docs/trust.md). float32: 2.3e-6 mean, 1.6e-5
 # a token on CPU (4.3e-7 and 1.9e-6 on an H200). bfloat16 on an H200: 4.6e-3 mean (worst group 5.1e-3), 0.025 a
 # token; the float32 limits would fail every honest group of a bf16 worker. Made-up logprobs are off by tenths
 LIMITS = {torch.float32: (1e-3, 0.05), torch.bfloat16: (2.5e-2, 0.1), torch.float16: (2.5e-2, 0.1)}

@@ -3,7 +3,7 @@ for before a step ends (prefetch).
 
 Why prefetch: a lease is not free. At 1,000 simulated workers and batches of 800 groups it took a median 0.33 s
 beyond the wait for groups (the proxy's journal write, its turn in the proxy's event loop, the 2.4 MB answer's
-transfer and parse), against steps of about 4.5 s (docs/fleet.md): seven points of the trainer's time. Asked for
+transfer and parse), against steps of about 4.5 s (docs/results/fleet.md): seven points of the trainer's time. Asked for
 once the step's update is made, the lease overlaps the step's publish and registration. The request says which
 version the batch will be trained from (after_version: the one this step registers), so the proxy's staleness
 filter and pacing count from it, not from the version before (lib/proxy/pacing.py).
@@ -11,7 +11,7 @@ filter and pacing count from it, not from the version before (lib/proxy/pacing.p
 Why not as the step begins: from the lease until the version registers the trainer holds two batches,
 and a round granted meanwhile may be trained only by the leases after both (pacing's base), so the staleness
 window open to new rounds is a batch shorter for the whole step; where steps are shorter than rounds that is
-what the trainer waited behind (docs/fleet.md). Asked for at the publish, it is a batch shorter only while the
+what the trainer waited behind (docs/results/fleet.md). Asked for at the publish, it is a batch shorter only while the
 version is published and registered; and the batch takes the groups that came while the step trained.
 """
 from __future__ import annotations
