@@ -71,8 +71,9 @@ def wait_for(log, pattern, proc, timeout, after=0):
 @pytest.mark.timeout(3600)  # its waits: the server's start (twice) up to 1200 s each, rounds up to 600 s
 def test_server_backend_hot_swaps_survives_a_dead_server_and_matches_the_trainer(start_proxy, bucket, run_name, tmp_path):
     # no trainer takes the rounds (the test leases them all at the end): --no-pace, or the proxy would grant only
-    # the rounds a trainer can still train, and a buffer that holds them all
-    proxy = start_proxy("--group-size", str(G), "--no-pace", "--max-buffer", "256")
+    # the rounds a trainer can still train, a buffer that holds them all, and a staleness window that keeps
+    # version 0's rounds once version 2 is out (the run's default of 1 would drop them as stale)
+    proxy = start_proxy("--group-size", str(G), "--no-pace", "--max-buffer", "256", "--max-staleness", "2")
     spool = tmp_path / "spool"
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "SPOOL_DIR": str(spool)}
     log = tmp_path / "worker.log"
