@@ -546,7 +546,7 @@ class Worker:
             self.sync.done = True
             self.spool.flush(self.client)
         self.metrics.flush()
-        shutil.rmtree(self.sync.workdir, ignore_errors=True)  # the downloaded adapters: the bucket keeps every version
+        self.sync.close()
         log.info(f"stopped after {self.rounds} rounds")
 
 

@@ -449,3 +449,38 @@ def test_a_worker_deletes_the_adapter_versions_it_will_not_load_again(tmp_path, 
     sync.prune(3)  # v3 in use, v5 downloaded: v1 and v2 will never be read again
     assert sorted(os.listdir(sync.workdir)) == ["v000003", "v000005", "v1-notes"]
     assert os.listdir(os.path.join(sync.workdir, "v000003")) == ["adapter_model.safetensors"]
+
+
+def test_a_worker_that_stops_mid_download_ends_quietly_and_leaves_no_files(tmp_path, monkeypatch, caplog):
+    """The worker stops (SIGTERM, the run's end) while its fetch thread is downloading a version, e.g. waiting
+    through a bucket outage: close() removes the downloads folder, and the download that resumes later ends
+    without a traceback instead of writing into the removed folder. Stand-in proxy answers: one version
+    announced, its file listing held back until after close()."""
+    import logging
+    from types import SimpleNamespace
+    caplog.set_level(logging.INFO, logger="rollout")
+    monkeypatch.setattr(adapter_sync.tempfile, "tempdir", str(tmp_path))
+    crashes, listing_asked, release = [], threading.Event(), threading.Event()
+    monkeypatch.setattr(threading, "excepthook", lambda a: crashes.append(a.exc_value))
+
+    def get(path: str, **params) -> dict:
+        if path == "/v1/adapters/latest":
+            if params["after"] >= 1:
+                release.wait(5)
+            return {"version": 1, "done": False, "max_staleness": 1, "age_s": 0.0}
+        listing_asked.set()
+        release.wait(5)  # the outage: answered only once the worker has stopped
+        return {"files": {}, "meta": meta}
+    meta = {"version": 1, "files": {name: f"{i:064x}" for i, name in enumerate(common.ADAPTER_FILES)},
+            "lora": {"r": 8, "target_modules": ["q_proj"]}}
+    sync = adapter_sync.AdapterSync(SimpleNamespace(get=get), None, model="m", worker_id="w1")
+    for sha in meta["files"].values():  # every file held already: the download writes at once once answered
+        sync.known.add(sha, b"{}")
+    sync.start()
+    assert listing_asked.wait(5)
+    sync.close(wait_s=0.2)
+    assert not os.path.exists(sync.workdir)
+    release.set()
+    sync.fetcher.join(5)
+    assert not sync.fetcher.is_alive() and crashes == [] and not os.path.exists(sync.workdir)
+    assert "not loading" not in caplog.text  # a stop is not a version that failed to verify

@@ -44,9 +44,10 @@ class AdapterSync(threading.Thread):
         self.lock = threading.Condition()
         self.workdir = tempfile.mkdtemp(prefix="adapters-")
         self.known = KnownFiles()  # adapter_config.json: the same in every version, fetched once
+        self.fetcher = threading.Thread(target=self.fetch_newest, daemon=True)
 
     def run(self) -> None:
-        threading.Thread(target=self.fetch_newest, daemon=True).start()
+        self.fetcher.start()
         while not (self.done or self.final):
             try:
                 r = self.client.get("/v1/adapters/latest", after=self.latest, wait_s=self.poll_s,
@@ -87,7 +88,9 @@ class AdapterSync(threading.Thread):
                     self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
                                   "published": published, "ready": time.monotonic()}
                 self.seen = v
-            except (AdapterError, BucketError, ProxyError, httpx.HTTPError) as e:
+            except (AdapterError, BucketError, ProxyError, httpx.HTTPError, OSError) as e:
+                if self.done:  # the worker is stopping and has removed the folder this download was writing to
+                    return
                 # never load what does not verify: keep the previous version, retry shortly
                 log.info(f"not loading version {v}: {e}")
                 self.failed, self.why_failed = max(self.failed, v), f"version {v} not loaded: {e}"
@@ -95,6 +98,14 @@ class AdapterSync(threading.Thread):
                     self.done = True  # the final version does not verify: nothing more will come
                     return
                 time.sleep(2.0)
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stops downloading (a download under way gets up to wait_s to end), then deletes every downloaded
+        version: the bucket keeps them all."""
+        self.done = True
+        if self.fetcher.is_alive():
+            self.fetcher.join(timeout=wait_s)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def take(self) -> dict | None:
         with self.lock:
