@@ -70,7 +70,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup
+from common import (MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup,
+                    token_id_problem)
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -110,6 +111,9 @@ class Args:
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
     """per completion: an episode's tokens after the prompt, the environment's included"""
+    vocab_size: int = 49152
+    """the model's vocabulary (its embedding's rows): a group with a token id at or past it is refused (the trainer
+    could not look it up). The default is the default model's, SmolLM2-135M's; the launchers pass the run's model's"""
     max_body_mb: float = 8.0
     """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
@@ -167,7 +171,7 @@ def settings_problems(a: Args) -> list[str]:
     """What in the command line cannot work, each naming its option (a negative staleness or an empty buffer
     would start a proxy that refuses everything, or hands out what it should not)."""
     at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 0), ("max_prompt_tokens", 1),
-                ("max_completion_tokens", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
+                ("max_completion_tokens", 1), ("vocab_size", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
                 ("max_downloads", 1), ("snapshot_commits", 1), ("quarantine_after", 1), ("bucket_patience_s", 0),
                 ("grant_s", 0), ("pace_jitter", 0)]
     above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
@@ -513,6 +517,8 @@ async def submit_group(request: Request) -> SubmitResponse:
             (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
         if n > getattr(ARGS, limit):
             raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
+    if why := token_id_problem(group.prompt_ids, [c.token_ids for c in group.completions], ARGS.vocab_size):
+        raise HTTPException(422, f"{why} (--vocab-size)")
     gid, who = group.group_id, request.scope["principal"]
     participant = None if who.name == ADMIN else who.name
     # the run's own token may omit lease_id: it is trusted (never audited), and the run's tools and tests post groups

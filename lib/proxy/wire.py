@@ -64,7 +64,8 @@ class LeaseResponse(BaseModel):
 
 class AuditFailure(Strict):
     group_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    check: Literal["reward", "prompt", "logprobs"]
+    check: Literal["reward", "prompt", "logprobs", "invalid"]
+    """invalid: the trainer cannot train on it at all (it breaks a rule of the schema, or processing it raised)"""
     detail: str = Field(min_length=1, max_length=2000)
 
 
