@@ -18,12 +18,13 @@ Its routes, in the order a run uses them, as this file has them (least role; eac
 
   start        GET  /health                             open     alive, and the latest version
                GET  /v1/whoami                          worker   who this token is; the protocol, run_id, group_size
-  a worker     POST /v1/prompts/lease                   worker   prompt indices; paced (wait_s): once its round fits
+  a worker     POST /v1/prompts/lease                   worker   prompt indices of an open dataset; paced (wait_s): once its round fits
                POST /v1/groups                          worker   a scored group, journaled: accepted, duplicate, stale
                GET  /v1/adapters/latest                 worker   the newest version; long-polls (a sign of life)
                GET  /v1/adapters/{version}/files        worker   where to download a version's files
                GET  /v1/adapters/{version}/files/{name} worker   one of them, streamed from the bucket
-  the trainer  POST /v1/batches/lease                   trainer  the oldest fresh-enough groups; long-polls
+  the trainer  POST /v1/prompts/datasets                trainer  open its task's dataset at its size (participants lease only those)
+               POST /v1/batches/lease                   trainer  the oldest fresh-enough groups; long-polls
                POST /v1/batches/{batch_id}/renew        trainer  the lease runs --lease-s from now
                POST /v1/batches/{batch_id}/ack          trainer  its groups are consumed for good
                POST /v1/batches/{batch_id}/release      trainer  its groups back to the buffer's front now
@@ -81,7 +82,7 @@ from book import Book, Entry, Held
 from ledger import HEAD
 from pacing import Waiting
 from participants import Senders, worker_key
-from prompts import Cursors, PromptError
+from prompts import Cursors, NotOpen, PromptError
 from receipts import fingerprint
 from serving import Limits, serve
 from snapshots import Keeper
@@ -89,8 +90,8 @@ import routing
 import telemetry
 from runconfig import record_config
 from telemetry import COMMIT, STALENESS
-from wire import (GROUP_BODY, AuditReport, BatchId, LeaseRequest, LeaseResponse, PromptLeaseRequest, RegisterRequest,
-                  SubmitResponse)
+from wire import (GROUP_BODY, AuditReport, BatchId, DatasetRequest, LeaseRequest, LeaseResponse, PromptLeaseRequest,
+                  RegisterRequest, SubmitResponse)
 
 @dataclass
 class Args:
@@ -424,16 +425,22 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
     up to n of them once a round generated now can still be trained, with `version`, the version to
-    generate with (or newer); none after wait_s, or once the run is over (`done`)."""
+    generate with (or newer); none after wait_s, or once the run is over (`done`). A participant's lease is of a
+    dataset the run's owner opened (POST /v1/prompts/datasets; the admin token's first lease opens one too): before
+    that it waits (paced: no grant, `not_open` says why; else 503 with Retry-After, which ProxyClient waits out)."""
     grant, n = None, req.n
+    who = request.scope["principal"]
+    owner = who.role >= access.Role.trainer
+    not_open = None if owner or req.dataset in S.cursors.table else NotOpen(req.dataset)
     if req.wait_s is not None and ARGS.pace:
         if req.worker_id is None:
             raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
         if req.version is not None and req.version > S.latest:
             raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
-        who = request.scope["principal"]
         key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
         released = release_grant(key, req.refused)
+        if not_open is not None:  # an honest worker started before the trainer: it asks again, as for any wait
+            return {**no_grant(released), "not_open": str(not_open)}
         if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
             return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
                                       f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
@@ -442,14 +449,16 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         if grant is None:
             return no_grant(released)
         n = grant.n
+    if not_open is not None:
+        raise HTTPException(503, str(not_open), headers={"Retry-After": "5"})
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
         try:
-            spans, record = S.cursors.reserve(req.dataset, req.size, n)
+            spans, record = S.cursors.reserve(req.dataset, req.size, n, owner)
         except PromptError as e:
             if grant is not None:
                 S.book.pacing.ungrant(grant)
                 pace()
-            raise HTTPException(409, str(e)) from None
+            raise HTTPException(503 if isinstance(e, NotOpen) else 409, str(e)) from None
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
         writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
     try:
@@ -470,6 +479,21 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         raise
     return answer if grant is None else {**answer, "version": grant.version, "done": False,
                                          **({"released": released} if released else {})}
+
+@app.post("/v1/prompts/datasets", openapi_extra=scope("trainer"))
+async def open_dataset(req: DatasetRequest) -> dict:
+    """The run's owner opens a dataset of `size` prompts (the trainer opens its task's when it starts): participants
+    lease prompts of open datasets only, at that size (prompts.Cursors.open). The same again is a no-op; another size
+    is refused (409), as it is to a lease."""
+    async with S.cond:
+        try:
+            record = S.cursors.open(req.dataset, req.size)
+        except PromptError as e:
+            raise HTTPException(409, str(e)) from None
+        fut = JOURNAL.append(record) if record else None
+    if fut is not None:  # (open even if this write fails, as a cursor moved by a lease is: any later lease journals it)
+        await fut
+    return {"dataset": req.dataset, "size": req.size, "opened": record is not None}
 
 # ---- a worker: groups -----------------------------------------------------------------------------
 def max_buffer() -> int:

@@ -490,6 +490,23 @@ def from_proxy(client: ProxyClient, call, *args):
         raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
 
 
+def open_dataset(client: ProxyClient, auditor: Auditor) -> None:
+    """Open the run's task's dataset on the proxy, by the name and size its workers lease it with: participants'
+    workers are given its prompts only once it is open (docs/trust.md). A task that does not load here is said, not
+    fatal: the run's own workers (the admin token) open it with their first lease."""
+    try:
+        task = auditor.task
+    except Exception as e:  # noqa: BLE001 - an environment's package missing here, say: the audit will say so too
+        say(f"task {auditor.task_name!r} does not load here ({type(e).__name__}: {e}): participants' workers wait until "
+            "the run's own workers open its dataset")
+        return
+    try:
+        from_proxy(client, client.post, "/v1/prompts/datasets", {"dataset": task.name, "size": len(task.prompts)})
+    except ProxyError as e:
+        raise SystemExit(f"the proxy refused this trainer's task {task.name!r} of {len(task.prompts)} prompts: {e.detail}; "
+                         "the trainer's --task must be the workers'") from None
+
+
 def start(args: Args, stop: threading.Event) -> Trainer:
     """The trainer before its first step: the proxy speaks this code's protocol, the run is ours
     (trainer/owner.json), the weights are those of the run's last checkpoint, and what it trained is acked."""
@@ -515,6 +532,7 @@ def start(args: Args, stop: threading.Event) -> Trainer:
                       partial(group_temperature, default=args.temperature), partial(trainable, args=args), say,
                       dtype=resolve_dtype(args.dtype))
     auditor.weights.keep = min(max_staleness, 64) + 1  # the versions a leased group may have been sampled by
+    open_dataset(client, auditor)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))

@@ -129,3 +129,49 @@ def test_a_group_the_screen_missed_is_found_by_the_step_and_no_nonfinite_update_
     st, _ = train.learn(t, got)
     assert st["groups/trained"] == 0 and all(torch.equal(before[n], q) for n, q in model[0].named_parameters()
                                              if q.requires_grad)
+
+
+def lease(client, dataset: str = "addition", size: int = 500, n: int = 1, **paced):
+    return client.post("/v1/prompts/lease", json={"dataset": dataset, "size": size, "n": n, **paced})
+
+
+def test_row_6_a_participant_cannot_set_the_size_of_the_runs_dataset(spawn):
+    """Only the run's owner opens a dataset (the trainer its task's, at its start); a participant's lease before that
+    waits, and once it is open a lease of another size, or of more prompts than it has, is refused. Across a restart."""
+    import os
+    import signal
+    p = spawn()
+    mallory, alice = as_(p, create(p, "mallory")), as_(p, create(p, "alice"))
+    r = lease(mallory, size=5)
+    assert r.status_code == 503 and "dataset 'addition' is not open in this run yet" in r.text, r.text
+    assert r.headers["retry-after"] and "addition" not in p.stats()["cursors"]
+    assert mallory.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 5}).status_code == 403
+    # an honest worker that asks for a grant before the trainer started is told to wait, not refused
+    r = lease(alice, size=500, n=2, worker_id="w1", wait_s=0.5)
+    assert r.status_code == 200 and r.json()["indices"] == [] and "not open" in r.json()["not_open"], r.text
+    trainer = as_(p, create(p, "lab", "trainer"))
+    assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).json()["opened"] is True
+    assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).json()["opened"] is False
+    r = trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 501})
+    assert r.status_code == 409 and "has size 500 in this run, not 501" in r.text
+    assert len(lease(alice, size=500, n=2, worker_id="w1", wait_s=5).json()["indices"]) == 2
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.wait()
+    q = spawn(token=p.token)
+    mallory = as_(q, mallory.headers["x-proxy-token"])
+    r = lease(mallory, size=5)
+    assert r.status_code == 409 and "dataset 'addition' has size 500 in this run, not 5" in r.text, r.text
+    r = lease(mallory, size=500, n=501)
+    assert r.status_code == 409 and "n 501 is more than dataset 'addition''s 500 prompts" in r.text, r.text
+    assert lease(as_(q, alice.headers["x-proxy-token"]), size=500).status_code == 200
+
+
+def test_row_7_made_up_dataset_names_take_no_room_from_the_runs(spawn):
+    p = spawn()
+    mallory, trainer = as_(p, create(p, "mallory")), as_(p, create(p, "lab", "trainer"))
+    for i in range(64):
+        r = lease(mallory, dataset=f"made-up-{i}", size=10)
+        assert r.status_code == 503 and "is not open in this run yet" in r.text, r.text
+    assert set(p.stats()["cursors"]) == {"prompts"}  # the tests' own, opened by the owner (create)
+    assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).status_code == 200
+    assert lease(mallory, size=500).status_code == 200

@@ -17,7 +17,7 @@ from liar import hostile
 from proxyproc import Worker, metric, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from runlib import journal
 from test_proxy import group, publish
-from test_proxy_access import as_, create, leased, own, own_group
+from test_proxy_access import as_, create, leased, open_dataset, own, own_group
 
 
 def answer(client, g: dict) -> tuple[int, str]:
@@ -292,6 +292,7 @@ def test_a_restarted_trainer_still_audits_every_group_of_a_participant_that_fail
     publish(bucket, p, 1)  # the trainer starts at version 1, not fresh: no group is checked in its forward for free
     bob = as_(p, create(p, "bob"))
     tok, task = AutoTokenizer.from_pretrained(tiny_model), load_task("addition")
+    open_dataset(p, task.name, len(task.prompts))  # as the trainer does at its start: it starts below
 
     def bobs(inflate: bool) -> dict:
         got = bob.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()

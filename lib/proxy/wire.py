@@ -85,6 +85,12 @@ class RegisterRequest(Strict):
     """the trainer is done: workers stop after this version; nothing registers after it"""
 
 
+class DatasetRequest(Strict):
+    dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    size: int = Field(ge=1, le=1 << 22)
+    """its prompts: every lease of it must say this size"""
+
+
 class PromptLeaseRequest(Strict):
     dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
     size: int = Field(ge=1, le=1 << 22)
