@@ -439,8 +439,11 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
             raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
         key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
         released = release_grant(key, req.refused)
-        if not_open is not None:  # an honest worker started before the trainer: it asks again, as for any wait
-            return {**no_grant(released), "not_open": str(not_open)}
+        if not_open is not None:  # an honest worker started before the trainer: held up to wait_s, as for a grant
+            async with S.cond:
+                if not await wait_until(lambda: req.dataset in S.cursors.table, req.wait_s):
+                    return {**no_grant(released), "not_open": str(not_open)}  # it asks again, as for any wait
+            not_open = None
         if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
             return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
                                       f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
@@ -491,6 +494,7 @@ async def open_dataset(req: DatasetRequest) -> dict:
         except PromptError as e:
             raise HTTPException(409, str(e)) from None
         fut = JOURNAL.append(record) if record else None
+        S.cond.notify_all()  # the participants' leases waiting for it
     if fut is not None:  # (open even if this write fails, as a cursor moved by a lease is: any later lease journals it)
         await fut
     return {"dataset": req.dataset, "size": req.size, "opened": record is not None}
