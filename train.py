@@ -356,6 +356,25 @@ def register(client: ProxyClient, owner: Owner, body: dict) -> None:
         say(f"version {body['version']} not registered: stopping, proxy unreachable ({e})")
 
 
+def adopt_published(client: ProxyClient, owner: Owner, pointer: dict, proxy_latest: int) -> None:
+    """A version adapters/latest.json names that the proxy never registered (a trainer killed between its publish and
+    its registration) is registered now, not as final: as a restarted proxy adopts it at its start. Its number is
+    taken either way (versions only go up), and the proxy must know it: the next batch is asked for ahead as the
+    version after it (Batches.prefetch), which the proxy refuses past its latest + 1. Its weights are the killed
+    trainer's; a worker's group of that version is off-policy to ours like any stale one, and the audit reads them
+    back from the bucket."""
+    if pointer["version"] <= proxy_latest:
+        return
+    body = {"version": pointer["version"], "step": pointer.get("step", 0), "published_at": pointer.get("created_at", time.time())}
+    say(f"version {pointer['version']} is published in the bucket but the proxy's latest is {proxy_latest} (a trainer "
+        "stopped before registering it): registering it")
+    try:
+        register(client, owner, body)
+    except ProxyError as e:
+        raise SystemExit(f"the proxy at {client.url} refused version {pointer['version']} that adapters/latest.json "
+                         f"names: {e.detail}") from None
+
+
 def register_final(client: ProxyClient, bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int | None:
     """Tell the workers the run is over. Registered only after the checkpoint that holds the last
     step and the acks of its batches, so a trainer killed anywhere in its last step is relaunched
@@ -542,8 +561,9 @@ def start(args: Args, stop: threading.Event) -> Trainer:
     # versions only go up, across restarts too: continue after the newest of the checkpoint's, the proxy's and
     # the bucket's, even if the checkpoint is older (its weights win, its version number does not)
     proxy_latest = from_proxy(client, client.get, "/v1/adapters/latest")["version"]
-    published = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
-    version = max(state["version"], published, proxy_latest)
+    pointer = bucket.get_json("adapters/latest.json") or {"version": 0}
+    adopt_published(client, owner, pointer, proxy_latest)
+    version = max(state["version"], pointer["version"], proxy_latest)
     if state["step"]:
         say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
     trained.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
