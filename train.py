@@ -358,7 +358,8 @@ def register(client: ProxyClient, owner: Owner, body: dict) -> None:
 
 def adopt_published(client: ProxyClient, owner: Owner, pointer: dict, proxy_latest: int) -> None:
     """A version adapters/latest.json names that the proxy never registered (a trainer killed between its publish and
-    its registration) is registered now, not as final: as a restarted proxy adopts it at its start. Its number is
+    its registration) is registered by the relaunch that has steps left to take, not as final: as a restarted proxy
+    adopts it at its start (a relaunch with none left registers that very version as final: finish). Its number is
     taken either way (versions only go up), and the proxy must know it: the next batch is asked for ahead as the
     version after it (Batches.prefetch), which the proxy refuses past its latest + 1. Its weights are the killed
     trainer's; a worker's group of that version is off-policy to ours like any stale one, and the audit reads them
@@ -562,7 +563,8 @@ def start(args: Args, stop: threading.Event) -> Trainer:
     # the bucket's, even if the checkpoint is older (its weights win, its version number does not)
     proxy_latest = from_proxy(client, client.get, "/v1/adapters/latest")["version"]
     pointer = bucket.get_json("adapters/latest.json") or {"version": 0}
-    adopt_published(client, owner, pointer, proxy_latest)
+    if state["step"] < args.max_steps:  # (with no step left, finish registers that very version, as final)
+        adopt_published(client, owner, pointer, proxy_latest)
     version = max(state["version"], pointer["version"], proxy_latest)
     if state["step"]:
         say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
