@@ -29,9 +29,9 @@ Departures from the GRPO paper, on purpose:
   3. Token-level loss aggregation (sum over completion tokens / their count) by default.
 
 Trust but verify (docs/trust.md): the groups of participants (tokens other than the run's own) are audited
-before each step trains on them (audit.py: prompt tokens, rewards re-scored with --task's reward, behaviour
-logprobs recomputed under the version that sampled them); a group that fails is left out and reported to the
-proxy, which quarantines a participant past its --quarantine-after.
+before each step trains on them (audit.py: prompt tokens, rewards re-scored with --task's reward or an environment's
+episode replayed, behaviour logprobs recomputed under the version that sampled them); a group that fails is left out
+and reported to the proxy, which quarantines a participant past its --quarantine-after.
 """
 from __future__ import annotations
 
@@ -512,18 +512,21 @@ def from_proxy(client: ProxyClient, call, *args):
 
 def open_dataset(client: ProxyClient, auditor: Auditor) -> None:
     """Open the run's task's dataset on the proxy, by the name and size its workers lease it with: participants'
-    workers are given its prompts only once it is open (docs/trust.md). A task that does not load here is said, not
-    fatal: the run's own workers (the admin token) open it with their first lease."""
+    workers are given its prompts only once it is open (docs/trust.md). A library environment's dataset is not known
+    here (audit_tasks.Unreplayed, said by the audit): the run's own workers (the admin token) open it with their first
+    lease. A task that does not load here is said, not fatal: the run's own workers open it all the same."""
     try:
         task = auditor.task
-    except Exception as e:  # noqa: BLE001 - an environment's package missing here, say: the audit will say so too
+    except Exception as e:  # noqa: BLE001 - a dataset the Hub did not serve, say
         say(f"task {auditor.task_name!r} does not load here ({type(e).__name__}: {e}): participants' workers wait until "
             "the run's own workers open its dataset")
         return
+    if task.name is None:
+        return
     try:
-        from_proxy(client, client.post, "/v1/prompts/datasets", {"dataset": task.name, "size": len(task.prompts)})
+        from_proxy(client, client.post, "/v1/prompts/datasets", {"dataset": task.name, "size": task.size})
     except ProxyError as e:
-        raise SystemExit(f"the proxy refused this trainer's task {task.name!r} of {len(task.prompts)} prompts: {e.detail}; "
+        raise SystemExit(f"the proxy refused this trainer's task {task.name!r} of {task.size} prompts: {e.detail}; "
                          "the trainer's --task must be the workers'") from None
 
 

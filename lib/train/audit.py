@@ -4,8 +4,10 @@ task, the tokenizer and the model is checked here, on every batch, before the st
 
   prompt    the group's prompt_ids are the chat-formatted prompt the proxy leased it (its dataset, as the proxy
             recorded it, is this run's task; its index one of the task's);
-  reward    each completion's reward is the task's own reward of its decoded text (a --audit.reward-share of
-            groups; by default all: decoding and the task's check cost milliseconds);
+  reward    each completion's reward is the task's own reward of its decoded text, or for an environment the
+            score of its episode replayed (a --audit.reward-share of groups; by default all: decoding and the
+            task's check cost milliseconds). What each kind of task allows (a library environment's episodes
+            are not replayed: neither check is made) is lib/train/audit_tasks.py;
   logprobs  the behaviour logprobs are those of the version that sampled each token, recomputed with that
             version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
             otherwise): a --audit.logprob-share of the groups the step trains, one forward each. Groups on-policy
@@ -35,9 +37,9 @@ import torch
 from pydantic import ValidationError
 
 from common import AdapterError, BucketError, TrajectoryGroup, fetch_adapter, sampled_mask, token_id_problem, token_versions
-from models import completion_logprobs, encode_prompt, lora_views, pad_right
+from audit_tasks import Unreplayed, audited
+from models import completion_logprobs, lora_views, pad_right
 from proxy_client import ProxyClient, ProxyError
-from tasks import load_task
 
 
 @dataclass
@@ -186,33 +188,35 @@ class Auditor:
 
     @property
     def task(self):
-        if self._task is None:  # loaded at the first participant's group: a run of the admin's own workers needs none
-            self._task = load_task(self.task_name)
+        """The run's task as the audit checks it (audit_tasks.audited). Loaded at the trainer's start (train.open_dataset)
+        or else at the first participant's group."""
+        if self._task is None:
+            self._task = audited(self.task_name, self.tok)
+            if isinstance(self._task, Unreplayed):
+                self.say(f"audit: {self._task.why}")
         return self._task
 
     # ---- the checks ----------------------------------------------------------------------------------
     def prompt_problem(self, g: dict) -> str | None:
-        ds, i = g.get("prompt_dataset"), g.get("prompt_index")
-        if ds != self.task.name or not isinstance(i, int):
-            return f"it answers a prompt of dataset {ds!r} (lease {g.get('lease_id')}), this run's task is {self.task.name!r}"
-        if not 0 <= i < len(self.task.prompts):
-            return f"prompt index {i} is not one of task {self.task.name}'s {len(self.task.prompts)}"
-        if g["prompt_ids"] != (want := encode_prompt(self.tok, self.task.prompts[i])):
+        task, ds, i = self.task, g.get("prompt_dataset"), g.get("prompt_index")
+        if task.name is None:  # a library environment's: the proxy's checks on arrival only (audit_tasks)
+            return None
+        if ds != task.name or not isinstance(i, int):
+            return f"it answers a prompt of dataset {ds!r} (lease {g.get('lease_id')}), this run's task is {task.name!r}"
+        if not 0 <= i < task.size:
+            return f"prompt index {i} is not one of task {task.name}'s {task.size}"
+        if g["prompt_ids"] != (want := task.prompt_ids(i)):
             return (f"its prompt_ids ({len(g['prompt_ids'])} tokens) are not the chat-formatted prompt {i} it was leased "
                     f"({len(want)} tokens)")
         return None
 
     def reward_problem(self, g: dict) -> str | None:
-        task, i = self.task, g["prompt_index"]
         for k, c in enumerate(g["completions"]):
-            if hasattr(task, "episode_reward"):  # an environment scores its own episodes
-                r = task.episode_reward(self.tok, c, i)
-            elif 0 in sampled_mask(c):
-                return f"completion {k} has environment tokens, but task {task.name} is single-turn"
-            else:
-                r = task.reward(self.tok.decode(c["token_ids"], skip_special_tokens=True), i)[0]
-            if abs(r - c["reward"]) > self.opts.reward_tol:
-                return f"completion {k} claims reward {c['reward']:g}; the task's reward of its text is {r:g}"
+            r, why = self.task.rescore(c, g["prompt_index"])
+            if why is not None:
+                return f"completion {k}: {why}"
+            if r is not None and abs(r - c["reward"]) > self.opts.reward_tol:
+                return f"completion {k} claims reward {c['reward']:g}; the task's reward of it is {r:g}"
         return None
 
     def deviation(self, dev_sum: float, dev_max: float, n: int) -> str | None:
