@@ -198,6 +198,7 @@ def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
     token = next(line.strip() for line in out.stdout.splitlines() if line.strip().startswith("agrpo_"))
     assert "carol (worker, 50 requests/s)" in out.stdout
     carol = as_(p, token)
+    open_dataset(p)  # (the run's trainer opens its task's dataset; `own_group` leases a prompt of it)
     assert carol.post("/v1/groups", json=own_group(carol)).json()["status"] == "accepted"
     assert run("--token-limit", "carol", "--max-rps", "0").returncode == 0
     listed = run("--token-list")
