@@ -34,7 +34,7 @@ Its routes, in the order a run uses them, as this file has them (least role; eac
                GET  /v1/state                           trainer  the book in full: what a restart rebuilds
                GET  /metrics                            trainer  Prometheus text (telemetry.py)
   the owner    POST /v1/participants/{name}/reinstate   admin    lift a participant's quarantine
-  routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: worker
+  routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: admin
   access.py    POST, GET /v1/tokens; PATCH, DELETE /v1/tokens/{name}: admin (participants' tokens)
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal (journal.py)
@@ -897,7 +897,14 @@ async def reinstate(name: NamePath) -> dict:
     S.book.reinstate(name, rec["at"])
     return {"participant": name, **S.book.quarantine.public(name)}
 
-routing.install(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
+def served_version_problem(version: int) -> str | None:
+    """Why `version` cannot be the adapter a worker answered a routed request with: neither the base model (0) nor a
+    version this run registered (a client is told which version answered it)."""
+    if version == 0 or version in S.book.versions:
+        return None
+    return f"adapter_version {version} is not a version this run registered (the latest is {S.latest})"
+
+routing.install(app, served_version_problem)  # POST /v1/chat/completions answered by the run's own workers (routing.py)
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
 
 if __name__ == "__main__":
