@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -395,8 +396,14 @@ MAX_TOKENS = 32768  # per prompt or completion; the proxy narrows this with its 
 
 # constraints pydantic-core checks natively while it parses: a Python validator per element costs
 # more than the whole parse of a 2048-token group
-TokenId = Annotated[int, Field(ge=0, lt=1 << 24)]
-Logprob = Annotated[float, Field(le=1e-4, allow_inf_nan=False)]  # <= 0, with room for rounding
+TokenId = Annotated[int, Field(ge=0, lt=1 << 24)]  # below the run's vocabulary too: token_id_problem
+
+LOGPROB_FLOOR = -50.0
+"""The least behaviour logprob a group may carry. A token of probability below e^-50 is sampled with a chance below
+vocabulary x e^-50 (3e-17 at 150,000 tokens) per token, at any temperature (the logprob is the tempered one): no
+honest run meets one. A lower one only makes the importance ratio pi/mu overflow: exp(100) is inf in float32, and an
+inf ratio under ppo made a NaN adapter; exp(50) is 5e21, finite."""
+Logprob = Annotated[float, Field(ge=LOGPROB_FLOOR, le=1e-4, allow_inf_nan=False)]  # <= 0, with room for rounding
 VersionRun = tuple[Annotated[int, Field(ge=0, lt=MAX_TOKENS)], Annotated[int, Field(ge=0, le=10**9)]]
 
 
@@ -468,6 +475,8 @@ class TrajectoryGroup(BaseModel):
             raise ValueError(f"meta must be JSON without NaN/Inf: {e}") from e
         if len(s) > 16384:
             raise ValueError(f"meta is {len(s)} bytes, limit 16384")
+        if why := meta_problem(v):
+            raise ValueError(why)
         return v
 
     @model_validator(mode="after")
@@ -486,6 +495,63 @@ class TrajectoryGroup(BaseModel):
 
     def newest_version(self) -> int:
         return max([self.policy_version] + [v for c in self.completions if c.versions for _, v in c.versions])
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 10.0
+"""The sampling temperatures a group may say it was sampled at (meta.temperature), the trainer's --temperature and
+the workers' alike. The trainer divides the logits by it in float32: 1e-300 is 0 there (a division by zero), 1e-39
+a subnormal that sends logits of a few units to inf (a NaN loss). Below 0.05 sampling is all but greedy (logit gaps
+of a tenth become two nats), which GRPO cannot learn from: a group needs spread. Above 10 the tempered distribution
+is all but uniform (logit gaps of 20 become 2 nats): no task samples there."""
+MAX_META_KEYS, MAX_META_ENTRIES, MAX_META_NAME = 32, 32, 64
+"""meta: at most this many keys, entries in each of its dicts of numbers, characters in a key"""
+META_NUMBERS = ("reward_components", "timings")  # meta's dicts of numbers, which the trainer averages into its metrics
+META_STRINGS = ("task", "backend")
+
+
+def finite_number(x: Any) -> bool:
+    """An int or a float (not a bool, which JSON's true would parse to) that is finite."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def temperature_problem(t: Any) -> str | None:
+    """Why `t` is no sampling temperature the trainer can score at (None: it is one)."""
+    if not finite_number(t) or not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        return f"{t!r} is not a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (common.MIN_TEMPERATURE)"
+    return None
+
+
+def meta_problem(meta: dict) -> str | None:
+    """Why a group's meta breaks the rules its known keys follow (None: it does not). What rollout.py writes: task and
+    backend (strings), prompt_index (an integer), temperature (temperature_problem), reward_components and timings
+    (dicts of finite numbers, which the trainer averages). Other keys are the sender's, bounded in number and name."""
+    if len(meta) > MAX_META_KEYS:
+        return f"meta has {len(meta)} keys, limit {MAX_META_KEYS}"
+    if long := [k for k in meta if len(k) > MAX_META_NAME]:
+        return f"meta key {long[0][:MAX_META_NAME]!r}...: longer than {MAX_META_NAME} characters"
+    if "temperature" in meta and (why := temperature_problem(meta["temperature"])):
+        return f"meta.temperature: {why}"
+    if "prompt_index" in meta and (type(meta["prompt_index"]) is not int or meta["prompt_index"] < 0):
+        return f"meta.prompt_index: {meta['prompt_index']!r} is not an integer >= 0"
+    for k in META_STRINGS:
+        if k in meta and not (isinstance(meta[k], str) and len(meta[k]) <= 200):
+            return f"meta.{k}: {meta[k]!r:.80} is not a string of at most 200 characters"
+    for k in META_NUMBERS:
+        d = meta.get(k, {})
+        if not isinstance(d, dict) or len(d) > MAX_META_ENTRIES:
+            return f"meta.{k}: must be an object of at most {MAX_META_ENTRIES} names to finite numbers, not {d!r:.80}"
+        if bad := next((n for n, x in d.items() if len(n) > MAX_META_NAME or not finite_number(x)), None):
+            return f"meta.{k}.{bad[:MAX_META_NAME]}: {d[bad]!r:.80} is not a finite number (or its name is too long)"
+    return None
+
+
+def token_id_problem(prompt_ids: list[int], completion_ids: list[list[int]], vocab_size: int) -> str | None:
+    """Why a group's token ids do not fit a model of `vocab_size` tokens (None: they do): the trainer looks each
+    one up in its embedding and its logits, and an id past them is an index out of bounds."""
+    for what, ids in [("prompt_ids", prompt_ids), *((f"completions[{i}].token_ids", c) for i, c in enumerate(completion_ids))]:
+        if ids and (top := max(ids)) >= vocab_size:
+            return f"{what}: token id {top} is not below the model's vocabulary size {vocab_size}"
+    return None
 
 
 def token_versions(completion: dict, policy_version: int) -> list[int]:

@@ -167,12 +167,23 @@ def role_options(args: Args, role: str) -> list[str]:
     return presets.flags(opts)
 
 
+def vocab_options(model: str | None) -> list[str]:
+    """The proxy's --vocab-size for the run's model (its config.json, found as the memory check finds it): none for
+    the scripts' default model (the proxy's default is its vocabulary); where no config is found, the schema's own
+    bound, 2^24 (the door then lets any id through, and the trainer leaves out a group that does not fit its model)."""
+    if model is None:
+        return []
+    cfg, _ = memory.config_for(model)
+    return ["--vocab-size", str(cfg["vocab_size"] if cfg and isinstance(cfg.get("vocab_size"), int) else 1 << 24)]
+
+
 def local_plan(args: Args) -> str:
     """The local run as bash assignments (launch_jobs.sh evals them): the preset's name, layout and each role's
     options, the launcher's own options (--steps, --workers, --task) applied."""
     q = shlex.quote
     model = ["--model", args.model] if args.model else []  # None: the scripts' default, the local SmolLM2
-    roles = {"PROXY_ARGS": ["--group-size", str(args.group_size), *role_options(args, "proxy"), *args.proxy_arg],
+    roles = {"PROXY_ARGS": ["--group-size", str(args.group_size), *vocab_options(args.model), *role_options(args, "proxy"),
+                            *args.proxy_arg],
              "TRAIN_ARGS": [*model, "--task", args.task, "--max-steps", str(args.steps), *role_options(args, "train"),
                             *args.train_arg],
              "ROLLOUT_ARGS": [*model, "--task", args.task, "--group-size", str(args.group_size),
@@ -223,6 +234,7 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
     jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G,
+                                                                      *vocab_options(args.model),
                                                                       *role_options(args, "proxy"), *args.proxy_arg],
                     args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
     for i in range(1, args.workers + 1):

@@ -18,12 +18,13 @@ Its routes, in the order a run uses them, as this file has them (least role; eac
 
   start        GET  /health                             open     alive, and the latest version
                GET  /v1/whoami                          worker   who this token is; the protocol, run_id, group_size
-  a worker     POST /v1/prompts/lease                   worker   prompt indices; paced (wait_s): once its round fits
+  a worker     POST /v1/prompts/lease                   worker   prompt indices of an open dataset; paced (wait_s): once its round fits
                POST /v1/groups                          worker   a scored group, journaled: accepted, duplicate, stale
                GET  /v1/adapters/latest                 worker   the newest version; long-polls (a sign of life)
                GET  /v1/adapters/{version}/files        worker   where to download a version's files
                GET  /v1/adapters/{version}/files/{name} worker   one of them, streamed from the bucket
-  the trainer  POST /v1/batches/lease                   trainer  the oldest fresh-enough groups; long-polls
+  the trainer  POST /v1/prompts/datasets                trainer  open its task's dataset at its size (participants lease only those)
+               POST /v1/batches/lease                   trainer  the oldest fresh-enough groups; long-polls
                POST /v1/batches/{batch_id}/renew        trainer  the lease runs --lease-s from now
                POST /v1/batches/{batch_id}/ack          trainer  its groups are consumed for good
                POST /v1/batches/{batch_id}/release      trainer  its groups back to the buffer's front now
@@ -33,7 +34,7 @@ Its routes, in the order a run uses them, as this file has them (least role; eac
                GET  /v1/state                           trainer  the book in full: what a restart rebuilds
                GET  /metrics                            trainer  Prometheus text (telemetry.py)
   the owner    POST /v1/participants/{name}/reinstate   admin    lift a participant's quarantine
-  routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: worker
+  routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: admin
   access.py    POST, GET /v1/tokens; PATCH, DELETE /v1/tokens/{name}: admin (participants' tokens)
 
 Durability: the bucket is my only disk. Every change an answer depends on is in the journal (journal.py)
@@ -70,7 +71,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup
+from common import (MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup,
+                    token_id_problem)
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -80,7 +82,7 @@ from book import Book, Entry, Held
 from ledger import HEAD
 from pacing import Waiting
 from participants import Senders, worker_key
-from prompts import Cursors, PromptError
+from prompts import Cursors, NotOpen, PromptError
 from receipts import fingerprint
 from serving import Limits, serve
 from snapshots import Keeper
@@ -88,8 +90,8 @@ import routing
 import telemetry
 from runconfig import record_config
 from telemetry import COMMIT, STALENESS
-from wire import (GROUP_BODY, AuditReport, BatchId, LeaseRequest, LeaseResponse, PromptLeaseRequest, RegisterRequest,
-                  SubmitResponse)
+from wire import (GROUP_BODY, AuditReport, BatchId, DatasetRequest, LeaseRequest, LeaseResponse, PromptLeaseRequest,
+                  RegisterRequest, SubmitResponse)
 
 @dataclass
 class Args:
@@ -110,6 +112,9 @@ class Args:
     max_prompt_tokens: int = 4096
     max_completion_tokens: int = 4096
     """per completion: an episode's tokens after the prompt, the environment's included"""
+    vocab_size: int = 49152
+    """the model's vocabulary (its embedding's rows): a group with a token id at or past it is refused (the trainer
+    could not look it up). The default is the default model's, SmolLM2-135M's; the launchers pass the run's model's"""
     max_body_mb: float = 8.0
     """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
@@ -167,7 +172,7 @@ def settings_problems(a: Args) -> list[str]:
     """What in the command line cannot work, each naming its option (a negative staleness or an empty buffer
     would start a proxy that refuses everything, or hands out what it should not)."""
     at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 0), ("max_prompt_tokens", 1),
-                ("max_completion_tokens", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
+                ("max_completion_tokens", 1), ("vocab_size", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
                 ("max_downloads", 1), ("snapshot_commits", 1), ("quarantine_after", 1), ("bucket_patience_s", 0),
                 ("grant_s", 0), ("pace_jitter", 0)]
     above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
@@ -420,16 +425,25 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
     up to n of them once a round generated now can still be trained, with `version`, the version to
-    generate with (or newer); none after wait_s, or once the run is over (`done`)."""
+    generate with (or newer); none after wait_s, or once the run is over (`done`). A participant's lease is of a
+    dataset the run's owner opened (POST /v1/prompts/datasets; the admin token's first lease opens one too): before
+    that it waits (paced: no grant, `not_open` says why; else 503 with Retry-After, which ProxyClient waits out)."""
     grant, n = None, req.n
+    who = request.scope["principal"]
+    owner = who.role >= access.Role.trainer
+    not_open = None if owner or req.dataset in S.cursors.table else NotOpen(req.dataset)
     if req.wait_s is not None and ARGS.pace:
         if req.worker_id is None:
             raise HTTPException(422, "wait_s (a paced prompt lease) needs worker_id: the worker the grant is for")
         if req.version is not None and req.version > S.latest:
             raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
-        who = request.scope["principal"]
         key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
         released = release_grant(key, req.refused)
+        if not_open is not None:  # an honest worker started before the trainer: held up to wait_s, as for a grant
+            async with S.cond:
+                if not await wait_until(lambda: req.dataset in S.cursors.table, req.wait_s):
+                    return {**no_grant(released), "not_open": str(not_open)}  # it asks again, as for any wait
+            not_open = None
         if req.version is not None and S.book.pacing.hopeless(req.version, S.latest, S.pending_version):
             return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
                                       f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
@@ -438,14 +452,16 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         if grant is None:
             return no_grant(released)
         n = grant.n
+    if not_open is not None:
+        raise HTTPException(503, str(not_open), headers={"Retry-After": "5"})
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
         try:
-            spans, record = S.cursors.reserve(req.dataset, req.size, n)
+            spans, record = S.cursors.reserve(req.dataset, req.size, n, owner)
         except PromptError as e:
             if grant is not None:
                 S.book.pacing.ungrant(grant)
                 pace()
-            raise HTTPException(409, str(e)) from None
+            raise HTTPException(503 if isinstance(e, NotOpen) else 409, str(e)) from None
         # the cursor moves ahead even if this write fails: skipping indices is fine, repeating is not
         writes = [JOURNAL.append(record)] + ([JOURNAL.append(grant.record())] if grant is not None else [])
     try:
@@ -466,6 +482,22 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         raise
     return answer if grant is None else {**answer, "version": grant.version, "done": False,
                                          **({"released": released} if released else {})}
+
+@app.post("/v1/prompts/datasets", openapi_extra=scope("trainer"))
+async def open_dataset(req: DatasetRequest) -> dict:
+    """The run's owner opens a dataset of `size` prompts (the trainer opens its task's when it starts): participants
+    lease prompts of open datasets only, at that size (prompts.Cursors.open). The same again is a no-op; another size
+    is refused (409), as it is to a lease."""
+    async with S.cond:
+        try:
+            record = S.cursors.open(req.dataset, req.size)
+        except PromptError as e:
+            raise HTTPException(409, str(e)) from None
+        fut = JOURNAL.append(record) if record else None
+        S.cond.notify_all()  # the participants' leases waiting for it
+    if fut is not None:  # (open even if this write fails, as a cursor moved by a lease is: any later lease journals it)
+        await fut
+    return {"dataset": req.dataset, "size": req.size, "opened": record is not None}
 
 # ---- a worker: groups -----------------------------------------------------------------------------
 def max_buffer() -> int:
@@ -513,6 +545,8 @@ async def submit_group(request: Request) -> SubmitResponse:
             (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
         if n > getattr(ARGS, limit):
             raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
+    if why := token_id_problem(group.prompt_ids, [c.token_ids for c in group.completions], ARGS.vocab_size):
+        raise HTTPException(422, f"{why} (--vocab-size)")
     gid, who = group.group_id, request.scope["principal"]
     participant = None if who.name == ADMIN else who.name
     # the run's own token may omit lease_id: it is trusted (never audited), and the run's tools and tests post groups
@@ -863,7 +897,14 @@ async def reinstate(name: NamePath) -> dict:
     S.book.reinstate(name, rec["at"])
     return {"participant": name, **S.book.quarantine.public(name)}
 
-routing.install(app)  # POST /v1/chat/completions answered by serving workers (routing.py)
+def served_version_problem(version: int) -> str | None:
+    """Why `version` cannot be the adapter a worker answered a routed request with: neither the base model (0) nor a
+    version this run registered (a client is told which version answered it)."""
+    if version == 0 or version in S.book.versions:
+        return None
+    return f"adapter_version {version} is not a version this run registered (the latest is {S.latest})"
+
+routing.install(app, served_version_problem)  # POST /v1/chat/completions answered by the run's own workers (routing.py)
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
 
 if __name__ == "__main__":

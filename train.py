@@ -29,9 +29,9 @@ Departures from the GRPO paper, on purpose:
   3. Token-level loss aggregation (sum over completion tokens / their count) by default.
 
 Trust but verify (docs/trust.md): the groups of participants (tokens other than the run's own) are audited
-before each step trains on them (audit.py: prompt tokens, rewards re-scored with --task's reward, behaviour
-logprobs recomputed under the version that sampled them); a group that fails is left out and reported to the
-proxy, which quarantines a participant past its --quarantine-after.
+before each step trains on them (audit.py: prompt tokens, rewards re-scored with --task's reward or an environment's
+episode replayed, behaviour logprobs recomputed under the version that sampled them); a group that fails is left out
+and reported to the proxy, which quarantines a participant past its --quarantine-after.
 """
 from __future__ import annotations
 
@@ -47,15 +47,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import httpx
 import torch
 from tqdm import tqdm
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import (Bucket, ConflictError, grpo_loss, group_advantages, publish_adapter, sampled_mask, sampled_tokens,
-                    token_versions, zero_std, zero_std_groups)
+from common import (Bucket, ConflictError, finite_number, grpo_loss, group_advantages, publish_adapter, sampled_mask,
+                    sampled_tokens, temperature_problem, token_versions, zero_std, zero_std_groups)
 from audit import Auditor, Options as AuditOptions
 from batches import Batches
 from metrics import Metrics
@@ -181,11 +181,10 @@ def build_model(args: Args):
 
 
 def group_temperature(group: dict, default: float) -> float | None:
-    """The temperature the group was sampled at (meta.temperature, else `default`); None when it
-    is not a finite number > 0, so the group cannot be scored."""
+    """The temperature the group was sampled at (meta.temperature, else `default`); None when it is
+    none the trainer can score at (common.temperature_problem), so the group cannot be scored."""
     t = group["meta"].get("temperature", default)
-    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-    return float(t) if ok else None
+    return None if temperature_problem(t) else float(t)
 
 
 class ByStaleness:
@@ -254,8 +253,8 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     temps = [group_temperature(g, args.temperature) for g in groups]
     for g, t in zip(groups, temps):
         if t is None:
-            print(f"warning: group {g['group_id']} has temperature {g['meta'].get('temperature')!r}: "
-                  "not a number > 0, left out of this step", file=sys.stderr)
+            print(f"warning: group {g['group_id']} has temperature {temperature_problem(g['meta'].get('temperature'))[:120]}, "
+                  "left out of this step", file=sys.stderr)
     # beta = 0: a zero-std group has A = 0 on every token, so no gradient at all; skipping it only
     # saves its forward/backward and keeps it out of the token mean. beta > 0: its KL term has a
     # gradient, so it is trained.
@@ -328,6 +327,10 @@ def publish(bucket: Bucket, owner: Owner, model, args: Args, version: int, step:
     """Publish the weights as the next version; returns its number. Losing the conditional write
     means another trainer published that number: if the run is still ours (the old owner of a
     takeover finished its step), publish past it."""
+    if bad := [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]:
+        # learn() never steps on a non-finite gradient: this is the last guard, so that no worker ever loads such weights
+        raise SystemExit(f"refusing to publish version {version + 1}: LoRA weights {bad[:3]} are not finite; the run "
+                         f"resumes from its last checkpoint when the trainer is started again")
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         while True:
@@ -351,6 +354,26 @@ def register(client: ProxyClient, owner: Owner, body: dict) -> None:
             raise
     except httpx.HTTPError as e:  # stopping: the next trainer or a restarted proxy adopts it from the bucket
         say(f"version {body['version']} not registered: stopping, proxy unreachable ({e})")
+
+
+def adopt_published(client: ProxyClient, owner: Owner, pointer: dict, proxy_latest: int) -> None:
+    """A version adapters/latest.json names that the proxy never registered (a trainer killed between its publish and
+    its registration) is registered by the relaunch that has steps left to take, not as final: as a restarted proxy
+    adopts it at its start (a relaunch with none left registers that very version as final: finish). Its number is
+    taken either way (versions only go up), and the proxy must know it: the next batch is asked for ahead as the
+    version after it (Batches.prefetch), which the proxy refuses past its latest + 1. Its weights are the killed
+    trainer's; a worker's group of that version is off-policy to ours like any stale one, and the audit reads them
+    back from the bucket."""
+    if pointer["version"] <= proxy_latest:
+        return
+    body = {"version": pointer["version"], "step": pointer.get("step", 0), "published_at": pointer.get("created_at", time.time())}
+    say(f"version {pointer['version']} is published in the bucket but the proxy's latest is {proxy_latest} (a trainer "
+        "stopped before registering it): registering it")
+    try:
+        register(client, owner, body)
+    except ProxyError as e:
+        raise SystemExit(f"the proxy at {client.url} refused version {pointer['version']} that adapters/latest.json "
+                         f"names: {e.detail}") from None
 
 
 def register_final(client: ProxyClient, bucket: Bucket, owner: Owner, model, args: Args, version: int, step: int) -> int | None:
@@ -381,14 +404,21 @@ def register_final(client: ProxyClient, bucket: Bucket, owner: Owner, model, arg
     return register_final(client, bucket, owner, model, args, publish(bucket, owner, model, args, version, step), step)
 
 
+def numbers(meta: dict, key: str) -> dict[str, float]:
+    """meta[key]'s finite numbers (reward_components, timings): what the metrics average. The proxy and the trainer's
+    screen refuse any other (common.meta_problem); a metric must not raise after a step is published all the same."""
+    d = meta.get(key)
+    return {k: v for k, v in d.items() if finite_number(v)} if isinstance(d, dict) else {}
+
+
 def batch_metrics(groups: list[dict], latest: int) -> dict:
     stale = [latest - g["policy_version"] for g in groups]
     rewards = [c["reward"] for g in groups for c in g["completions"]]
     comps: dict[str, list] = {}
     for g in groups:
-        for k, v in g["meta"].get("reward_components", {}).items():
+        for k, v in numbers(g["meta"], "reward_components").items():
             comps.setdefault(k, []).append(v)
-    timings = [g["meta"].get("timings", {}) for g in groups]
+    timings = [numbers(g["meta"], "timings") for g in groups]
     return {"reward/mean": sum(rewards) / len(rewards), **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
             "sample/staleness_mean": sum(stale) / len(stale), "sample/staleness_max": max(stale),
             "sample/policy_versions": sorted({g["policy_version"] for g in groups}),
@@ -451,6 +481,7 @@ class Trainer:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     auditor: Auditor
+    vocab_size: int                    # the model's token ids: a group with another is left out (audit.group_problem)
     trained: TrainedGroups
     batches: Batches
     stop: threading.Event              # set by SIGTERM: checkpoint, ack, then exit
@@ -464,8 +495,11 @@ class Trainer:
     pushed: int = -1                   # the last version pushed to the Hub
 
     def audit(self, got: dict) -> tuple[list[dict], dict]:
-        """A leased batch's groups to train on, and the audit's metrics (Batches.lease's `audit`)."""
-        return self.auditor.check(got, got["fresh"], self.model, self.version, self.since_publish == 0)
+        """A leased batch's groups to train on, and the audit's metrics (Batches.lease's `audit`): those the trainer
+        can train on at all (Auditor.screen: any sender's), then those of participants that pass the audit."""
+        fit = self.auditor.screen(got, got["fresh"], self.vocab_size)
+        kept, row = self.auditor.check(got, fit, self.model, self.version, self.since_publish == 0) if fit else ([], {})
+        return kept, {**row, "groups/invalid": len(got["fresh"]) - len(fit)}
 
 
 def from_proxy(client: ProxyClient, call, *args):
@@ -474,6 +508,26 @@ def from_proxy(client: ProxyClient, call, *args):
         return call(*args)
     except httpx.HTTPError as e:
         raise SystemExit(f"SIGTERM while waiting for the proxy at {client.url} ({e}): nothing to save yet") from None
+
+
+def open_dataset(client: ProxyClient, auditor: Auditor) -> None:
+    """Open the run's task's dataset on the proxy, by the name and size its workers lease it with: participants'
+    workers are given its prompts only once it is open (docs/trust.md). A library environment's dataset is not known
+    here (audit_tasks.Unreplayed, said by the audit): the run's own workers (the admin token) open it with their first
+    lease. A task that does not load here is said, not fatal: the run's own workers open it all the same."""
+    try:
+        task = auditor.task
+    except Exception as e:  # noqa: BLE001 - a dataset the Hub did not serve, say
+        say(f"task {auditor.task_name!r} does not load here ({type(e).__name__}: {e}): participants' workers wait until "
+            "the run's own workers open its dataset")
+        return
+    if task.name is None:
+        return
+    try:
+        from_proxy(client, client.post, "/v1/prompts/datasets", {"dataset": task.name, "size": task.size})
+    except ProxyError as e:
+        raise SystemExit(f"the proxy refused this trainer's task {task.name!r} of {task.size} prompts: {e.detail}; "
+                         "the trainer's --task must be the workers'") from None
 
 
 def start(args: Args, stop: threading.Event) -> Trainer:
@@ -501,6 +555,7 @@ def start(args: Args, stop: threading.Event) -> Trainer:
                       partial(group_temperature, default=args.temperature), partial(trainable, args=args), say,
                       dtype=resolve_dtype(args.dtype))
     auditor.weights.keep = min(max_staleness, 64) + 1  # the versions a leased group may have been sampled by
+    open_dataset(client, auditor)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
@@ -510,31 +565,79 @@ def start(args: Args, stop: threading.Event) -> Trainer:
     # versions only go up, across restarts too: continue after the newest of the checkpoint's, the proxy's and
     # the bucket's, even if the checkpoint is older (its weights win, its version number does not)
     proxy_latest = from_proxy(client, client.get, "/v1/adapters/latest")["version"]
-    published = (bucket.get_json("adapters/latest.json") or {"version": 0})["version"]
-    version = max(state["version"], published, proxy_latest)
+    pointer = bucket.get_json("adapters/latest.json") or {"version": 0}
+    if state["step"] < args.max_steps:  # (with no step left, finish registers that very version, as final)
+        adopt_published(client, owner, pointer, proxy_latest)
+    version = max(state["version"], pointer["version"], proxy_latest)
     if state["step"]:
         say(f"resumed from checkpoint step {state['step']} (version {state['version']}); next version {version + 1}")
     trained.ack_all(owner)  # what the checkpoint holds but a killed trainer may not have acked yet
     batches = Batches(client, owner, trained, stop, args.batch_groups, args.lease_wait_s, args.max_steps)
-    return Trainer(args, bucket, client, owner, metrics, model, params, opt, sched, auditor, trained, batches, stop,
+    vocab = min(model.get_input_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0])
+    return Trainer(args, bucket, client, owner, metrics, model, params, opt, sched, auditor, vocab, trained, batches, stop,
                    step=state["step"], version=version, since_publish=0 if version == state["version"] else 1,
                    checkpointed=state["step"])
+
+
+class Unfit(NamedTuple):
+    """Why a forward/backward gave no usable gradient: it raised (error), or its loss or gradient norm is not finite."""
+    why: str
+    error: Exception | None = None
+
+
+NO_UPDATE = {"groups/trained": 0, "tokens": 0}  # the metrics of a step that made no update
+
+
+def forward_backward(t: Trainer, groups: list[dict], fresh: bool, devs: dict | None = None) -> tuple[dict, float, Unfit | None]:
+    """train_step over `groups` from zeroed gradients, then the gradient norm clipped: (metrics, norm, None), or
+    (NO_UPDATE, norm, why) with the gradients dropped when it raised or gave a non-finite loss or norm (an AdamW step
+    on those would make every LoRA weight NaN)."""
+    t.opt.zero_grad(set_to_none=True)
+    try:
+        st = train_step(t.model, groups, t.args, t.version, fresh, devs) if groups else dict(NO_UPDATE)
+    except Exception as e:  # noqa: BLE001 - learn() finds out whether a group's values made it raise
+        t.opt.zero_grad(set_to_none=True)
+        return dict(NO_UPDATE), math.nan, Unfit(f"training on it raised {type(e).__name__}: {str(e)[:500]}", e)
+    norm = torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm).item()
+    if not (math.isfinite(st.get("loss", 0.0)) and math.isfinite(norm)):
+        t.opt.zero_grad(set_to_none=True)
+        return dict(NO_UPDATE), norm, Unfit(f"it makes the loss {st.get('loss')} and the gradient norm {norm}: not finite")
+    return st, norm, None
+
+
+def culprits(t: Trainer, groups: list[dict], fresh: bool) -> dict[str, tuple[str, str]]:
+    """The groups that fail forward_backward on their own, each as (check, why) for the audit's report: one
+    forward/backward a group, taken only after a whole batch failed."""
+    out = {}
+    for g in groups:
+        if (unfit := forward_backward(t, [g], fresh)[2]) is not None:
+            out[g["group_id"]] = ("invalid", unfit.why)
+    return out
 
 
 def learn(t: Trainer, got: dict) -> tuple[dict, float]:
     """The step's update from its batch: forward/backward, the gradient norm clipped, AdamW; returns the step's
     metrics and the gradient norm. A participant's lie the step's own forward catches (logprobs off the weights
-    that sampled them) is left out and the step taken again without it: no lie steers an update."""
+    that sampled them) is left out and the step taken again without it: no lie steers an update. So is a group
+    whose values make the step raise or its loss or gradient non-finite (any sender's: logged, and counted against
+    its participant); where no one group does, an error is raised, and a non-finite update is not made."""
     groups, fresh, devs = got["fresh"], t.since_publish == 0, {}
-    t.opt.zero_grad(set_to_none=True)
-    st = train_step(t.model, groups, t.args, t.version, fresh, devs)
-    if left_out := t.auditor.onpolicy(got, groups, devs):
+    st, grad_norm, unfit = forward_backward(t, groups, fresh, devs)
+    if unfit is not None and (bad := culprits(t, groups, fresh)):
+        groups = t.auditor.report(got["batch_id"], [], bad, groups)
+        devs = {}
+        st, grad_norm, unfit = forward_backward(t, groups, fresh, devs)
+        st["groups/unfit"] = len(bad)
+    if unfit is None and (left_out := t.auditor.onpolicy(got, groups, devs)):
         t_redo, groups, audit = time.time(), [g for g in groups if g["group_id"] not in left_out], got["audit"]
-        t.opt.zero_grad(set_to_none=True)
-        st = train_step(t.model, groups, t.args, t.version, fresh) if groups else {**st, "groups/trained": 0}
+        st, grad_norm, unfit = forward_backward(t, groups, fresh)
         got["audit"] = {**audit, "audit/redone": 1, "audit/left_out": audit.get("audit/left_out", 0) + len(left_out),
                         "perf/audit_s": audit.get("perf/audit_s", 0.0) + time.time() - t_redo}
-    grad_norm = torch.nn.utils.clip_grad_norm_(t.params, t.args.max_grad_norm).item()
+    if unfit is not None:
+        if unfit.error is not None:  # not a group's doing (each trains on its own): out of memory, say
+            raise unfit.error
+        say(f"step on batch {got['batch_id']}: no update, {unfit.why} (no one group of it does)")
+        return {**st, "step/no_update": 1}, grad_norm
     t.opt.step()
     t.sched.step()
     return st, grad_norm

@@ -28,6 +28,7 @@ import train  # noqa: E402
 from audit import Auditor, Options  # noqa: E402
 from hf_engine import sample  # noqa: E402
 from models import completion_logprobs, encode_prompt, local_smollm2  # noqa: E402
+from tasks import load_task  # noqa: E402
 
 
 @dataclass
@@ -66,7 +67,7 @@ def main(a: Args) -> None:
                 p.normal_(0, 0.02)
     auditor = Auditor(Options(), "addition", tok, None, None, args.micro_groups, lambda g: 1.0, lambda g: True,
                       say=lambda s: None)
-    task = auditor.task
+    task = load_task("addition")
     auditor.weights.remember(1, model)
     prompts = [encode_prompt(tok, task.prompts[i]) for i in range(a.groups)]
     with torch.no_grad():

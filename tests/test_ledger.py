@@ -15,7 +15,7 @@ import journal
 from ledger import BATCHES, Ledger
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from test_proxy import group, publish
-from test_proxy_access import as_, create, leased, own
+from test_proxy_access import as_, create, leased, open_dataset, own
 
 # --max-buffer: the traffic is random, not paced; the default (the staleness window) would answer it 429
 FLAGS = ("--max-staleness", "2", "--lease-s", "1", "--snapshot-commits", "7", "--quarantine-after", "2", "--max-buffer", "512")
@@ -31,6 +31,8 @@ def drive(p, bucket, rng: random.Random, rounds: int, book: dict) -> None:
     alice = as_(p, book.setdefault("alice", None) or create(p, "alice"))
     mallory = as_(p, book.setdefault("mallory", None) or create(p, "mallory"))
     book["alice"], book["mallory"] = alice.headers["x-proxy-token"], mallory.headers["x-proxy-token"]
+    for dataset, size in [("bound", 1000), ("a", 7), ("b", 7)]:  # the datasets the participants lease, the owner's
+        open_dataset(p, dataset, size)
     # the main sequence draws from `rng` alone and resubmits only its own groups, so a seed replays it; the
     # submitter alongside has its own generator (seeded from rng) and its own list
     sent, stop, side_rng = book.setdefault("sent", []), threading.Event(), random.Random(rng.randrange(2**32))

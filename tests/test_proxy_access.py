@@ -29,7 +29,15 @@ def as_(p, token: str) -> httpx.Client:
                         timeout=30)
 
 
+def open_dataset(p, dataset: str = "prompts", size: int = 1000) -> None:
+    """The run's owner opens a dataset, as a trainer opens its task's at its start: participants lease only those."""
+    r = p.http.post("/v1/prompts/datasets", json={"dataset": dataset, "size": size})
+    assert r.status_code == 200, r.text
+
+
 def create(p, name: str, role: str = "worker", max_rps: float = 0.0) -> str:
+    """A participant's token, in a run whose owner opened the tests' dataset ("prompts", 1000 prompts: `leased`'s)."""
+    open_dataset(p)
     r = p.http.post("/v1/tokens", json={"name": name, "role": role, "max_rps": max_rps})
     assert r.status_code == 200, r.text
     return r.json()["token"]
@@ -64,7 +72,7 @@ def test_each_role_may_call_what_its_scope_allows(bucket, spawn):
     publish(bucket, p, 1)
     worker, trainer = as_(p, create(p, "alice")), as_(p, create(p, "lab-1", "trainer"))
     assert worker.post("/v1/groups", json=own_group(worker, version=1)).json()["status"] == "accepted"
-    assert worker.post("/v1/prompts/lease", json={"dataset": "d", "size": 10, "n": 2}).status_code == 200
+    assert worker.post("/v1/prompts/lease", json={"dataset": "prompts", "size": 1000, "n": 2}).status_code == 200
     assert worker.get("/v1/adapters/latest").json()["version"] == 1
     assert worker.get("/v1/adapters/1/files").status_code == 200
     assert worker.get("/v1/whoami").json() | {"run_id": None} == {
@@ -190,6 +198,7 @@ def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
     token = next(line.strip() for line in out.stdout.splitlines() if line.strip().startswith("agrpo_"))
     assert "carol (worker, 50 requests/s)" in out.stdout
     carol = as_(p, token)
+    open_dataset(p)  # (the run's trainer opens its task's dataset; `own_group` leases a prompt of it)
     assert carol.post("/v1/groups", json=own_group(carol)).json()["status"] == "accepted"
     assert run("--token-limit", "carol", "--max-rps", "0").returncode == 0
     listed = run("--token-list")

@@ -21,40 +21,52 @@ from runlib import stand_in_trainer
 CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
 
 
-def test_routes_have_their_scopes_and_a_participant_answers_only_its_own_leases(bucket, spawn):
-    """Clients of the policy need an `inference` token (which can do nothing else); workers take and answer
-    requests with a `worker` token, keyed participant/worker_id: another participant using the same
-    worker_id can neither take over nor answer what was leased to the first one."""
+def test_routes_have_their_scopes_and_only_the_runs_own_workers_serve(bucket, spawn):
+    """Clients of the policy need an `inference` token (which can do nothing else); only the run's own workers (an
+    admin token) take and answer requests: a participant's worker token is refused, naming why, before it reads any
+    user's prompt. Workers are keyed by token and worker_id: another token using the same worker_id can neither take
+    over nor answer what was leased to the first one."""
     proxy = spawn()
     spec = proxy.http.get("/openapi.json").json()["paths"]
     assert {spec[p][m]["x-role"] for p, m in [("/v1/chat/completions", "post"), ("/v1/inference/stats", "get")]} == {"inference"}
-    assert {spec[p]["post"]["x-role"] for p in ("/v1/inference/lease", "/v1/inference/answers")} == {"worker"}
+    assert {spec[p]["post"]["x-role"] for p in ("/v1/inference/lease", "/v1/inference/answers")} == {"admin"}
     tok = {n: proxy.http.post("/v1/tokens", json={"name": n, "role": r}).json()["token"]
-           for n, r in [("asker", "inference"), ("bob", "worker"), ("carol", "worker")]}
+           for n, r in [("asker", "inference"), ("mallory", "worker"), ("lab", "trainer"), ("ops", "admin")]}
     as_ = {n: httpx.Client(base_url=proxy.url, headers={"X-Proxy-Token": t}, timeout=30) for n, t in tok.items()}
     assert as_["asker"].post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1}).status_code == 403
     assert as_["asker"].post("/v1/groups", content=b"{}").status_code == 403
     assert as_["asker"].post("/v1/chat/completions", json=CHAT).status_code == 503  # allowed; nobody serves yet
 
-    as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 0})  # now serving
+    proxy.http.post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 0})  # now serving
     got = []
     # bodies over 64 KiB within the routes' own limits (a 30k-character prompt of 4-byte characters, a 200 kB
     # answer) are taken: the general small-body cap must not refuse what the schema allows
     big = {**CHAT, "messages": [{"role": "user", "content": "\U0001d465" * 30000}]}
     t = Worker(lambda: got.append(as_["asker"].post("/v1/chat/completions", json=big)))  # its failure fails the test
     t.start()
-    (req,) = as_["bob"].post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 20}).json()["requests"]
-    fake = {"request_id": req["request_id"], "adapter_version": 0, "text": "carol's", "finish_reason": "stop",
+    wait_for(lambda: proxy.http.get("/v1/inference/stats").json()["waiting"] == 1, 60, msg="the request queued")
+    # the attack: a participant's worker token takes the user's request, reads its prompt, answers anything
+    for name in ("mallory", "lab"):
+        for path, body in [("/v1/inference/lease", {"worker_id": "w1", "max_requests": 1, "wait_s": 0}),
+                           ("/v1/inference/answers", {"worker_id": "w1", "answers": [{
+                               "request_id": "x" * 32, "adapter_version": 999999, "text": "mine", "finish_reason": "stop",
+                               "prompt_tokens": 1, "completion_tokens": 1}]})]:
+            r = as_[name].post(path, json=body)
+            assert r.status_code == 403 and r.json()["detail"] == (
+                f"participant {name!r} ({'worker' if name == 'mallory' else 'trainer'}) may not call POST {path}: it "
+                f"needs a admin token ({routing.SERVE_WHY})"), r.text
+    (req,) = proxy.http.post("/v1/inference/lease", json={"worker_id": "w1", "max_requests": 1, "wait_s": 20}).json()["requests"]
+    fake = {"request_id": req["request_id"], "adapter_version": 0, "text": "ops'", "finish_reason": "stop",
             "prompt_tokens": 1, "completion_tokens": 1}
-    r = as_["carol"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [fake]})
-    assert r.json() == {"accepted": 0, "unknown": [req["request_id"]]}  # leased to bob/w1, not carol/w1
+    r = as_["ops"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [fake]})
+    assert r.json() == {"accepted": 0, "unknown": [req["request_id"]]}  # leased to w1 (the run's token), not ops/w1
     assert req["messages"] == big["messages"]
     long_text = "7" * 200_000
-    r = as_["bob"].post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": long_text}]})
+    r = proxy.http.post("/v1/inference/answers", json={"worker_id": "w1", "answers": [{**fake, "text": long_text}]})
     assert r.json()["accepted"] == 1
     t.join(60)
     assert got[0].status_code == 200 and got[0].json()["choices"][0]["message"]["content"] == long_text
-    assert got[0].json()["worker_id"] == "bob/w1"
+    assert got[0].json()["worker_id"] == "w1"
 
 
 def ask(proxy, body=CHAT, out=None, timeout=60):
@@ -75,6 +87,12 @@ def lease(proxy, worker, n=4, wait_s=10.0):
     return proxy.http.post("/v1/inference/lease", json={"worker_id": worker, "max_requests": n, "wait_s": wait_s}).json()["requests"]
 
 
+def register(proxy, version: int) -> None:
+    """Register `version` (a proxy without a bucket checks no files): answers may claim it from now on."""
+    r = proxy.http.post("/v1/adapters", json={"version": version, "step": version, "published_at": time.time()})
+    assert r.status_code == 200, r.text
+
+
 def answer(proxy, worker, rid, version=3, **kw):
     a = {"request_id": rid, "adapter_version": version, **(kw or {"text": "7", "finish_reason": "stop",
                                                                   "prompt_tokens": 10, "completion_tokens": 1})}
@@ -91,6 +109,7 @@ def test_routing_contract(start_proxy):
     r = ask(proxy)  # nobody serves yet: an immediate, clear 503
     assert r.status_code == 503 and "no worker is serving" in r.text and r.headers["Retry-After"] == "10"
     assert lease(proxy, "w1", wait_s=0) == []
+    register(proxy, 3)  # the version the answers below claim (0, the base model, and registered ones only)
 
     # bad requests: 422 naming the problem, nothing queued
     bad = [({**CHAT, "n": 2}, "n"), ({**CHAT, "stream": True}, "stream"), ({**CHAT, "tools": []}, "tools"),
@@ -110,6 +129,11 @@ def test_routing_contract(start_proxy):
     (req,) = lease(proxy, "w1")
     assert {k: v for k, v in req.items() if k != "request_id"} == {
         "messages": CHAT["messages"], "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "seed": 5, "stop": ["\n"]}
+    # an adapter_version the run never registered is refused, the whole post, naming it; the request waits on
+    r = answer(proxy, "w1", req["request_id"], version=999999)
+    assert r.status_code == 422 and r.json()["detail"] == (
+        f"answer {req['request_id']}: adapter_version 999999 is not a version this run registered (the latest is 3): "
+        "nothing of this post was taken"), r.text
     assert answer(proxy, "w1", req["request_id"]).json() == {"accepted": 1, "unknown": []}
     t.join(60)
     r = got[0]
@@ -133,6 +157,7 @@ def test_routing_contract(start_proxy):
     again = lease(proxy, "w2")
     assert sorted(x["request_id"] for x in again) == sorted(x["request_id"] for x in held)
     assert answer(proxy, "w1", held[0]["request_id"]).json() == {"accepted": 0, "unknown": [held[0]["request_id"]]}
+    register(proxy, 4)
     answer(proxy, "w2", again[0]["request_id"], version=4)
     answer(proxy, "w2", again[1]["request_id"], error="prompt too long for the model")
     [t.join(60) for t in threads]

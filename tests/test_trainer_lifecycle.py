@@ -344,3 +344,52 @@ def test_a_trainer_stopped_while_it_holds_its_next_batch_gives_it_back(tiny_mode
             if isinstance(r, Role) and r.proc is not None:
                 stop(r.proc)
         s3_fwd.close()
+
+
+@pytest.mark.timeout(600)  # two trainer starts: about a minute on a quiet machine
+def test_killed_between_a_publish_and_its_registration_the_relaunch_trains_on(tiny_model, s3_env, tmp_path, run_name):
+    """kill -9 of the trainer once adapters/latest.json names version 2 (a step before the last) and before the proxy
+    hears of it; relaunched with prefetch on (the default), it must register that version (the next trainer adopts
+    a version published but not registered, as a restarted proxy does), train on and finish the run: the next
+    batch, asked for ahead as the version after it, is not refused for being two past the proxy's latest."""
+    moto_port = int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1])
+    latest_puts, fired = [0], []
+
+    def watch(event: str, line: str) -> bool:
+        if event == "response" and re.match(r"^PUT /\S+/adapters/latest\.json ", line):
+            latest_puts[0] += 1
+            if latest_puts[0] == 2 and not fired:  # version 2 published; its registration not sent yet
+                os.kill(roles["trainer"].proc.pid, signal.SIGKILL)
+                fired.append(time.time())
+                return True
+        return False
+
+    s3_fwd = Forwarder(moto_port, watch)
+    roles: dict = {}
+    try:
+        proxy, worker, roles = _run(tiny_model, s3_env, tmp_path, run_name, "--lease-s", "600", "--max-buffer", "8",
+                                    trainer_s3=f"http://127.0.0.1:{s3_fwd.port}")
+        env, trainer = roles["env"], roles["trainer"]
+        args = ["--max-steps", "4", "--checkpoint-every", "1"]
+        trainer.start(*args)
+        wait_for(lambda: bool(fired), 300, "the trainer publishing version 2", trainer)
+        trainer.proc.wait(timeout=30)
+        assert _proxy_latest(env)["version"] == 1, "the kill came after version 2's registration"
+        trainer.start(*args)
+        assert trainer.proc.wait(timeout=300) == 0, trainer.last_run()[-3000:]
+        assert "409" not in trainer.last_run(), trainer.last_run()[-3000:]
+        assert worker.proc.wait(timeout=120) == 0, worker.text()[-3000:]
+        _end_cleanly(roles)
+    finally:
+        for r in roles.values():
+            if isinstance(r, Role) and r.proc is not None:
+                stop(r.proc)
+        s3_fwd.close()
+    bucket = common.Bucket(run=run_name)
+    got = audit(bucket)
+    assert got["steps"] == [1, 2, 3, 4]
+    check_adapters(bucket)
+    # version 2 registered by the relaunch, before the versions it published itself; the last one final
+    assert [v["version"] for v in got["versions"]] == list(range(1, len(got["versions"]) + 1))
+    assert got["versions"][-1]["final"] and [v["final"] for v in got["versions"]].count(True) == 1
+    print("\nPUBLISHED-NOT-REGISTERED", json.dumps({"versions": [v["version"] for v in got["versions"]]}))

@@ -16,8 +16,9 @@ from conftest import ROOT, stop
 from liar import hostile
 from proxyproc import Worker, metric, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from runlib import journal
+from tasks import load_task
 from test_proxy import group, publish
-from test_proxy_access import as_, create, leased, own, own_group
+from test_proxy_access import as_, create, leased, open_dataset, own, own_group
 
 
 def answer(client, g: dict) -> tuple[int, str]:
@@ -222,7 +223,7 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     args = train.Args(model=tiny_model)
     model, tok = train.build_model(args)
     auditor = Auditor(Options(), "addition", tok, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None)
-    task = auditor.task
+    task = load_task("addition")  # the Task itself (auditor.task is how the audit checks it)
 
     def perturb():  # a step's worth of change to the LoRA: the next version
         with torch.no_grad():
@@ -292,6 +293,7 @@ def test_a_restarted_trainer_still_audits_every_group_of_a_participant_that_fail
     publish(bucket, p, 1)  # the trainer starts at version 1, not fresh: no group is checked in its forward for free
     bob = as_(p, create(p, "bob"))
     tok, task = AutoTokenizer.from_pretrained(tiny_model), load_task("addition")
+    open_dataset(p, task.name, len(task.prompts))  # as the trainer does at its start: it starts below
 
     def bobs(inflate: bool) -> dict:
         got = bob.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
@@ -342,7 +344,7 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
     proxy = AuditReports()
     auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, proxy, 2, lambda g: 1.0,
                       lambda g: g["group_id"] in trains, say=lambda s: None)
-    task = auditor.task
+    task = load_task("addition")  # the Task itself (auditor.task is how the audit checks it)
 
     def made_up(gid: str, i: int) -> dict:  # the right prompt, honest rewards, logprobs nobody computed
         ids = tok.encode(f"The answer is {i}", add_special_tokens=False)
@@ -387,13 +389,13 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
         return True
     perturb()
     auditor.weights.remember(1, model)
-    prompts = [encode_prompt(tok, auditor.task.prompts[i]) for i in (0, 1)]
+    prompts = [encode_prompt(tok, load_task("addition").prompts[i]) for i in (0, 1)]
     with torch.no_grad():
         got = sample(model, prompts, 4, 10, 1.0, set(), tok.eos_token_id, swap=lambda i: i == 4 and perturb())
     auditor.weights.remember(2, model)
     groups = []
     for b, i in enumerate((0, 1)):
-        comps, _, _ = single_turn(auditor.task, tok, i, got[b * 4:(b + 1) * 4], 1, [(4, 2)])
+        comps, _, _ = single_turn(load_task("addition"), tok, i, got[b * 4:(b + 1) * 4], 1, [(4, 2)])
         assert all(c["versions"] == [[0, 1], [4, 2]] for c in comps)
         groups.append({"group_id": f"m{b}", "policy_version": 1, "prompt_ids": prompts[b], "completions": comps,
                        "participant": "p", "prompt_dataset": "addition", "prompt_index": i, "lease_id": "l" * 8,

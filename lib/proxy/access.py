@@ -4,9 +4,11 @@ limits, and the ASGI guard that checks all of it before a request body is read.
 Roles, each allowed what the one before it may do, and more:
 
     inference  ask the policy being trained (POST /v1/chat/completions, routing.py), and nothing else
-    worker   lease prompts, submit groups, read adapter versions and their files, serve routed requests
+    worker   lease prompts, submit groups, read adapter versions and their files
     trainer  also lease, renew and ack batches, register versions, read /v1/stats and /metrics
-    admin    everything, including creating, limiting and revoking tokens
+    admin    everything, including creating, limiting and revoking tokens, and serving routed requests (the
+             run's own workers, on its PROXY_TOKEN: a routed request is another user's prompt, not a participant's
+             to read or answer)
 
 The run's PROXY_TOKEN is the admin token (the launcher's own jobs use it). Participant tokens are
 created through `POST /v1/tokens` (or `bash launch_jobs.sh --token-create NAME --role worker`); the
@@ -54,11 +56,12 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")  # participant names: they appe
 ADMIN = "admin"  # the name the run's PROXY_TOKEN goes by
 
 
-def scope(role: str, large_body: bool = False) -> dict:
+def scope(role: str, large_body: bool = False, why: str | None = None) -> dict:
     """A route's declaration, as its `openapi_extra`: the least role that may call it ("open": anyone,
-    and no body), and whether it takes bodies up to the proxy's --max-body-mb (else 64 KiB)."""
+    and no body), whether it takes bodies up to the proxy's --max-body-mb (else 64 KiB), and why a lesser role
+    may not (said in the 403, where the role alone does not explain it)."""
     assert role == "open" or role in Role.__members__, role
-    return {"x-role": role, **({"x-large-body": True} if large_body else {})}
+    return {"x-role": role, **({"x-large-body": True} if large_body else {}), **({"x-why": why} if why else {})}
 
 
 def token_hash(token: str | bytes) -> str:
@@ -221,7 +224,7 @@ def refusal(status: int, detail: str, close: bool, extra: dict | None = None):
 
 
 class Rules:
-    """(method, path) -> (least role, large body), read once from the app's OpenAPI schema (it lists every
+    """(method, path) -> (least role, large body, why), read once from the app's OpenAPI schema (it lists every
     route, included routers too, with its openapi_extra): exact paths in a dict, templated ones as regexes.
     A route without a declaration needs the admin token. Unknown paths and methods need a worker token
     (an inference token gets 403); FastAPI then answers 404 or 405."""
@@ -233,7 +236,7 @@ class Rules:
             rules = {}
             for method, op in ops.items():
                 role = op.get("x-role", "admin")
-                rules[method.upper()] = (None if role == "open" else Role[role], bool(op.get("x-large-body")))
+                rules[method.upper()] = (None if role == "open" else Role[role], bool(op.get("x-large-body")), op.get("x-why"))
             if "GET" in rules:
                 rules.setdefault("HEAD", rules["GET"])
             if "{" in path:
@@ -241,13 +244,13 @@ class Rules:
             else:
                 self.exact[path] = rules
 
-    def find(self, method: str, path: str) -> tuple[Role | None, bool]:
+    def find(self, method: str, path: str) -> tuple[Role | None, bool, str | None]:
         if path in OPEN_PATHS:  # any method: no token, and no body
-            return None, False
+            return None, False, None
         rules = self.exact.get(path)
         if rules is None:
             rules = next((r for rx, r in self.patterns if rx.match(path)), {})
-        return rules.get(method, (Role.worker, False))
+        return rules.get(method, (Role.worker, False, None))
 
 
 def guard(app, policy: Policy):
@@ -265,7 +268,7 @@ def guard(app, policy: Policy):
         t0 = time.perf_counter()
         if not rules:
             rules.append(Rules(scope["app"].openapi()))
-        role, large = rules[0].find(scope["method"], scope["path"])
+        role, large, why_role = rules[0].find(scope["method"], scope["path"])
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         has_body = (declared not in (None, b"0")) or b"transfer-encoding" in headers
@@ -285,7 +288,8 @@ def guard(app, policy: Policy):
                                       f"it (bash launch_jobs.sh --token-reinstate {who.name})", has_body)
             elif who.role < role:
                 refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
-                                      f"{scope['path']}: it needs a {role.name} token", has_body)
+                                      f"{scope['path']}: it needs a {role.name} token" + (f" ({why_role})" if why_role else ""),
+                                 has_body)
             elif (spoken := headers.get(b"x-protocol")) is not None and spoken != str(PROTOCOL).encode():
                 refuse = refusal(426, protocol_mismatch(spoken.decode(errors="replace")), has_body)
             elif wait := policy.tokens.throttle(who):

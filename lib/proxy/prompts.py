@@ -19,6 +19,15 @@ class PromptError(ValueError):
     """A prompt lease that cannot be served as asked (the proxy answers 409)."""
 
 
+class NotOpen(PromptError):
+    """A participant asked for prompts of a dataset the run's owner has not opened (yet): the proxy answers that it
+    waits (a paced lease: no grant; another: 503 with Retry-After, which a worker's client waits out)."""
+
+    def __init__(self, dataset: str):
+        super().__init__(f"dataset {dataset!r} is not open in this run yet: the run's trainer opens its task's dataset "
+                         "when it starts (POST /v1/prompts/datasets); ask again")
+
+
 def _mix(z: int) -> int:
     """splitmix64's finalizer: a cheap, well-spread 64-bit hash (the Feistel round function)."""
     z = (z * 0x9E3779B97F4A7C15) & M64
@@ -51,14 +60,30 @@ class Cursors:
     def __init__(self, seed: int, max_datasets: int = 64):
         self.seed, self.max_datasets, self.table = seed, max_datasets, {}
 
-    def reserve(self, dataset: str, size: int, n: int) -> tuple[list[tuple[int, range]], dict]:
-        """Move the cursor past the next n positions: ([(epoch, positions)], the cursor record to journal).
-        Cheap (the indices are computed afterwards, by indices())."""
-        if dataset not in self.table and len(self.table) >= self.max_datasets:
+    def open(self, dataset: str, size: int) -> dict | None:
+        """The run's owner (its trainer, or the admin token) says the run has `dataset` of `size` prompts: the cursor
+        record to journal, or None when it is open already with that size. Only the owner opens one: a participant
+        that could would fix a dataset's size for the run (every honest lease then refused) or fill the table with
+        made-up names (every dataset not yet leased refused)."""
+        if dataset in self.table:
+            if self.table[dataset]["size"] != size:
+                raise PromptError(f"dataset {dataset!r} has size {self.table[dataset]['size']} in this run, not {size}")
+            return None
+        if len(self.table) >= self.max_datasets:
             raise PromptError(f"this run already has {self.max_datasets} datasets")
-        cur = self.table.setdefault(dataset, {"size": size, "epoch": 0, "pos": 0})
-        if cur["size"] != size:
-            raise PromptError(f"dataset {dataset!r} has size {cur['size']} in this run, not {size}")
+        self.table[dataset] = {"size": size, "epoch": 0, "pos": 0}
+        return {"t": "cursor", "dataset": dataset, **self.table[dataset]}
+
+    def reserve(self, dataset: str, size: int, n: int, owner: bool) -> tuple[list[tuple[int, range]], dict]:
+        """Move the cursor past the next n positions: ([(epoch, positions)], the cursor record to journal).
+        Cheap (the indices are computed afterwards, by indices()). owner: the caller may open the dataset (open());
+        a participant's lease is of an open dataset, at its size, and of at most that many prompts."""
+        if dataset not in self.table and not owner:
+            raise NotOpen(dataset)
+        self.open(dataset, size)
+        cur = self.table[dataset]
+        if not owner and n > size:
+            raise PromptError(f"n {n} is more than dataset {dataset!r}'s {size} prompts")
         spans = []
         while n:
             take = min(n, size - cur["pos"])

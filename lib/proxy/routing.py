@@ -8,7 +8,10 @@ rollout workers keep making only outbound calls. proxy.py calls `install(app)`; 
 1. A client posts an OpenAI-shaped chat request to `POST /v1/chat/completions`; it waits in a FIFO queue.
 2. A serving worker (rollout.py, `--serve`, the default) takes up to a few requests between its rounds with
    `POST /v1/inference/lease` (a long-poll, like its prompt leases), generates with the adapter it
-   serves, and posts the answers to `POST /v1/inference/answers`, each with that adapter's version.
+   serves, and posts the answers to `POST /v1/inference/answers`, each with that adapter's version (one the
+   run registered: another is refused, 422). Only the run's own workers serve (an admin token: the run's
+   PROXY_TOKEN, its jobs'): a request is another user's prompt, which a participant's worker may neither read
+   nor answer (docs/trust.md); a participant's worker is refused (403) and stops asking.
 3. The client gets an OpenAI `chat.completion` plus `adapter_version` and `worker_id` (and the header
    `X-Adapter-Version`).
 
@@ -30,6 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 from fastapi import HTTPException, Request
@@ -57,6 +61,11 @@ class Limits:
 
 
 LIMITS = Limits()  # the proxy's --route.* options (proxy.py sets them at start)
+# why an answer's adapter_version cannot be one a worker served with (None: it can); proxy.py's install() passes
+# the rule (a version the run registered, or 0), which needs its book
+VERSION_PROBLEM: Callable[[int], str | None] = lambda version: None
+SERVE_WHY = ("routed requests are other users' prompts: only the run's own workers serve them, on its token; "
+             "start the worker with --no-serve")
 MAX_WORKERS = 4096  # serving workers we remember (client-chosen names: bounded)
 
 
@@ -287,6 +296,8 @@ async def post_answers(req: AnswersRequest, request: Request) -> dict:
     """A worker's answers. One it no longer holds (timed out, or taken over) is counted and ignored, unless
     the request is still waiting for someone: then the late answer is as good as any."""
     accepted, unknown, worker = 0, [], worker_key(request, req.worker_id)
+    if wrong := [f"answer {a.request_id}: {why}" for a in req.answers if (why := VERSION_PROBLEM(a.adapter_version))]:
+        raise HTTPException(422, "; ".join(wrong[:4]) + ": nothing of this post was taken")
     for a in req.answers:
         r = Q.leased.get(a.request_id)
         if r is None or r.leased_by != worker:
@@ -305,16 +316,21 @@ async def inference_stats() -> dict:
     return stats()
 
 
-def install(app) -> None:
+def install(app, version_problem: Callable[[int], str | None]) -> None:
     """Add the routes to `app`, each with the least token role that may call it (access.py): clients of the
-    policy need `inference`, the workers that take and answer requests `worker`. On the app itself, not an
+    policy need `inference`, the workers that take and answer requests `admin` (the run's own). version_problem(v):
+    why an answer's adapter_version is not one the run registered (None: it is). On the app itself, not an
     included APIRouter: FastAPI matches those lazily, at a cost on every request (access.install)."""
+    global VERSION_PROBLEM
+    VERSION_PROBLEM = version_problem
     # a request's prompt (up to max_prompt_chars, 4 bytes each in UTF-8) and a batch of answers (max_tokens
     # each) can be well over the 64 KiB every other small route gets: these two take bodies up to
     # --max-body-mb, and their schemas bound what is in them
     for method, path, endpoint, role, large in [
             ("POST", "/v1/chat/completions", chat_completions, "inference", True),
             ("GET", "/v1/inference/stats", inference_stats, "inference", False),
-            ("POST", "/v1/inference/lease", lease_requests, "worker", False),
-            ("POST", "/v1/inference/answers", post_answers, "worker", True)]:
-        app.add_api_route(path, endpoint, methods=[method], openapi_extra=scope(role, large_body=large), tags=["inference"])
+            ("POST", "/v1/inference/lease", lease_requests, "admin", False),
+            ("POST", "/v1/inference/answers", post_answers, "admin", True)]:
+        why = SERVE_WHY if role == "admin" else None
+        app.add_api_route(path, endpoint, methods=[method], openapi_extra=scope(role, large_body=large, why=why),
+                          tags=["inference"])

@@ -64,7 +64,8 @@ class LeaseResponse(BaseModel):
 
 class AuditFailure(Strict):
     group_id: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    check: Literal["reward", "prompt", "logprobs"]
+    check: Literal["reward", "prompt", "logprobs", "invalid"]
+    """invalid: the trainer cannot train on it at all (it breaks a rule of the schema, or processing it raised)"""
     detail: str = Field(min_length=1, max_length=2000)
 
 
@@ -82,6 +83,12 @@ class RegisterRequest(Strict):
     published_at: float = Field(ge=0, le=1e11)
     final: bool = False
     """the trainer is done: workers stop after this version; nothing registers after it"""
+
+
+class DatasetRequest(Strict):
+    dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
+    size: int = Field(ge=1, le=1 << 22)
+    """its prompts: every lease of it must say this size"""
 
 
 class PromptLeaseRequest(Strict):

@@ -4,8 +4,10 @@ task, the tokenizer and the model is checked here, on every batch, before the st
 
   prompt    the group's prompt_ids are the chat-formatted prompt the proxy leased it (its dataset, as the proxy
             recorded it, is this run's task; its index one of the task's);
-  reward    each completion's reward is the task's own reward of its decoded text (a --audit.reward-share of
-            groups; by default all: decoding and the task's check cost milliseconds);
+  reward    each completion's reward is the task's own reward of its decoded text, or for an environment the
+            score of its episode replayed (a --audit.reward-share of groups; by default all: decoding and the
+            task's check cost milliseconds). What each kind of task allows (a library environment's episodes
+            are not replayed: neither check is made) is lib/train/audit_tasks.py;
   logprobs  the behaviour logprobs are those of the version that sampled each token, recomputed with that
             version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
             otherwise): a --audit.logprob-share of the groups the step trains, one forward each. Groups on-policy
@@ -32,10 +34,12 @@ from dataclasses import dataclass, replace
 import httpx
 import torch
 
-from common import AdapterError, BucketError, fetch_adapter, sampled_mask, token_versions
-from models import completion_logprobs, encode_prompt, lora_views, pad_right
+from pydantic import ValidationError
+
+from common import AdapterError, BucketError, TrajectoryGroup, fetch_adapter, sampled_mask, token_id_problem, token_versions
+from audit_tasks import Unreplayed, audited
+from models import completion_logprobs, lora_views, pad_right
 from proxy_client import ProxyClient, ProxyError
-from tasks import load_task
 
 
 @dataclass
@@ -61,6 +65,27 @@ class Options:
 def versions_sampled(g: dict) -> set[int]:
     """The adapter versions that sampled a group's tokens (its policy_version, or its completions' runs)."""
     return {v for c in g["completions"] for v, m in zip(token_versions(c, g["policy_version"]), sampled_mask(c)) if m}
+
+
+LEASE_FIELDS = ("prompt_dataset", "participant")  # what the proxy adds to a group it leases out (wire.LeasedGroup)
+
+
+def group_problem(g: dict, vocab_size: int) -> str | None:
+    """Why the trainer cannot train on a leased group (None: it can): the schema it was sent in (common.TrajectoryGroup,
+    checked again on what the proxy hands out, so that no group its journal holds from before a rule was added, or
+    that the rule missed, reaches the step), and token ids the model has (token_id_problem)."""
+    try:
+        TrajectoryGroup.model_validate({k: v for k, v in g.items() if k not in LEASE_FIELDS})
+    except ValidationError as e:
+        first = e.errors()[0]
+        return f"{'.'.join(map(str, first['loc'])) or 'group'}: {first['msg']}"
+    return token_id_problem(g["prompt_ids"], [c["token_ids"] for c in g["completions"]], vocab_size)
+
+
+def sender(g: dict) -> str:
+    """Who sent a group, for the log: its participant (or the run's own token) and its worker."""
+    who = f"participant {g['participant']!r}" if g.get("participant") else "the run's own token"
+    return f"{who}, worker {str(g.get('worker_id'))[:128]!r}"
 
 
 class Weights:
@@ -163,38 +188,41 @@ class Auditor:
 
     @property
     def task(self):
-        if self._task is None:  # loaded at the first participant's group: a run of the admin's own workers needs none
-            self._task = load_task(self.task_name)
+        """The run's task as the audit checks it (audit_tasks.audited). Loaded at the trainer's start (train.open_dataset)
+        or else at the first participant's group."""
+        if self._task is None:
+            self._task = audited(self.task_name, self.tok)
+            if isinstance(self._task, Unreplayed):
+                self.say(f"audit: {self._task.why}")
         return self._task
 
     # ---- the checks ----------------------------------------------------------------------------------
     def prompt_problem(self, g: dict) -> str | None:
-        ds, i = g.get("prompt_dataset"), g.get("prompt_index")
-        if ds != self.task.name or not isinstance(i, int):
-            return f"it answers a prompt of dataset {ds!r} (lease {g.get('lease_id')}), this run's task is {self.task.name!r}"
-        if not 0 <= i < len(self.task.prompts):
-            return f"prompt index {i} is not one of task {self.task.name}'s {len(self.task.prompts)}"
-        if g["prompt_ids"] != (want := encode_prompt(self.tok, self.task.prompts[i])):
+        task, ds, i = self.task, g.get("prompt_dataset"), g.get("prompt_index")
+        if task.name is None:  # a library environment's: the proxy's checks on arrival only (audit_tasks)
+            return None
+        if ds != task.name or not isinstance(i, int):
+            return f"it answers a prompt of dataset {ds!r} (lease {g.get('lease_id')}), this run's task is {task.name!r}"
+        if not 0 <= i < task.size:
+            return f"prompt index {i} is not one of task {task.name}'s {task.size}"
+        if g["prompt_ids"] != (want := task.prompt_ids(i)):
             return (f"its prompt_ids ({len(g['prompt_ids'])} tokens) are not the chat-formatted prompt {i} it was leased "
                     f"({len(want)} tokens)")
         return None
 
     def reward_problem(self, g: dict) -> str | None:
-        task, i = self.task, g["prompt_index"]
         for k, c in enumerate(g["completions"]):
-            if hasattr(task, "episode_reward"):  # an environment scores its own episodes
-                r = task.episode_reward(self.tok, c, i)
-            elif 0 in sampled_mask(c):
-                return f"completion {k} has environment tokens, but task {task.name} is single-turn"
-            else:
-                r = task.reward(self.tok.decode(c["token_ids"], skip_special_tokens=True), i)[0]
-            if abs(r - c["reward"]) > self.opts.reward_tol:
-                return f"completion {k} claims reward {c['reward']:g}; the task's reward of its text is {r:g}"
+            r, why = self.task.rescore(c, g["prompt_index"])
+            if why is not None:
+                return f"completion {k}: {why}"
+            if r is not None and abs(r - c["reward"]) > self.opts.reward_tol:
+                return f"completion {k} claims reward {c['reward']:g}; the task's reward of it is {r:g}"
         return None
 
     def deviation(self, dev_sum: float, dev_max: float, n: int) -> str | None:
         mean = dev_sum / max(n, 1)
-        if mean > self.opts.max_dev_mean or dev_max > self.opts.max_dev_token:
+        # written as "not within": a NaN deviation (logprobs that overflow) fails, where "NaN > limit" would pass it
+        if not (mean <= self.opts.max_dev_mean and dev_max <= self.opts.max_dev_token):
             return (f"its behaviour logprobs differ from those recomputed under the version that sampled them by "
                     f"{mean:.2e} on average over {n} sampled tokens, {dev_max:.2e} at most (limits "
                     f"{self.opts.max_dev_mean:g}, {self.opts.max_dev_token:g})")
@@ -251,6 +279,36 @@ class Auditor:
                 a[2] += int((mask.cpu().bool() & mine)[rows].sum())
 
     # ---- a batch -------------------------------------------------------------------------------------
+    def screen(self, got: dict, groups: list[dict], vocab_size: int) -> list[dict]:
+        """The groups of a leased batch the trainer can train on at all (group_problem), whoever sent them; each
+        other one is left out, logged with its sender, and counted against its participant (check `invalid`)."""
+        bad = {g["group_id"]: ("invalid", why) for g in groups if (why := group_problem(g, vocab_size))}
+        return self.report(got["batch_id"], [], bad, groups) if bad else groups
+
+    def _first_checks(self, g: dict) -> tuple[str, str] | None:
+        """The prompt check, then (drawn, or every group of a suspect) the reward check: the failed one and why."""
+        if why := self.prompt_problem(g):
+            return "prompt", why
+        if (g["participant"] in self.suspects or self.rng.random() < self.opts.reward_share) and (why := self.reward_problem(g)):
+            return "reward", why
+        return None
+
+    def _recompute_each(self, model, groups: list[dict], version: int, fresh: bool, failed: dict) -> tuple[dict, int]:
+        """recompute(), and where the batch's forward raises, group by group: a group whose own forward raises fails
+        (check `invalid`) and the others are judged as ever."""
+        try:
+            return self.recompute(model, groups, version, fresh)
+        except Exception:  # noqa: BLE001 - one of them; which is found below
+            devs, lost = {}, 0
+            for g in groups:
+                try:
+                    d, n = self.recompute(model, [g], version, fresh)
+                    devs.update(d)
+                    lost += n
+                except Exception as e:  # noqa: BLE001 - what the group carries made its forward raise
+                    failed[g["group_id"]] = ("invalid", f"recomputing its logprobs raised {type(e).__name__}: {e}")
+            return devs, lost
+
     def check(self, got: dict, groups: list[dict], model, version: int, fresh: bool) -> tuple[list[dict], dict]:
         """The groups of a leased batch to train on, and the audit's metrics. `fresh`: the model holds exactly
         version `version`'s weights (nothing trained since it was published)."""
@@ -259,18 +317,18 @@ class Auditor:
             return groups, {}
         t0, failed = time.perf_counter(), {}
         for g in theirs:
-            suspect = g["participant"] in self.suspects
-            if why := self.prompt_problem(g):
-                failed[g["group_id"]] = ("prompt", why)
-            elif (suspect or self.rng.random() < self.opts.reward_share) and (why := self.reward_problem(g)):
-                failed[g["group_id"]] = ("reward", why)
+            try:
+                if verdict := self._first_checks(g):
+                    failed[g["group_id"]] = verdict
+            except Exception as e:  # noqa: BLE001 - decoding or the task's reward of what it carries raised
+                failed[g["group_id"]] = ("invalid", f"checking its prompt and rewards raised {type(e).__name__}: {e}")
         # the step's own forward checks, for free, the groups it trains whose every token the weights we hold sampled;
         # of the others a share is drawn among those it trains: the logprobs of a group it leaves out (rewards all
         # equal: advantage 0, no gradient whatever they say) cannot steer the update. A suspect's are all audited.
         free = lambda g: fresh and self.trains(g) and versions_sampled(g) == {version}  # noqa: E731
         audit = [g for g in theirs if g["group_id"] not in failed and not free(g)
                  and (g["participant"] in self.suspects or (self.trains(g) and self.rng.random() < self.opts.logprob_share))]
-        devs, lost = self.recompute(model, audit, version, fresh)
+        devs, lost = self._recompute_each(model, audit, version, fresh, failed)
         worst = [0.0, 0.0]
         for gid, (s, mx, n) in devs.items():
             worst = [max(worst[0], s / max(n, 1)), max(worst[1], mx)]
@@ -297,14 +355,17 @@ class Auditor:
 
     def report(self, batch_id: str, checked: list[str], failed: dict[str, tuple], groups: list[dict]) -> list[dict]:
         """Tell the proxy; returns the groups left to train on (not failed, not of a participant now quarantined)."""
-        held = set()
+        held, by_id = set(), {g["group_id"]: g for g in groups}
         for gid, (check, why) in failed.items():
-            who = next(g["participant"] for g in groups if g["group_id"] == gid)
-            self.suspects.add(who)
-            self.say(f"audit: group {gid} of participant {who!r} failed the {check} check: {why}")
-        body = {"checked": checked, "failures": [{"group_id": g, "check": c, "detail": w[:2000]} for g, (c, w) in failed.items()]}
+            if who := by_id[gid].get("participant"):
+                self.suspects.add(who)
+            self.say(f"audit: group {gid} of {sender(by_id[gid])} failed the {check} check: {why[:2000]}; left out")
+        # the run's own groups (the admin token) are logged, not reported: the proxy counts failures of participants only
+        theirs = [(g, c, w) for g, (c, w) in failed.items() if by_id[g].get("participant")]
+        body = {"checked": checked, "failures": [{"group_id": g, "check": c, "detail": w[:2000]} for g, c, w in theirs]}
         try:
-            for who, p in self.client.post(f"/v1/batches/{batch_id}/audit", body)["participants"].items():
+            answer = self.client.post(f"/v1/batches/{batch_id}/audit", body) if checked or theirs else {"participants": {}}
+            for who, p in answer["participants"].items():
                 if p["quarantined"]:
                     held.add(who)
                 if p["failed"]:

@@ -2,6 +2,7 @@
 tests/test_trust.py's acceptance run and bench/audit_cost.py's learning comparison."""
 import contextlib
 import itertools
+import time
 import uuid
 
 import httpx
@@ -33,7 +34,9 @@ def hostile(url: str, token: str, tok, owner, bucket, said: list, done: list) ->
         return now.get("by_check", {}).get(kind, 0) > before.get("by_check", {}).get(kind, 0)
 
     def lease() -> tuple[dict, int]:
-        got = me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1}).json()
+        while (r := me.post("/v1/prompts/lease", json={"dataset": task.name, "size": len(task.prompts), "n": 1})).status_code == 503:
+            time.sleep(float(r.headers.get("Retry-After", "1")))  # the trainer has not opened its task's dataset yet
+        got = r.json()
         return {"lease_id": got["lease_id"], "prompt_index": got["indices"][0]}, got["indices"][0]
 
     def crafted(version: int, inflate=False, other_prompt=False, logprobs=None) -> dict:
