@@ -65,7 +65,7 @@ from vllm_engine import VLLMSampler
 from environments import is_environment, load_environment
 from episodes import Budget, Renderer, group_of, run_episodes
 from metrics import Metrics
-from models import LOCAL_MODEL, encode_prompt
+from models import LOCAL_MODEL, encode_prompt, model_path
 from proxy_client import ProxyClient, ProxyError, proxy_adapter_meta
 from runconfig import record_config
 from spool import LocalMetrics, Spool
@@ -581,7 +581,7 @@ def main(args: Args) -> None:
         f"{msg}; {len(spool.pending())} spooled group(s) kept"))
     if vf:  # verifiers' own loop, generating through the loopback endpoint with the adapter the engine serves
         from verifiers_env import VerifiersEnvironment
-        task = env = VerifiersEnvironment(args.task.partition(":")[2], args.model, engine.generate_ids,
+        task = env = VerifiersEnvironment(args.task.partition(":")[2], model_path(args.model), engine.generate_ids,
                                           args.vllm_max_model_len, args.temperature, args.max_new_tokens,
                                           args.max_turns, args.max_episode_tokens)
     sync = AdapterSync(client, bucket, model=args.model, worker_id=args.worker_id, max_lora_rank=max_lora_rank,

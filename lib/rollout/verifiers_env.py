@@ -51,6 +51,15 @@ def set_path(cfg: dict, dotted: str, value: str) -> None:
     cfg[last] = int(value) if value.lstrip("-").isdigit() else value
 
 
+def episode_error(ep) -> str:
+    """Why a verifiers episode failed: its traces' errors first (a model call's failure, such as the renderer
+    refusing the model name, is recorded on the trace, not on the episode), then the episode's own."""
+    errors = [err for t in ep.traces for err in t.errors] + list(ep.errors)
+    if not errors:
+        return "no model call was made"
+    return f"{errors[0].type}: {errors[0].message}"[:500]
+
+
 class VerifiersEnvironment:
     """A verifiers env, its tasks by index, and the loopback endpoint its agents generate through."""
 
@@ -128,8 +137,7 @@ class VerifiersEnvironment:
         if len(e.tokens) > self.max_tokens:  # the proxy would refuse the group: say so here
             e.failed = f"the episode has {len(e.tokens)} tokens, more than --max-episode-tokens {self.max_tokens}"
         if not ep.ok or not calls or 1 not in e.mask:
-            why = ep.errors[-1].message[:300] if ep.errors else "no model call was made"
-            e.failed = f"the verifiers episode did not complete: {why}"
+            e.failed = f"the verifiers episode did not complete: {episode_error(ep)}"
         return e
 
     def close(self) -> None:
