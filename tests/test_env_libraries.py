@@ -5,6 +5,7 @@ real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.p
     reasoning-gym:leg_counting     a reasoning-gym dataset, seeded and offline, scored by its own scorer
     openenv:tests/support/openenv_guess.py:app
                                    an OpenEnv server made with openenv-core's own classes, started by the worker
+    openenv:...:one_session        the same at the library's default of one session at once, a step failing
     verifiers:vf_sum               a single-turn verifiers (v1) taskset run by verifiers' own loop, and
     verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
                                    /inference/v1/generate
@@ -86,6 +87,23 @@ def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, buck
 
 
 @pytest.mark.timeout(600)
+def test_an_openenv_server_at_its_default_session_limit_trains_and_a_failing_step_drops_only_its_group(
+        start_proxy, bucket, run_name, tmp_path):
+    need("openenv")
+    # openenv-core's create_app allows one session unless told more; a round wants G x prompts per round = 4: the
+    # worker learns the limit, runs its episodes in waves of one, and the game's error on prompt 1 (every step of
+    # seed 1 raises on the server) drops that group, said, while the worker goes on
+    # (size=2: each round of two prompts is prompts 0 and 1, so every round drops one group and sends the other)
+    rows, roll, log = run_task("openenv:tests/support/openenv_guess.py:one_session?max_turns=3&size=2", start_proxy,
+                               bucket, run_name, None, tmp_path, G=2, groups=1)
+    assert "openenv-openenv_guess allows 1 session(s) at once; a round runs G x prompts per round = 4 episodes" in log
+    assert ("group of prompt 1 not sent: episode 0: the environment's step failed: RuntimeError: Server error: "
+            "the game broke (code: EXECUTION_ERROR)") in log, log[-3000:]
+    assert roll[0]["rollout/groups_dropped_drift"] == 1 and sum(r["rollout/groups_accepted"] for r in roll) >= 2
+    assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0 and all("reward/diag_env_steps" in r for r in rows)
+
+
+@pytest.mark.timeout(600)
 def test_a_single_turn_verifiers_environment_trains_end_to_end_with_the_default_model(start_proxy, bucket, run_name,
                                                                                      tmp_path):
     need("verifiers")
@@ -134,3 +152,26 @@ def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
         assert r == want == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
                                             if "<answer>" in text else None, entry=ds[0]), (text, r)
         assert parts["diag_answer_tagged"] == float("<answer>" in text)
+
+
+def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
+    """A misspelled reasoning-gym dataset is told the nearest names; one that needs a configuration (composite) that
+    --task cannot give it; a verifiers id that does not import, how to install it: one message each, no traceback."""
+    need("reasoning_gym")
+    need("verifiers")
+    import environments
+    from verifiers_env import VerifiersEnvironment
+    cases = [(lambda: environments.load_environment("reasoning-gym:chain_summ"),
+              "reasoning-gym has no dataset 'chain_summ'; did you mean chain_sum"),
+             (lambda: environments.load_environment("reasoning-gym:composite"),
+              "reasoning-gym:composite cannot be made from its name alone (AssertionError: Must specify at least one "
+              "dataset): it needs a configuration, which --task does not take; name a dataset of its own"),
+             (lambda: VerifiersEnvironment("vf_summ", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_summ: taskset 'vf_summ' not found (tried to import 'vf_summ').")]
+    for make, want in cases:
+        with pytest.raises(SystemExit) as e:
+            make()
+        assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
+        assert e.value.__cause__ is None  # (raised from None: no chained traceback above the message)
+    assert str(e.value).endswith("Install its package (pip install, or prime env install OWNER/vf_summ), or put it "
+                                 "on PYTHONPATH.")

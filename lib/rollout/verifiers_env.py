@@ -67,14 +67,18 @@ class VerifiersEnvironment:
                  max_new_tokens: int, max_turns: int, max_tokens: int):
         require("verifiers", "verifiers.v1")
         import verifiers.v1 as vf
-        from verifiers.v1.utils.loaders import environment_class
+        from verifiers.v1.utils.loaders import environment_class, import_taskset
         # the null harness's chat program runs under uv: the one beside this interpreter first
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         ident, _, query = spec.partition("?")
         try:
+            import_taskset(ident)  # (environment_class falls back to a bare env when it does not import)
             cls = environment_class(ident)
-        except (ModuleNotFoundError, TypeError, AttributeError, ValueError) as e:
-            raise SystemExit(f"verifiers:{ident}: {e}") from e
+        except ModuleNotFoundError as e:
+            raise SystemExit(f"verifiers:{ident}: {e} Install its package (pip install, or prime env install "
+                             f"OWNER/{ident}), or put it on PYTHONPATH.") from None
+        except (TypeError, AttributeError, ValueError) as e:
+            raise SystemExit(f"verifiers:{ident}: {e}") from None
         cfg_type = next((b.__args__[0] for b in getattr(cls, "__orig_bases__", ()) if getattr(b, "__args__", None)),
                         vf.SingleAgentEnvConfig)
         raw: dict = {"taskset": {"id": ident}}

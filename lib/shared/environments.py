@@ -21,11 +21,13 @@ only when such a task is asked for, and a missing one is named with the command 
 from __future__ import annotations
 
 import ast
+import difflib
 import operator
 import random
 import re
 
 from env_types import Environment, Session, Step, require  # noqa: F401 - the contract, re-exported
+from tasks import unknown_task
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +122,13 @@ class ReasoningGymSession(Session):
         return r, {"correct": r, "diag_answer_tagged": float(answer is not None)}
 
 
+def no_dataset(name: str, names: list[str]) -> str:
+    """What reasoning-gym:NAME of no dataset is told: the nearest names (difflib), else the first of them all."""
+    near = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    return (f"reasoning-gym has no dataset {name!r}; " + (f"did you mean {', '.join(near)}? " if near else "")
+            + f"its {len(names)} datasets: {', '.join(names[:12])}, ... (reasoning_gym.factory.DATASETS)")
+
+
 def reasoning_gym(name: str, seed: int = 0, split: str = "train") -> Environment:
     rg = require("reasoning-gym")
     from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
@@ -127,8 +136,10 @@ def reasoning_gym(name: str, seed: int = 0, split: str = "train") -> Environment
         ds = rg.create_dataset(name, size=RG_SIZE if split == "train" else RG_EVAL,
                                seed=seed if split == "train" else seed + 1_000_003)
     except (KeyError, ValueError) as e:
-        raise SystemExit(f"reasoning-gym has no dataset {name!r} ({e}); its datasets: "
-                         f"{', '.join(sorted(rg.factory.DATASETS)[:12])}, ...") from e
+        raise SystemExit(no_dataset(name, sorted(rg.factory.DATASETS))) from None
+    except (AssertionError, TypeError) as e:  # its config's own checks: a dataset that needs settings (composite)
+        raise SystemExit(f"reasoning-gym:{name} cannot be made from its name alone ({type(e).__name__}: {e}): it "
+                         "needs a configuration, which --task does not take; name a dataset of its own") from None
     entries = [ds[i] for i in range(len(ds))]
     system = {"role": "system", "content": SYSTEM_PROMPTS["default"]}
     return Environment(f"reasoning-gym-{name}", [[system, {"role": "user", "content": e["question"]}] for e in entries],
@@ -142,8 +153,9 @@ def is_environment(name: str) -> bool:
     return name == "calculator" or name.split(":", 1)[0] in ("reasoning-gym", "openenv", "verifiers")
 
 
-def load_environment(name: str, split: str = "train", seed: int = 0) -> Environment:
-    """`calculator`, `reasoning-gym:NAME`, `openenv:URL` / `openenv:MODULE:CLASS`, `verifiers:ENV_ID`."""
+def load_environment(name: str, split: str = "train", seed: int = 0, sessions: int = 0) -> Environment:
+    """`calculator`, `reasoning-gym:NAME`, `openenv:URL` / `openenv:MODULE:CLASS`, `verifiers:ENV_ID`. sessions:
+    the episodes the caller runs at once (an OpenEnv server's lower limit is learnt: Environment.max_sessions)."""
     kind, _, rest = name.partition(":")
     if name == "calculator":
         return calculator(seed, split)
@@ -151,8 +163,7 @@ def load_environment(name: str, split: str = "train", seed: int = 0) -> Environm
         return reasoning_gym(rest, seed, split)
     if kind == "openenv" and rest:
         from openenv_env import openenv_environment
-        return openenv_environment(rest, split, seed)
+        return openenv_environment(rest, split, seed, sessions)
     if kind == "verifiers" and rest:
         raise SystemExit("verifiers environments run their own loop: rollout.py drives them through verifiers_env.py")
-    raise SystemExit(f"unknown environment {name!r}; built in: calculator, reasoning-gym:NAME, openenv:URL, "
-                     "verifiers:ENV_ID")
+    raise SystemExit(unknown_task(name))

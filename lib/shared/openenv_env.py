@@ -30,6 +30,7 @@ from env_types import Environment, Session, Step, require
 
 SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
 EVAL_SEED = 1_000_003
+CAPACITY_WAIT_S = 120.0  # a session refused because the server is full is asked for again this long
 
 
 def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
@@ -69,11 +70,66 @@ def text_field(schema: dict, given: str | None, what: str) -> str | None:
     return strings[0] if len(strings) == 1 else None
 
 
+def refused(err: Exception) -> bool:
+    """Whether a session was refused because the server holds as many as it allows: its CAPACITY_REACHED error,
+    or the connection it closes right after sending it (which our first message can meet before the error)."""
+    from websockets.exceptions import ConnectionClosed
+    return "CAPACITY_REACHED" in str(err) or isinstance(err, ConnectionClosed)
+
+
+def close_quietly(client) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - a refused or broken connection: nothing left to tell the server
+        pass
+
+
+def open_reset(client_cls, url: str, seed: int, patience_s: float = CAPACITY_WAIT_S):
+    """A connected sync client and its reset(seed). A session refused for capacity is asked for again (the slot of
+    an episode that just ended is freed a moment after it closes; another worker's may end) for patience_s, then
+    the refusal is raised, naming the server's limit."""
+    t0 = time.monotonic()
+    while True:
+        client = client_cls(base_url=url).sync()
+        try:
+            client.connect()
+            return client, client.reset(seed=seed)
+        except Exception as e:
+            close_quietly(client)
+            if not refused(e):
+                raise
+            if time.monotonic() - t0 > patience_s:
+                raise RuntimeError(f"the OpenEnv server at {url} refused a session for {patience_s:.0f} s: it holds "
+                                   f"as many as it allows (its create_app(..., max_concurrent_envs=N)): {e}") from e
+        time.sleep(0.2)
+
+
+def session_limit(client_cls, url: str, want: int) -> int | None:
+    """How many sessions the server at url allows open at once, if fewer than `want` (None: it took `want`).
+    openenv's server says its limit only when it refuses one, so sessions are opened one after another (each
+    asked for its state) until one is refused, then all are closed."""
+    opened = []
+    try:
+        for n in range(want):
+            opened.append(client := client_cls(base_url=url).sync())
+            try:
+                client.connect()
+                client.state()
+            except Exception as e:
+                if refused(e):
+                    return max(n, 1)  # (none at all: another client holds them; ours wait for one, open_reset)
+                raise
+        return None
+    finally:
+        for client in opened:
+            close_quietly(client)
+
+
 class OpenEnvSession(Session):
-    def __init__(self, client, action_field: str, render, first: str, seed: int):
-        self.client, self.action_field, self.render = client.sync(), action_field, render
-        self.client.connect()
-        got = render(self.client.reset(seed=seed).observation)
+    def __init__(self, client_cls, url: str, action_field: str, render, first: str, seed: int):
+        self.action_field, self.render = action_field, render
+        self.client, reset = open_reset(client_cls, url, seed)
+        got = render(reset.observation)
         self.mismatch = None if got == first else (
             f"the server's first observation for seed {seed} is not the group's prompt ({got[:80]!r} vs "
             f"{first[:80]!r}): the environment does not reset deterministically from its seed")
@@ -91,10 +147,7 @@ class OpenEnvSession(Session):
         return total, {"correct": total, "diag_env_steps": float(len(self.rewards))}
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:  # noqa: BLE001 - a server gone at the end of a run: nothing left to tell it
-            pass
+        close_quietly(self.client)  # (a server gone at the end of a run: nothing left to tell it)
 
 
 class Prompts:
@@ -110,8 +163,9 @@ class Prompts:
 
     def text(self, i: int) -> str:
         if i not in self.cache:
-            with self.client_cls(base_url=self.url).sync() as c:
-                self.cache[i] = self.render(c.reset(seed=self.seed0 + i).observation)
+            client, reset = open_reset(self.client_cls, self.url, self.seed0 + i)
+            close_quietly(client)
+            self.cache[i] = self.render(reset.observation)
         return self.cache[i]
 
     def __getitem__(self, i: int) -> list[dict]:
@@ -119,7 +173,9 @@ class Prompts:
             {"role": "user", "content": self.text(i)}]
 
 
-def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Environment:
+def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions: int = 0) -> Environment:
+    """sessions: how many the caller opens at once at most (rollout: G x prompts per round); the server's own
+    limit, if lower, is learnt now (Environment.max_sessions), and the episodes run in waves of it."""
     require("openenv-core", "openenv")
     from openenv.core.generic_client import GenericEnvClient
     parts = urlsplit(spec) if spec.startswith(("http://", "https://")) else None
@@ -147,7 +203,7 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Envir
     prompts = Prompts(GenericEnvClient, url, render, opts.get("system"), int(opts.get("size", 1000)), seed0)
 
     def session(i: int) -> Session:
-        return OpenEnvSession(GenericEnvClient(base_url=url), action_field, render, prompts.text(i), seed0 + i)
+        return OpenEnvSession(GenericEnvClient, url, action_field, render, prompts.text(i), seed0 + i)
 
     def close() -> None:
         if proc is not None and proc.poll() is None:
@@ -157,4 +213,5 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Envir
             except subprocess.TimeoutExpired:
                 proc.kill()
     name = "openenv-" + (urlsplit(url).hostname or "env") if parts else "openenv-" + os.path.basename(spec.split(":")[0])[:-3]
-    return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close)
+    limit = session_limit(GenericEnvClient, url, sessions) if sessions > 1 else None
+    return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close, max_sessions=limit)

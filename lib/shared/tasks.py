@@ -12,6 +12,7 @@ fallback when math-verify finds no answer at all.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -252,4 +253,27 @@ def load_task(name: str, split: str = "train") -> Task:
         return math_task(split)
     if name.startswith("jsonl:"):
         return jsonl_task(name[len("jsonl:"):], split)
-    raise SystemExit(f"unknown task {name!r}; built in: addition, gsm8k, math, jsonl:PATH")
+    raise SystemExit(unknown_task(name))
+
+
+PLAIN_TASKS = ["addition", "gsm8k", "math", "calculator"]
+TASK_KINDS = {"jsonl": "PATH", "reasoning-gym": "DATASET", "openenv": "URL", "verifiers": "ENV_ID"}  # KIND:WHAT
+
+
+def near_task(name: str) -> str | None:
+    """The task `name` was likely meant to be (difflib), or None: a plain name by its spelling (calculater:
+    calculator), a KIND:WHAT by its kind, WHAT kept (reasoning_gym:chain_sum: reasoning-gym:chain_sum)."""
+    kind, colon, rest = name.partition(":")
+    if colon:
+        near = difflib.get_close_matches(kind.lower(), list(TASK_KINDS), n=1, cutoff=0.6)
+        return f"{near[0]}:{rest}" if near else None
+    near = difflib.get_close_matches(name.lower(), PLAIN_TASKS + list(TASK_KINDS), n=1, cutoff=0.6)
+    return (near[0] if near[0] in PLAIN_TASKS else f"{near[0]}:{TASK_KINDS[near[0]]}") if near else None
+
+
+def unknown_task(name: str) -> str:
+    """What a --task nothing knows is told: the nearest task if one is near, and every form a task takes."""
+    near = near_task(name)
+    return (f"unknown task {name!r}" + (f"; did you mean {near!r}?" if near else ".") + " Tasks: addition, gsm8k, math, "
+            "jsonl:PATH (one turn); calculator, reasoning-gym:DATASET, openenv:URL or openenv:PATH.py:APP, "
+            "verifiers:ENV_ID (environments of several turns: docs/environments.md)")

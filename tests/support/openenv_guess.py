@@ -1,7 +1,8 @@
 """An OpenEnv environment server for the tests, made with openenv-core's own server classes: guess the number.
 reset(seed) picks a number from 1 to 20 by the seed; each action is a guess in text; the observation says
 'higher', 'lower' or 'right' and the number of guesses left; reward 1 for the right guess; done when it is
-right or after 4 guesses.
+right or after 4 guesses. `app` allows 128 sessions at once; `one_session` is the library's default (one) and
+its game fails every step of seed 1.
 
     python -m uvicorn openenv_guess:app --app-dir tests/support --port 8001
 """
@@ -53,3 +54,21 @@ class GuessEnvironment(Environment):
 
 
 app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=128)
+
+
+class FlakyGuessEnvironment(GuessEnvironment):
+    """The game whose step fails for seed 1 (prompt index 1): a server's error on one episode must drop that
+    group only, never end the worker."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
+        self.seed = seed
+        return super().reset(seed, episode_id, **kwargs)
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        if self.seed == 1:
+            raise RuntimeError("the game broke")
+        return super().step(action, timeout_s, **kwargs)
+
+
+# openenv-core's defaults, as `openenv init` writes them: one session at a time
+one_session = create_app(FlakyGuessEnvironment, GuessAction, GuessObservation, env_name="guess")
