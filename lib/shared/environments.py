@@ -1,13 +1,13 @@
 """Environments: tasks of several turns, where the model's turn is answered by an environment (a tool, a
 game, a verifier's loop) until the environment says done. rollout.py and evaluate.py drive them through
-one episode runner (lib/shared/episodes.py); tasks.py's single-turn tasks stay as they are.
+one episode runner (lib/rollout/episodes.py); tasks.py's single-turn tasks stay as they are.
 
     calculator          built in: multi-digit multiplication the local model cannot do in its head, and
                         a calculator it can call by replying with only the expression; reward 1 for the
                         right final answer (the local multi-turn demo: `bash launch_jobs.sh --local --task calculator`)
     reasoning-gym:NAME  any reasoning-gym dataset (`pip install reasoning-gym`), seeded and offline, scored
                         by its own scorer: reasoning-gym:leg_counting, reasoning-gym:basic_arithmetic, ...
-    openenv:URL         an OpenEnv environment server (openenv-core) at URL, or openenv:MODULE:CLASS started
+    openenv:URL         an OpenEnv environment server (openenv-core) at URL, or openenv:PATH.py:APP started
                         here on loopback (`openenv_env.py`); the contract is in `env_types.py`
     verifiers:ENV_ID    a verifiers environment run by its own loop (`verifiers_env.py`)
 
@@ -154,7 +154,7 @@ def is_environment(name: str) -> bool:
 
 
 def load_environment(name: str, split: str = "train", seed: int = 0, sessions: int = 0) -> Environment:
-    """`calculator`, `reasoning-gym:NAME`, `openenv:URL` / `openenv:MODULE:CLASS`, `verifiers:ENV_ID`. sessions:
+    """`calculator`, `reasoning-gym:NAME`, `openenv:URL` / `openenv:PATH.py:APP`, `verifiers:ENV_ID`. sessions:
     the episodes the caller runs at once (an OpenEnv server's lower limit is learnt: Environment.max_sessions)."""
     kind, _, rest = name.partition(":")
     if name == "calculator":
