@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import httpx
@@ -52,7 +52,7 @@ from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_a
 from proxy_client import ProxyClient
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls
 from runconfig import record_config
-from tasks import load_task
+from tasks import load_task, token_budget
 from environments import is_environment, load_environment
 from hf_engine import HFTurns
 from episodes import Budget, Renderer, run_episodes
@@ -76,7 +76,8 @@ class Args:
     limit: int = 0
     """only the first N held-out prompts (0: all of them)"""
     batch_size: int = 32
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
+    """tokens per model turn (default: the task kind's, as rollout.py: tasks.token_budget)"""
     threads: int = 0
     """torch threads on CPU (0: torch's default)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -191,6 +192,8 @@ def evaluate_live(args: Args, task) -> dict:
 
 
 def main(args: Args) -> None:
+    if args.max_new_tokens is None:
+        args = replace(args, max_new_tokens=token_budget(args.task))
     if args.live:
         if is_environment(args.task):
             raise SystemExit("--live sends single chat requests: an environment of several turns is evaluated "

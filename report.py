@@ -102,6 +102,13 @@ def first_last(train: list[dict], key: str) -> list[float] | None:
     return [round(statistics.mean(xs[:5]), 3), round(statistics.mean(xs[-5:]), 3)] if xs else None
 
 
+def cut_share(rollouts: dict[str, list[dict]]) -> float | None:
+    """The share of answers (episodes) cut at the token limit, over every round that says (None: none does)."""
+    rows = [r for rs in rollouts.values() for r in rs if "rollout/finish_length" in r and r.get("rollout/samples")]
+    n = sum(r["rollout/samples"] for r in rows)
+    return round(sum(r["rollout/finish_length"] * r["rollout/samples"] for r in rows) / n, 3) if n else None
+
+
 def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[dict], level: float = 0.8) -> dict:
     rewards = [r["reward/mean"] for r in train]
     by_version: dict[int, list[float]] = {}
@@ -134,6 +141,11 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
                                       if "rollout/gen_s" in r)),
         "tokens_leased": sum(r.get("tokens/leased", 0) for r in train),
         "tokens_trained": sum(r.get("tokens", 0) for r in train),
+        # GRPO learns only from a group whose rewards differ: the groups it could train, and why it might not
+        "groups_trained": sum(r["groups/trained"] for r in train) if all("groups/trained" in r for r in train) else None,
+        "groups_equal_rewards_share": round(statistics.mean(r["groups/zero_std_frac"] for r in train), 3)
+        if train and all("groups/zero_std_frac" in r for r in train) else None,
+        "answers_cut_share": cut_share(rollouts),
         "staleness_mean": round(statistics.mean(r["sample/staleness_mean"] for r in train), 3) if train else None,
         "staleness_max": max((r["sample/staleness_max"] for r in train), default=None),
         "by_staleness": by_staleness(train),
@@ -167,8 +179,22 @@ def format_config(c: dict) -> str:
             f"    sha256:   {hashes}\n    command:  {c['command']}")
 
 
+def nothing_trained(s: dict) -> str | None:
+    """What a run that trained no group is told (None: it trained some): GRPO learns only from a group whose
+    rewards differ, and the likeliest reason they did not (answers cut at the token limit)."""
+    if not s["steps"] or s.get("groups_trained") != 0:
+        return None
+    cut = s.get("answers_cut_share")
+    why = (f"; e.g. answers cut at the token limit in {cut:.0%} of episodes (raise --max-new-tokens)" if cut
+           else "; the task may be out of the model's reach, or its answers not in the form the task scores")
+    return (f"nothing was trained: every group had equal rewards (mean reward {s['reward_last5']}) in "
+            f"{s['steps']} steps{why}")
+
+
 def headline(s: dict, level: float = 0.8) -> str:
-    """The one line to compare runs by."""
+    """The one line to compare runs by (a run that trained nothing says that first)."""
+    if none := nothing_trained(s):
+        return none
     hit = s.get(f"first_reaches_{level}")
     if hit is None:
         return f"5-step mean reward never reached {level} in {s['steps']} steps ({s['wall_s']} s)"

@@ -49,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import httpx
@@ -69,7 +69,7 @@ from models import LOCAL_MODEL, encode_prompt, model_path
 from proxy_client import ProxyClient, ProxyError, proxy_adapter_meta
 from runconfig import record_config
 from spool import LocalMetrics, Spool
-from tasks import load_task
+from tasks import load_task, token_budget
 
 log = logging.getLogger("rollout")
 GRANT_POLL_S = 5.0      # a paced prompt lease waits this long on the proxy for a grant, then we ask again
@@ -97,8 +97,8 @@ class Args:
     """G completions per prompt"""
     prompts_per_round: int = 8
     """prompts generated together in one batch (prompts_per_round * G sequences)"""
-    max_new_tokens: int = 24
-    """tokens per model turn"""
+    max_new_tokens: int | None = None
+    """tokens per model turn (default: the task kind's, tasks.token_budget: addition 24, reasoning-gym 64, gsm8k 512)"""
     max_turns: int = 0
     """environments: model turns per episode at most (0: the environment's own limit)"""
     max_episode_tokens: int = 256
@@ -543,6 +543,8 @@ class Worker:
             round_version = self.swaps.pop(0)[1]
         scored = [single_turn(self.task, self.engine.tok, i, samples[j * G:(j + 1) * G], round_version, self.swaps)
                   for j, i in enumerate(idx)]
+        # the share cut at --max-new-tokens, as episodes report it: the run's summary names it when nothing trains
+        self.row["rollout/finish_length"] = sum(fin == "length" for _, _, fin in samples) / max(1, len(samples))
         return prompts, scored, round_version, time.time() - t0
 
     def run_round(self, lease: dict) -> None:
@@ -602,6 +604,8 @@ class Worker:
 
 
 def main(args: Args) -> None:
+    if args.max_new_tokens is None:
+        args = replace(args, max_new_tokens=token_budget(args.task))
     torch.set_num_threads(args.threads)
     torch.manual_seed(worker_seed(args.seed, args.worker_id))
     stop = threading.Event()
@@ -653,7 +657,7 @@ def main(args: Args) -> None:
         log.info(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
         spool.flush(client)
     log.info(f"ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), G={args.group_size}, "
-             f"backend {args.backend}")
+             f"backend {args.backend}, --max-new-tokens {args.max_new_tokens}")
     while not worker.over():        # SIGTERM, the run's end, or --max-rounds
         worker.take_new()           # between rounds: the newest verified version, if the sync thread has one
         if worker.over() or worker.waits():

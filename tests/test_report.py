@@ -75,3 +75,36 @@ def test_an_environments_success_rate_and_tool_call_share_first_and_last_five_st
     assert "tool_call_share_first5_last5" not in plain and "success_first5_last5" not in plain
     report.plot(train, {}, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def _untrained(cut: float | None) -> tuple[list[dict], dict]:
+    """Five steps in which every group had equal rewards (0), and a worker's rounds cut at the limit `cut` of the time."""
+    train = [{**r, "reward/mean": 0.0, "tokens": 0, "groups/trained": 0, "groups/zero_std_frac": 1.0} for r in _rows()[:5]]
+    rounds = [{"version": v, "rollout/reward_mean": 0.0, "rollout/samples": 64, "rollout/gen_s": 2.0,
+               "rollout/tokens_per_s": 500.0, "mem/peak_rss_mb": 2.0,
+               **({} if cut is None else {"rollout/finish_length": cut if v else 1.0})} for v in range(4)]
+    return train, {"w1": rounds}
+
+
+def test_a_run_that_trained_no_group_says_so_and_why(tmp_path, capsys):
+    """Every group's rewards equal, nothing trained: the summary's last line says so, and names the share of
+    answers cut at the token limit (weighted by the rounds' samples: one round of 4 cut every answer)."""
+    train, rollouts = _untrained(0.85)
+    s = report.summarize(train, rollouts, [])
+    assert (s["groups_trained"], s["groups_equal_rewards_share"], s["answers_cut_share"]) == (0, 1.0, 0.888)
+    want = ("nothing was trained: every group had equal rewards (mean reward 0.0) in 5 steps; e.g. answers cut at "
+            "the token limit in 89% of episodes (raise --max-new-tokens)")
+    assert report.headline(s) == want
+    report.save_dir(str(tmp_path), train, rollouts, [])
+    report.main(report.Args(from_dir=str(tmp_path)))
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == want
+    s = report.summarize(*_untrained(None), [])  # rounds that do not say how they finished
+    assert report.headline(s).endswith("in 5 steps; the task may be out of the model's reach, or its answers not in "
+                                       "the form the task scores")
+
+
+def test_a_run_that_trained_groups_has_its_usual_headline():
+    train = [{**r, "groups/trained": 3, "groups/zero_std_frac": 0.5} for r in _rows()]
+    s = report.summarize(train, {}, [])
+    assert (s["groups_trained"], s["groups_equal_rewards_share"], s["answers_cut_share"]) == (24, 0.5, None)
+    assert report.headline(s) == "5-step mean reward first reaches 0.8 at step 7, 70 s into training"

@@ -321,3 +321,14 @@ def test_jsonl_task_from_the_bucket(bucket, run_name):
     bucket.put("prompts/bad.jsonl", b'{"prompt": "a", "answer": 1}\n{oops\n')
     with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON"):
         load_task(f"jsonl:s3://{bucket.bucket}/{run_name}/prompts/bad.jsonl")
+
+
+def test_every_task_kind_has_a_token_budget_and_an_unknown_task_is_named():
+    """--max-new-tokens when none is given (rollout.py, evaluate.py, the launchers): one rule, by the task's kind."""
+    from tasks import TASK_KINDS, PLAIN_TASKS, token_budget
+    assert [token_budget(t) for t in ("addition", "calculator", "gsm8k", "reasoning-gym:leg_counting",
+                                      "jsonl:data/x.jsonl", "openenv:http://h:8000")] == [24, 24, 512, 64, 256, 128]
+    assert all(token_budget(t) > 0 for t in PLAIN_TASKS + [f"{k}:x" for k in TASK_KINDS])
+    with pytest.raises(SystemExit, match="unknown task 'reasoning_gym:leg_counting'; did you mean "
+                                         "'reasoning-gym:leg_counting'"):
+        token_budget("reasoning_gym:leg_counting")
