@@ -69,7 +69,7 @@ def test_a_reasoning_gym_dataset_trains_end_to_end(start_proxy, bucket, run_name
     rows, roll, _ = run_task("reasoning-gym:leg_counting", start_proxy, bucket, run_name, str(models.local_smollm2()),
                              tmp_path)
     # its scorer's components reach the trainer; one model turn per episode (reasoning-gym is single-turn)
-    assert all("reward/diag_answer_tagged" in r for r in rows)
+    assert all("reward/correct" in r and "reward/format" in r for r in rows)
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll)
 
 
@@ -135,8 +135,9 @@ def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucke
 
 
 def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
-    """Prompt i is the dataset's entry i for the seed (the same on every worker; the eval split another seed), and an
-    episode's reward is reasoning-gym's own score_answer of the answer the model tagged."""
+    """Prompt i is the dataset's entry i for the seed (the same on every worker; the eval split another seed), after
+    reasoning-gym's "direct" system prompt and one worked example of another seed answered in tags; an episode's
+    reward is reasoning-gym's own score_answer of the answer the model tagged, and 0.1 for tagging one."""
     need("reasoning_gym")
     import reasoning_gym
     import environments
@@ -145,13 +146,19 @@ def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
     assert [p[-1]["content"] for p in env.prompts[:5]] == [ds[i]["question"] for i in range(5)]
     assert env.prompts[:5] == again.prompts[:5]
     assert environments.load_environment("reasoning-gym:leg_counting", "eval", seed=3).prompts[0] != env.prompts[0]
-    for text, want in [(f"<answer>{ds[0]['answer']}</answer>", 1.0), ("<answer>-1</answer>", 0.0), ("no tag", 0.0)]:
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    system, example, answered = env.prompts[0][:3]
+    shot = reasoning_gym.create_dataset("leg_counting", size=1, seed=environments.RG_EXAMPLE_SEED)[0]
+    assert (system["content"], example["content"]) == (SYSTEM_PROMPTS["direct"], shot["question"])
+    assert answered == {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}
+    assert shot["question"] not in {p[-1]["content"] for p in env.prompts}
+    for text, want in [(f"<answer>{ds[0]['answer']}</answer>", 1.1), ("<answer>-1</answer>", 0.1), ("no tag", 0.0)]:
         s = env.session(0)
         assert s.step(text).done
         r, parts = s.score()
-        assert r == want == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
-                                            if "<answer>" in text else None, entry=ds[0]), (text, r)
-        assert parts["diag_answer_tagged"] == float("<answer>" in text)
+        assert parts["correct"] == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
+                                                   if "<answer>" in text else None, entry=ds[0]), text
+        assert r == pytest.approx(want) and parts["format"] == pytest.approx(0.1 * ("<answer>" in text)), (text, r)
 
 
 def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
