@@ -6,6 +6,8 @@ real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.p
     openenv:tests/support/openenv_guess.py:app
                                    an OpenEnv server made with openenv-core's own classes, started by the worker
     openenv:...:one_session        the same at the library's default of one session at once, a step failing
+    openenv:...:nan_reward, optional_text, mcp
+                                   a NaN reward, an Optional[str] observation, an MCP action (no training run)
     verifiers:vf_sum               a single-turn verifiers (v1) taskset run by verifiers' own loop, and
     verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
                                    /inference/v1/generate
@@ -182,3 +184,51 @@ def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
         assert e.value.__cause__ is None  # (raised from None: no chained traceback above the message)
     assert str(e.value).endswith("Install its package (pip install, or prime env install OWNER/vf_summ), or put it "
                                  "on PYTHONPATH.")
+
+
+def test_an_openenv_nan_reward_drops_its_group_saying_so_and_an_optional_text_field_is_the_prompt(caplog):
+    """openenv's server sends a NaN reward as null: an episode none of whose steps had a reward fails (its group is
+    dropped with this message) rather than train as 0. An observation's Optional[str] field is its text, not the
+    observation as JSON; prompts that differ by the seed raise no warning."""
+    need("openenv")
+    import environments
+    from episodes import Episode, score
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:nan_reward")
+    try:
+        for i, want in [(2, "the environment's scorer failed: ValueError: the environment gave no reward in 1 step(s) "
+                            "(null every time: openenv sends a NaN reward as null)"), (3, None)]:
+            e = Episode(i, env.session(i))
+            e.session.step("21")  # (out of range: wrong for every seed, one step)
+            score(e)
+            e.session.close()
+            assert e.failed == want and (want is not None or e.reward == 0.0), (i, e.failed)
+    finally:
+        env.close()
+    caplog.clear()
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:optional_text")
+    try:
+        assert env.prompts[7][-1]["content"].startswith("Game 7. I am thinking of a number from 1 to 20.")
+        assert not [r for r in caplog.records if "same first observation" in r.getMessage()]
+    finally:
+        env.close()
+
+
+def test_an_openenv_mcp_environment_is_refused_and_one_prompt_for_every_seed_is_warned(caplog):
+    """An MCP environment (CallToolAction) is refused at start, ?action_field=tool_name or not: no model turn can
+    drive it. A server whose first observation is the same for seeds 0 and 1 is warned about (it may ignore the seed)."""
+    need("openenv")
+    import environments
+    for spec in ("mcp", "mcp?action_field=tool_name"):
+        with pytest.raises(SystemExit) as e:
+            environments.load_environment(f"openenv:tests/support/openenv_guess.py:{spec}")
+        msg = str(e.value)
+        assert msg.startswith("the OpenEnv environment at http://127.0.0.1:") and msg.endswith(
+            " is an MCP environment (its action is CallToolAction: a tool's name and its arguments), which a model's text "
+            "turn cannot drive: --task openenv: needs an environment whose action has a text field"), msg
+    caplog.clear()
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:app")
+    env.close()
+    (said,) = [r.getMessage() for r in caplog.records if "same first observation" in r.getMessage()]
+    assert said.endswith(" gave the same first observation for seeds 0 and 1 ('I am thinking of a number from 1 to 20. "
+                         "Guess it: reply with just a number. You '): if it ignores reset's seed, every prompt index is "
+                         "one question; if its episodes differ by the seed only after the first observation, this is fine")

@@ -6,16 +6,20 @@ process), `--task openenv:PATH.py:APP` starts the server in PATH.py (an app made
 An OpenEnv server speaks typed actions and observations (GET /schema) over a WebSocket session per
 episode (openenv's own client, `GenericEnvClient(...).sync()`): reset(seed) gives the first observation,
 step(action) the next one with a reward and `done`. The model's turn becomes the action's one text field
-(the schema's only string property, or `?action_field=NAME`); an observation becomes a user message (its
-one text field, or `?observation_field=NAME`, else its fields as JSON). Prompt index i resets with seed
-i (eval: seeds from 1,000,003 on), so the G episodes of a group start from the same observation, which
-is the group's shared prompt; a server that answers another first observation to the same seed breaks
-that, and its episodes are counted as drift and not trained. The episode's reward is the sum of its
-steps' rewards.
+(the schema's only string property, Optional[str] included, or `?action_field=NAME`); an observation becomes a
+user message (its one text field, or `?observation_field=NAME`, else its fields as JSON). An MCP environment
+(CallToolAction: a tool's name and arguments) is refused: no model turn can drive it. Prompt index i resets
+with seed i (eval: seeds from 1,000,003 on), so the G episodes of a group start from the same observation,
+which is the group's shared prompt; a server that answers another first observation to the same seed breaks
+that, and its episodes are counted as drift and not trained; one whose first observations for seeds 0 and 1
+are the same is warned about (it may ignore the seed). The episode's reward is the sum of its steps' rewards;
+an episode with none (openenv sends a NaN reward as null) drops its group, saying so.
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import socket
 import subprocess
@@ -30,6 +34,7 @@ from env_types import Environment, Session, Step, require
 
 SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
 EVAL_SEED = 1_000_003
+log = logging.getLogger(__name__)
 CAPACITY_WAIT_S = 120.0  # a session refused because the server is full is asked for again this long
 
 
@@ -59,15 +64,43 @@ def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
     raise SystemExit(f"the OpenEnv server {path_app} did not answer {url}/health within 60 s (log: {log.name})")
 
 
+def is_text(prop: dict) -> bool:
+    """A property the model's text can fill: a string, or an optional one (pydantic's Optional[str] is anyOf string,
+    null), and not a constant (a discriminator such as an action's `type`)."""
+    types = {t.get("type") for t in prop["anyOf"]} if "anyOf" in prop else {prop.get("type")}
+    return "const" not in prop and "string" in types and types <= {"string", "null"}
+
+
 def text_field(schema: dict, given: str | None, what: str) -> str | None:
-    """The one string property of a JSON schema (or `given`, checked); None when there is not exactly one."""
+    """The one text property of a JSON schema (or `given`, checked); None when there is not exactly one."""
     props = {k: v for k, v in (schema.get("properties") or {}).items() if k not in SKIP}
     if given:
         if given not in props:
             raise SystemExit(f"the OpenEnv {what} has no field {given!r}; its fields: {sorted(props)}")
         return given
-    strings = [k for k, v in props.items() if v.get("type") == "string"]
+    strings = [k for k, v in props.items() if is_text(v)]
     return strings[0] if len(strings) == 1 else None
+
+
+def refuse_mcp(action: dict, url: str) -> None:
+    """An MCP environment (its action is openenv's CallToolAction: a tool's name and its arguments) cannot take a
+    model's text as its action: given ?action_field=tool_name, every step is a call of no tool, answered with an
+    error, and the run would train on those. Refused at start, saying so."""
+    props = action.get("properties") or {}
+    if action.get("title") in ("CallToolAction", "ListToolsAction") or {"tool_name", "arguments"} <= set(props):
+        raise SystemExit(f"the OpenEnv environment at {url} is an MCP environment (its action is "
+                         f"{action.get('title', 'a tool call')}: a tool's name and its arguments), which a model's "
+                         "text turn cannot drive: --task openenv: needs an environment whose action has a text field")
+
+
+def same_prompts(prompts: "Prompts") -> str | None:
+    """A warning when the first two prompt indices start alike (a server that ignores reset's seed gives one prompt
+    for every index: the run would train on one question), else None."""
+    if len(prompts) < 2 or prompts.text(0) != prompts.text(1):
+        return None
+    return (f"the OpenEnv server at {prompts.url} gave the same first observation for seeds {prompts.seed0} and "
+            f"{prompts.seed0 + 1} ({prompts.text(0)[:80]!r}): if it ignores reset's seed, every prompt index is one "
+            "question; if its episodes differ by the seed only after the first observation, this is fine")
 
 
 def refused(err: Exception) -> bool:
@@ -133,17 +166,24 @@ class OpenEnvSession(Session):
         self.mismatch = None if got == first else (
             f"the server's first observation for seed {seed} is not the group's prompt ({got[:80]!r} vs "
             f"{first[:80]!r}): the environment does not reset deterministically from its seed")
-        self.rewards: list[float] = []
+        self.rewards: list[float | None] = []
 
     def step(self, text: str) -> Step:
         if self.mismatch:
             return Step([], done=True, mismatch=self.mismatch)
         r = self.client.step({self.action_field: text})
-        self.rewards.append(float(r.reward or 0.0))
+        if r.reward is not None and not math.isfinite(float(r.reward)):  # a failing step drops its group, saying this
+            raise ValueError(f"the environment's reward is {r.reward}, not a number")
+        self.rewards.append(r.reward)  # None: a step without a reward (or a NaN: openenv sends one as null)
         return Step([] if r.done else [{"role": "user", "content": self.render(r.observation)}], done=bool(r.done))
 
     def score(self) -> tuple[float, dict[str, float]]:
-        total = sum(self.rewards)
+        """The sum of the steps' rewards. An episode none of whose steps had a reward is refused (its group dropped,
+        saying so): openenv's server sends a NaN reward as null, which would otherwise be trained as 0."""
+        if self.rewards and all(r is None for r in self.rewards):
+            raise ValueError(f"the environment gave no reward in {len(self.rewards)} step(s) (null every time: "
+                             "openenv sends a NaN reward as null)")
+        total = float(sum(r for r in self.rewards if r is not None))
         return total, {"correct": total, "diag_env_steps": float(len(self.rewards))}
 
     def close(self) -> None:
@@ -189,6 +229,7 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions
         schema = httpx.get(f"{url}/schema", timeout=30.0).raise_for_status().json()
     except httpx.HTTPError as e:
         raise SystemExit(f"the OpenEnv server at {url} does not answer GET /schema: {e}") from e
+    refuse_mcp(schema["action"], url)
     action_field = text_field(schema["action"], opts.get("action_field"), "action")
     if action_field is None:
         raise SystemExit(f"the OpenEnv action at {url} has no single text field: name it with "
@@ -201,6 +242,8 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions
         return json.dumps({k: v for k, v in obs.items() if k not in SKIP}, sort_keys=True)
     seed0 = (seed if split == "train" else seed + EVAL_SEED)
     prompts = Prompts(GenericEnvClient, url, render, opts.get("system"), int(opts.get("size", 1000)), seed0)
+    if warning := same_prompts(prompts):
+        log.warning(warning)
 
     def session(i: int) -> Session:
         return OpenEnvSession(GenericEnvClient, url, action_field, render, prompts.text(i), seed0 + i)
