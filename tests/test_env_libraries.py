@@ -165,7 +165,9 @@ def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
 
 def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
     """A misspelled reasoning-gym dataset is told the nearest names; one that needs a configuration (composite) that
-    --task cannot give it; a verifiers id that does not import, how to install it: one message each, no traceback."""
+    --task cannot give it; a verifiers id that does not import, how to install it; a verifiers renderer, tool parser
+    or renderer field that does not exist, the ones that do: one message each, no traceback. A renderer given is
+    verifiers' TrainClientConfig.renderer (tool_parser alone: the default renderer, parsing tool calls)."""
     need("reasoning_gym")
     need("verifiers")
     import environments
@@ -175,6 +177,14 @@ def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
              (lambda: environments.load_environment("reasoning-gym:composite"),
               "reasoning-gym:composite cannot be made from its name alone (AssertionError: Must specify at least one "
               "dataset): it needs a configuration, which --task does not take; name a dataset of its own"),
+             (lambda: VerifiersEnvironment("vf_sum?renderer=qwne3", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer=qwne3: no renderer 'qwne3'; renderers: auto, default, qwen3, "),
+             (lambda: VerifiersEnvironment("vf_sum?renderer.tool_parser=hermes", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer.tool_parser=hermes: no tool parser 'hermes'; tool parsers: qwen3, "),
+             (lambda: VerifiersEnvironment("vf_sum?renderer=qwen3&renderer.enable_thinking=maybe", tiny_model, None,
+                                           512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer=qwen3&renderer.enable_thinking=maybe: renderer {'name': 'qwen3', "
+              "'enable_thinking': 'maybe'}: Input should be a valid boolean"),
              (lambda: VerifiersEnvironment("vf_summ", tiny_model, None, 512, 1.0, 8, 0, 64),
               "verifiers:vf_summ: taskset 'vf_summ' not found (tried to import 'vf_summ').")]
     for make, want in cases:
@@ -182,6 +192,11 @@ def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
             make()
         assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
         assert e.value.__cause__ is None  # (raised from None: no chained traceback above the message)
+    from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
+    from verifiers_env import renderer_config
+    assert renderer_config("x", {"tool_parser": "qwen3"}) == DefaultRendererConfig(tool_parser="qwen3")
+    assert renderer_config("x", {"name": "qwen3", "enable_thinking": "false"}) == Qwen3RendererConfig(enable_thinking=False)
+    assert renderer_config("x", {}) is None  # verifiers picks by the model
     assert str(e.value).endswith("Install its package (pip install, or prime env install OWNER/vf_summ), or put it "
                                  "on PYTHONPATH.")
 
