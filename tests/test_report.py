@@ -108,3 +108,22 @@ def test_a_run_that_trained_groups_has_its_usual_headline():
     s = report.summarize(train, {}, [])
     assert (s["groups_trained"], s["groups_equal_rewards_share"], s["answers_cut_share"]) == (24, 0.5, None)
     assert report.headline(s) == "5-step mean reward first reaches 0.8 at step 7, 70 s into training"
+
+
+def test_rewards_outside_the_unit_range_are_told_in_their_own_terms(tmp_path, capsys):
+    """An environment whose rewards are 42 does not 'reach 0.8': the summary gives its rewards' range and the
+    first and last five steps' means, and no level unless --level names one."""
+    train = [{**r, "reward/mean": 30.0 + 2 * i, "groups/trained": 4} for i, r in enumerate(_rows())]  # 30 .. 44
+    s = report.summarize(train, {}, [])
+    assert s["reward_level"] is None and s["reward_range"] == [30.0, 44.0]
+    assert not any(k.startswith("first_reaches") for k in s)
+    want = ("rewards outside [0, 1.1] (step means 30.0 to 44.0): mean reward 34.0 over the first 5 steps, 40.0 over "
+            "the last 5, in 8 steps (80.0 s)")
+    assert report.headline(s) == want
+    report.save_dir(str(tmp_path), train, {}, [])
+    report.main(report.Args(from_dir=str(tmp_path)))
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == want
+    named = report.summarize(train, {}, [], level=40.0)  # a level given: the 5-step mean 40.0 at step 8
+    assert report.headline(named) == "5-step mean reward first reaches 40.0 at step 8, 80 s into training"
+    gsm8k = report.summarize([{**r, "reward/mean": 1.1} for r in _rows()], {}, [])  # right and formatted: the unit scale
+    assert gsm8k["reward_level"] == 0.8 and gsm8k["first_reaches_0.8"] == {"step": 5, "wall_s": 50.0}
