@@ -10,6 +10,7 @@
 next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accuracy-per-version curve.
 
     python evaluate.py --version 0                        # the base model (version 0) on addition's held-out sums
+    python evaluate.py --run-dir runs/local-20260101-120000 # a finished local run: its last adapter, saved there
     python evaluate.py --version 12 --task jsonl:my.jsonl # env: BUCKET, RUN_NAME, S3_ENDPOINT_URL, AWS_*
     python evaluate.py --all                              # every version without a result yet, then the curve
     hf jobs uv run --flavor l4x1 --timeout 2h --secrets HF_TOKEN --secrets AWS_ACCESS_KEY_ID \
@@ -17,14 +18,17 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
         -- evaluate.py common.py lib/rollout/engines.py lib/rollout/hf_engine.py lib/rollout/episodes.py \
         lib/shared/env_types.py lib/shared/environments.py lib/shared/models.py \
-        lib/shared/openenv_env.py lib/shared/proxy_client.py lib/shared/runconfig.py lib/shared/tasks.py \
+        lib/shared/openenv_env.py lib/shared/proxy_client.py lib/shared/run_folder.py lib/shared/runconfig.py \
+        lib/shared/tasks.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 
 Held-out split (tasks.load_task(name, "eval")): GSM8K's test split, MATH-500 for math; for addition
 and jsonl:PATH a fixed slice that training never sees. Every adapter is sha256-verified (common.fetch_adapter) and
 must have been trained on --model. Greedy decoding, so a result is reproducible and "accuracy" is
-the mean of the task's `correct` reward component.
+the mean of the task's `correct` reward component, where each is in [0, 1] (else none: the mean reward is the
+result). --version 0 needs no bucket (the result is printed only); a finished local run, whose bucket stopped with
+it, is read from its folder (--run-dir: report.py saved its adapters there, run_folder.py).
 
 --live loads no model: it sends each held-out prompt as a greedy chat request to the proxy
 (POST /v1/chat/completions, routing.py), where the run's serving rollout workers answer with the
@@ -41,7 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import httpx
@@ -52,7 +56,8 @@ from common import AdapterError, Bucket, adapter_prefix, fetch_adapter, script_a
 from proxy_client import ProxyClient
 from models import LOCAL_MODEL, encode_prompt, load_base, pad_left, peft_calls
 from runconfig import record_config
-from tasks import load_task
+from run_folder import RunFolder
+from tasks import load_task, token_budget
 from environments import is_environment, load_environment
 from hf_engine import HFTurns
 from episodes import Budget, Renderer, run_episodes
@@ -61,7 +66,10 @@ from episodes import Budget, Renderer, run_episodes
 @dataclass
 class Args:
     version: int = -1
-    """adapter version to evaluate; 0 = the base model, -1 = the latest published"""
+    """adapter version to evaluate; 0 = the base model (needs no bucket), -1 = the latest published"""
+    run_dir: str | None = None
+    """a finished local run's folder (runs/NAME): its adapters as report.py saved them (the last version unless
+    report.py --adapters all), read instead of a bucket; the results are written there"""
     all: bool = False
     """evaluate every published version (and 0) that has no result for this task yet"""
     model: str = LOCAL_MODEL
@@ -76,7 +84,8 @@ class Args:
     limit: int = 0
     """only the first N held-out prompts (0: all of them)"""
     batch_size: int = 32
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = None
+    """tokens per model turn (default: the task kind's, as rollout.py: tasks.token_budget)"""
     threads: int = 0
     """torch threads on CPU (0: torch's default)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -93,6 +102,21 @@ class Args:
     """--live: HF token for the Jobs --expose gateway in front of the proxy (env PROXY_HF_TOKEN)"""
     live_wait_s: float = 900.0
     """--live: how long one request may wait for its answer (the proxy gives up first: its --route.timeout-s, 300 s)"""
+
+
+def accuracy(parts: list[dict]) -> float | None:
+    """The share answered right: the mean `correct` component where each is in [0, 1] (right, wrong, or partly right
+    as reasoning-gym scores); None for a reward of another scale (an environment's 42 is no accuracy)."""
+    correct = [p["correct"] for p in parts]
+    return sum(correct) / len(correct) if correct and all(0 <= c <= 1 for c in correct) else None
+
+
+def curve_line(task_name: str, curve: list[tuple[int, dict]]) -> str:
+    """The results per version in one line: accuracies, or mean rewards where a result has no accuracy."""
+    said = lambda r: (f"{r['accuracy']:.3f}" if r.get("accuracy") is not None  # noqa: E731
+                      else f"mean reward {r['reward_mean']:.3f}")
+    what = "accuracy" if all(r.get("accuracy") is not None for _, r in curve) else "result"
+    return f"{what} per version ({task_name}): " + "  ".join(f"v{v}: {said(r)}" for v, r in curve)
 
 
 def result_key(version: int, task_name: str) -> str:
@@ -156,7 +180,7 @@ def evaluate(args: Args, bucket: Bucket, base, tok, task, version: int, device) 
     if version > 0:
         model.unload()  # take the LoRA layers out again: the next version starts from the clean base
     return {"version": version, "task": task.name, "split": "eval", "n": n, "model": args.model,
-            "accuracy": sum(p["correct"] for p in parts) / n, "reward_mean": sum(rewards) / n,
+            "accuracy": accuracy(parts), "reward_mean": sum(rewards) / n,
             "components": {k: sum(p[k] for p in parts) / n for k in parts[0]},
             "max_new_tokens": args.max_new_tokens, "eval_s": round(time.time() - t0, 2), "created_at": time.time(),
             "examples": [{"prompt": task.prompts[i], "answer": getattr(task, "answers", [None] * n)[i],
@@ -181,7 +205,7 @@ def evaluate_live(args: Args, task) -> dict:
     parts = [p for _, p in scored]
     versions = Counter(a["adapter_version"] for a in answers)
     return {"live": True, "task": task.name, "split": "eval", "n": n, "proxy_url": args.proxy_url,
-            "accuracy": sum(p["correct"] for p in parts) / n, "reward_mean": sum(r for r, _ in scored) / n,
+            "accuracy": accuracy(parts), "reward_mean": sum(r for r, _ in scored) / n,
             "components": {k: sum(p[k] for p in parts) / n for k in parts[0]},
             "adapter_versions": {str(v): c for v, c in sorted(versions.items())},
             "workers": sorted({a["worker_id"] for a in answers}), "max_new_tokens": args.max_new_tokens,
@@ -190,7 +214,30 @@ def evaluate_live(args: Args, task) -> dict:
                           "adapter_version": answers[i]["adapter_version"]} for i in range(min(3, n))]}
 
 
+def open_store(args: Args) -> Bucket | RunFolder | None:
+    """Where the adapters are read and the results written: --run-dir's folder, the run's bucket (BUCKET set), or
+    nowhere for the base model alone (--version 0), whose result is only printed."""
+    if args.run_dir:
+        return RunFolder(args.run_dir)
+    if os.environ.get("BUCKET"):
+        return Bucket()
+    if args.version == 0 and not args.all:
+        return None
+    raise SystemExit("evaluate.py reads a run's adapters from its bucket (set BUCKET, RUN_NAME and S3_ENDPOINT_URL) or, "
+                     "for a finished local run, from its folder: --run-dir runs/NAME (report.py saved its last adapter "
+                     "there); --version 0, the base model, needs neither")
+
+
+def where(bucket: Bucket | RunFolder) -> str:
+    if isinstance(bucket, RunFolder):
+        return (f"{bucket.root}/adapters/ (a local run saves its last version there; `bash launch_jobs.sh --local "
+                "--keep-adapters all` saves every one)")
+    return f"s3://{bucket.bucket}/{bucket.run}/"
+
+
 def main(args: Args) -> None:
+    if args.max_new_tokens is None:
+        args = replace(args, max_new_tokens=token_budget(args.task))
     if args.live:
         if is_environment(args.task):
             raise SystemExit("--live sends single chat requests: an environment of several turns is evaluated "
@@ -207,23 +254,25 @@ def main(args: Args) -> None:
         torch.set_num_threads(args.threads)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--batch-size and --max-new-tokens must be >= 1")
-    bucket = Bucket()
-    record_config(bucket, "evaluate", args, __file__)
+    bucket = open_store(args)
+    if bucket is not None:
+        record_config(bucket, "evaluate", args, __file__)
     if args.task.startswith("verifiers:"):
         raise SystemExit("evaluate.py runs environments through rollout.py's episode runner; a verifiers environment "
                          "runs its own loop: evaluate it with verifiers' own `vf-eval` against the run's adapter")
     task = load_environment(args.task, "eval") if is_environment(args.task) else load_task(args.task, "eval")
-    published = published_versions(bucket)
+    published = published_versions(bucket) if bucket is not None else []
     if args.all:
         versions = [0, *published]
     elif args.version < 0:
         versions = [published[-1] if published else 0]
     else:
         if args.version and args.version not in published:
-            raise SystemExit(f"version {args.version} is not published in s3://{bucket.bucket}/{bucket.run}/ "
+            raise SystemExit(f"version {args.version} is not published in {where(bucket)} "
                              f"(published: {published or 'none'})")
         versions = [args.version]
     todo = [v for v in versions if args.overwrite or not args.all or bucket.get(result_key(v, task.name)) is None]
+    # (no bucket: only --version 0, the base model, which has no meta.json to check)
     for v in todo:  # cheap checks first: before a model download, not after
         meta = bucket.get_json(f"{adapter_prefix(v)}/meta.json") if v else {}
         if meta is None or meta.get("base_model") not in (None, args.model):
@@ -238,13 +287,17 @@ def main(args: Args) -> None:
             res = evaluate(args, bucket, base, tok, task, v, device)
         except AdapterError as e:
             raise SystemExit(f"not evaluating version {v}: {e}") from e
-        bucket.put_json(result_key(v, task.name), res)
+        if bucket is not None:
+            bucket.put_json(result_key(v, task.name), res)
         print(json.dumps({k: res[k] for k in ("version", "task", "n", "accuracy", "reward_mean")}), flush=True)
     if is_environment(args.task):
         task.close()  # an environment server it started
+    if bucket is None:
+        print("(no BUCKET and no --run-dir: the result is printed, not stored)", file=sys.stderr)
+        return
     # the curve: every result of this task in the run
-    curve = [(v, r["accuracy"]) for v in [0, *published] if (r := bucket.get_json(result_key(v, task.name)))]
-    print(f"accuracy per version ({task.name}): " + "  ".join(f"v{v}: {a:.3f}" for v, a in curve), file=sys.stderr)
+    curve = [(v, r) for v in [0, *published] if (r := bucket.get_json(result_key(v, task.name)))]
+    print(curve_line(task.name, curve), file=sys.stderr)
 
 
 if __name__ == "__main__":

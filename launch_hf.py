@@ -48,6 +48,7 @@ import tyro
 from common import script_args
 import memory
 import presets
+from tasks import token_budget
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
                      load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
                      modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
@@ -149,12 +150,12 @@ LAYOUT = ("model", "task", "workers", "steps", "group_size", "proxy_flavor", "ro
 
 
 def with_preset(args: Args) -> Args:
-    """args with every layout option left unset taken from its preset (--max-new-tokens: the preset's rollout
-    option). Idempotent."""
+    """args with every layout option left unset taken from its preset, and --max-new-tokens from the task's kind
+    (tasks.token_budget: a preset of another task must not cut this one's answers). Idempotent."""
     p = presets.get(args.preset or ("local" if args.local_plan else "jobs"))
     got = {"preset": p.name, **{k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}}
     if args.max_new_tokens is None:
-        got["max_new_tokens"] = p.rollout.get("max_new_tokens")
+        got["max_new_tokens"] = token_budget(got.get("task", args.task))
     return replace(args, **got)
 
 

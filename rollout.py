@@ -49,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import httpx
@@ -63,13 +63,13 @@ from hf_engine import HFSampler
 from server_engine import ServerDown, ServerSampler
 from vllm_engine import VLLMSampler
 from environments import is_environment, load_environment
-from episodes import Budget, Renderer, group_of, run_episodes
+from episodes import Budget, Renderer, group_of, run_in_waves
 from metrics import Metrics
-from models import LOCAL_MODEL, encode_prompt
+from models import LOCAL_MODEL, encode_prompt, model_path
 from proxy_client import ProxyClient, ProxyError, proxy_adapter_meta
 from runconfig import record_config
 from spool import LocalMetrics, Spool
-from tasks import load_task
+from tasks import load_task, token_budget
 
 log = logging.getLogger("rollout")
 GRANT_POLL_S = 5.0      # a paced prompt lease waits this long on the proxy for a grant, then we ask again
@@ -97,8 +97,8 @@ class Args:
     """G completions per prompt"""
     prompts_per_round: int = 8
     """prompts generated together in one batch (prompts_per_round * G sequences)"""
-    max_new_tokens: int = 24
-    """tokens per model turn"""
+    max_new_tokens: int | None = None
+    """tokens per model turn (default: the task kind's, tasks.token_budget: addition 24, reasoning-gym 64, gsm8k 512)"""
     max_turns: int = 0
     """environments: model turns per episode at most (0: the environment's own limit)"""
     max_episode_tokens: int = 256
@@ -151,6 +151,12 @@ class Args:
     """answer inference requests routed through the proxy (POST /v1/chat/completions there) between rounds"""
     serve_per_round: int = 4
     """routed requests answered at most between two rounds: rollout generation keeps priority"""
+    max_prompt_tokens: int = 4096
+    """a prompt (an environment's first observation, rendered) longer than this is not generated: its group is
+    dropped, said in the log. The proxy refuses longer ones (its --max-prompt-tokens, default 4096): keep them equal"""
+    max_failed_rounds: int = 3
+    """stop (exit status 1) after this many rounds in a row sent nothing (every group failed or was dropped),
+    saying the first round's first reason: a worker that can train nothing must not wait silently (0: never)"""
     mid_round_swap: bool = True
     """take a new adapter version during a round, not only after it: hf single-turn between two decode steps,
     episodes between two turns (every engine); each token records the version that sampled it, and the hf
@@ -269,12 +275,29 @@ def version_runs(version: int, swaps: list[tuple[int, int]], n: int) -> list[lis
 
 
 def episode_metrics(eps) -> dict:
-    n = len(eps)
+    n = max(1, len(eps))  # (none: every prompt of the round was too long)
     return {"rollout/turns_mean": sum(e.turns for e in eps) / n,
             "rollout/env_turns_share": sum(e.tool_turns > 0 for e in eps) / n,
             "rollout/drift_episodes": sum(e.drift is not None for e in eps),
             "rollout/finish_turns": sum(e.finish == "turns" for e in eps) / n,
             "rollout/finish_length": sum(e.finish == "length" for e in eps) / n}
+
+
+def too_long(n: int, limit: int, why: str) -> str | None:
+    """Why a prompt of n tokens is not generated (None: it fits the `limit`, which `why` explains)."""
+    return None if n <= limit else f"its prompt has {n} tokens, more than {limit} ({why})"
+
+
+def prompt_limit(args: Args, engine) -> tuple[int, str]:
+    """The longest prompt this worker generates from, and why: the proxy's limit (--max-prompt-tokens) or the
+    model's context less a turn's --max-new-tokens (hf: the model's positions; vllm and a server: --vllm-max-model-len),
+    whichever is lower. Checked before generation: a 1 MB observation must not be run through the model."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    context = getattr(config, "max_position_embeddings", None) if isinstance(engine, HFSampler) else args.vllm_max_model_len
+    room = (context or args.max_prompt_tokens + args.max_new_tokens) - args.max_new_tokens
+    if room < args.max_prompt_tokens:
+        return room, f"the model's context of {context} tokens less --max-new-tokens {args.max_new_tokens}"
+    return args.max_prompt_tokens, "--max-prompt-tokens, the proxy's limit"
 
 
 def refusal(version: int, latest: int, *reasons: tuple[int, str] | None) -> str | None:
@@ -331,13 +354,28 @@ class Worker:
         self.row: dict = {}             # this round's metrics, from the first swap or wait before it
         self.swaps: list[tuple[int, int]] = []  # this round's mid-round swaps: (first token index, version)
         self.rounds, self.last_round_version = 0, -1
+        self.failed_rounds, self.first_failure = 0, ""  # rounds in a row that sent nothing, and the first's reason
+        self.max_prompt, self.max_prompt_why = prompt_limit(args, engine)
         self.bp_prev = 0.0              # time the previous round's submissions waited on 429
 
     def over(self) -> bool:
         """SIGTERM; or the run is over (its final version handled, nothing left to swap in: a round now would never
         be trained); or --max-rounds done."""
-        return (self.stop.is_set() or (self.sync.done and self.sync.ready is None)
+        return (self.stop.is_set() or (self.sync.done and self.sync.ready is None) or self.gave_up()
                 or bool(self.args.max_rounds and self.rounds >= self.args.max_rounds))
+
+    def gave_up(self) -> bool:
+        """--max-failed-rounds rounds in a row sent nothing."""
+        return bool(self.args.max_failed_rounds and self.failed_rounds >= self.args.max_failed_rounds)
+
+    def count_failures(self, kept: int, reasons: list[str]) -> None:
+        """After a round: `kept` groups spooled, the others dropped for `reasons`. A round that kept none adds to the
+        rounds in a row that sent nothing (the first one's first reason is kept to say); one that kept any ends them."""
+        if kept:
+            self.failed_rounds, self.first_failure = 0, ""
+        elif reasons:
+            self.failed_rounds += 1
+            self.first_failure = self.first_failure or reasons[0]
 
     def add(self, key: str, x: float) -> None:
         self.row[key] = self.row.get(key, 0) + x
@@ -470,12 +508,22 @@ class Worker:
     def generate(self, idx: list[int]) -> tuple[list[list[int]], list[tuple], int, float]:
         """G completions (single-turn) or episodes per prompt, scored: (prompt ids, per prompt (completions, reward
         components, drift), the version of the round's first tokens (its groups' policy_version), seconds)."""
+        if self.vf:  # verifiers' own loop renders them (its first calls' shared prompts; the loopback endpoint
+            return self.generate_from(idx, [])  # refuses one longer than the model's context)
+        prompts = [self.renderer.ids(self.env.prompts[i]) if self.env else encode_prompt(self.engine.tok, self.task.prompts[i])
+                   for i in idx]
+        over = {j: why for j, p in enumerate(prompts) if (why := too_long(len(p), self.max_prompt, self.max_prompt_why))}
+        run = [j for j in range(len(idx)) if j not in over]
+        out = {j: ([], [], why) for j, why in over.items()}  # not generated: not sent, said (run_round)
+        version, gen_s = self.version, 0.0
+        if run:
+            _, scored, version, gen_s = self.generate_from([idx[j] for j in run], [prompts[j] for j in run])
+            out.update(zip(run, scored))
+        return [[] if j in over else p for j, p in enumerate(prompts)], [out[j] for j in range(len(idx))], version, gen_s
+
+    def generate_from(self, idx: list[int], prompts: list[list[int]]) -> tuple[list[list[int]], list[tuple], int, float]:
+        """generate, for the prompts that fit (verifiers: its loop renders them)."""
         args, env, G = self.args, self.env, self.args.group_size
-        if self.vf:  # verifiers' own loop renders them (its first calls' shared prompts)
-            prompts = []
-        else:
-            prompts = [self.renderer.ids(env.prompts[i]) if env else encode_prompt(self.engine.tok, self.task.prompts[i])
-                       for i in idx]
         t0 = time.time()
         self.end_lag()
         round_version = self.version
@@ -484,7 +532,7 @@ class Worker:
             if self.vf:  # verifiers' own loop, through the loopback endpoint
                 prompts, eps = env.run(idx, G, self.version)
             else:
-                eps = run_episodes(self.engine.turns(args.temperature), env, idx, prompts, G, self.budget,
+                eps = run_in_waves(self.engine.turns(args.temperature), env, idx, prompts, G, self.budget,
                                    self.renderer, self.version,
                                    swap=self.swap_between_turns if args.mid_round_swap else None)
             self.row.update(episode_metrics(eps))
@@ -495,6 +543,8 @@ class Worker:
             round_version = self.swaps.pop(0)[1]
         scored = [single_turn(self.task, self.engine.tok, i, samples[j * G:(j + 1) * G], round_version, self.swaps)
                   for j, i in enumerate(idx)]
+        # the share cut at --max-new-tokens, as episodes report it: the run's summary names it when nothing trains
+        self.row["rollout/finish_length"] = sum(fin == "length" for _, _, fin in samples) / max(1, len(samples))
         return prompts, scored, round_version, time.time() - t0
 
     def run_round(self, lease: dict) -> None:
@@ -505,24 +555,27 @@ class Worker:
         except ServerDown as e:  # the server is down and we were asked to stop meanwhile
             log.info(f"{e}; {len(self.spool.pending())} spooled group(s) kept")
             return
-        row, bp0, rewards, ntok = self.row, self.client.backpressure_s, [], 0
+        row, bp0, rewards, ntok, kept, dropped = self.row, self.client.backpressure_s, [], 0, 0, []
         timings = {"gen_s": gen_s, "backpressure_s": self.bp_prev,
                    **{k: row[k] for k in ("perf/weight_sync_s", "rollout/version_lag_s") if k in row}}
         for i, p, (comps, parts, drift) in zip(idx, prompts, scored):
             rewards += [c["reward"] for c in comps]
             ntok += sum(sum(sampled_mask(c)) for c in comps)
-            if drift:  # the environment's history does not match the tokens: not trained, said and counted
+            if drift:  # drifted, failed or too long: not trained, said and counted
                 log.info(f"group of prompt {i} not sent: {drift}")
+                dropped.append(f"group of prompt {i} not sent: {drift}")
                 continue
+            kept += 1
             self.spool.add(group_record(self.args, self.task, version, lease["lease_id"], i, p, comps, parts, timings))
+        self.count_failures(kept, dropped)
         sent = dict(self.spool.flush(self.client))  # this round's groups, and any left from before
         statuses = list(sent.values())
         self.add("serve/requests", self.routed.serve(self.chat, self.version))  # between rounds, a few at most
         if isinstance(self.engine, ServerSampler):
             row["rollout/server_down_s"] = self.engine.down_s
         row.update({"version": version, "rollout/mid_round_swaps": row.get("rollout/mid_round_swaps", 0),
-                    "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / gen_s,
-                    "rollout/reward_mean": sum(rewards) / len(rewards), "rollout/samples": len(rewards),
+                    "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / max(gen_s, 1e-9),
+                    "rollout/reward_mean": sum(rewards) / max(1, len(rewards)), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": self.client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
                     "rollout/groups_stale": statuses.count("stale"), "group_status": sent,
@@ -530,7 +583,7 @@ class Worker:
         self.metrics.log(row)
         self.rounds, self.bp_prev, self.last_round_version = self.rounds + 1, row["rollout/backpressure_s"], version
         log.info(f"round {self.rounds} v{version}{''.join(f'->v{v}@{i}' for i, v in self.swaps)}: "
-                 f"reward {row['rollout/reward_mean']:.2f}, {ntok / gen_s:.0f} tok/s"
+                 f"reward {row['rollout/reward_mean']:.2f}, {ntok / max(gen_s, 1e-9):.0f} tok/s"
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         self.row = {}
 
@@ -551,6 +604,8 @@ class Worker:
 
 
 def main(args: Args) -> None:
+    if args.max_new_tokens is None:
+        args = replace(args, max_new_tokens=token_budget(args.task))
     torch.set_num_threads(args.threads)
     torch.manual_seed(worker_seed(args.seed, args.worker_id))
     stop = threading.Event()
@@ -575,13 +630,18 @@ def main(args: Args) -> None:
                else LocalMetrics(os.path.join(spool.dir, "metrics.jsonl")))
     # an environment of several turns (environments.py), or a single-turn task (tasks.py): both name their prompts
     vf = args.task.startswith("verifiers:")
-    env = load_environment(args.task) if is_environment(args.task) and not vf else None
+    env = (load_environment(args.task, sessions=args.group_size * args.prompts_per_round)
+           if is_environment(args.task) and not vf else None)
+    if env and env.max_sessions:
+        log.info(f"{env.name} allows {env.max_sessions} session(s) at once; a round runs G x prompts per round = "
+                 f"{args.group_size * args.prompts_per_round} episodes: they run in waves of {env.max_sessions}, "
+                 f"slower (allow more on the server: create_app(..., max_concurrent_envs=N))")
     task = env or (None if vf else load_task(args.task))
     engine, max_lora_rank = build_engine(args, bucket, client, stop, on_down=lambda msg: log.info(
         f"{msg}; {len(spool.pending())} spooled group(s) kept"))
     if vf:  # verifiers' own loop, generating through the loopback endpoint with the adapter the engine serves
         from verifiers_env import VerifiersEnvironment
-        task = env = VerifiersEnvironment(args.task.partition(":")[2], args.model, engine.generate_ids,
+        task = env = VerifiersEnvironment(args.task.partition(":")[2], model_path(args.model), engine.generate_ids,
                                           args.vllm_max_model_len, args.temperature, args.max_new_tokens,
                                           args.max_turns, args.max_episode_tokens)
     sync = AdapterSync(client, bucket, model=args.model, worker_id=args.worker_id, max_lora_rank=max_lora_rank,
@@ -597,7 +657,7 @@ def main(args: Args) -> None:
         log.info(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
         spool.flush(client)
     log.info(f"ready: {args.model}, task {task.name} ({len(task.prompts)} prompts), G={args.group_size}, "
-             f"backend {args.backend}")
+             f"backend {args.backend}, --max-new-tokens {args.max_new_tokens}")
     while not worker.over():        # SIGTERM, the run's end, or --max-rounds
         worker.take_new()           # between rounds: the newest verified version, if the sync thread has one
         if worker.over() or worker.waits():
@@ -605,6 +665,10 @@ def main(args: Args) -> None:
         if lease := worker.ask_for_prompts():
             worker.run_round(lease)
     worker.close()
+    if worker.gave_up():  # every group of the last rounds failed: the run would wait on this worker forever
+        log.error(f"stopping: {worker.failed_rounds} rounds in a row sent nothing (--max-failed-rounds); the first "
+                  f"failure: {worker.first_failure}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

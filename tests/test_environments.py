@@ -15,7 +15,7 @@ import torch
 import environments
 from conftest import ROOT, stop
 from hf_engine import HFTurns
-from episodes import Budget, Renderer, group_of, run_episodes
+from episodes import Budget, Renderer, group_of, run_episodes, run_in_waves, waves
 from environments import Environment, Session, Step
 from models import completion_logprobs, load_base
 
@@ -180,6 +180,78 @@ def test_budgets_end_episodes_with_the_right_finish_reason(tiny, seed):
     assert all(e.turns == 2 and e.finish == "turns" for e in eps)
     eps, _, _ = run(tiny, echo_env(turns=50), G=2, budget=Budget(max_turns=50, max_new_tokens=4, max_tokens=60), seed=seed)
     assert all(e.finish == "length" and len(e.tokens) < 60 for e in eps)
+
+
+class Counted(Echo):
+    """Echo that counts the sessions open at once (a server's limit), and fails its step or its opening on cue."""
+    open_now = most = 0
+
+    def __init__(self, prompt, fail_step=False, fail_open=False):
+        if fail_open:
+            raise ConnectionError("the server refused the session")
+        super().__init__(prompt, turns=2)
+        self.fail_step = fail_step
+        Counted.open_now += 1
+        Counted.most = max(Counted.most, Counted.open_now)
+
+    def step(self, text):
+        if self.fail_step:
+            raise RuntimeError("Server error: the game broke (code: EXECUTION_ERROR)")
+        return super().step(text)
+
+    def close(self):
+        Counted.open_now -= 1
+
+
+def test_waves_cover_a_round_group_major_within_the_session_limit():
+    assert waves(2, 4, None) == waves(2, 4, 8) == [(0, 2, 4)]
+    assert waves(3, 4, 8) == [(0, 2, 4), (2, 1, 4)]
+    assert waves(2, 4, 3) == [(0, 1, 3), (0, 1, 1), (1, 1, 3), (1, 1, 1)]
+    for n, G, limit in [(2, 4, 1), (3, 4, 5), (2, 8, 3)]:
+        plan = waves(n, G, limit)
+        assert all(k * g <= limit for _, k, g in plan)
+        assert [j for first, k, g in plan for j in range(first, first + k) for _ in range(g)] == [
+            j for j in range(n) for _ in range(G)]
+
+
+def test_an_environment_of_one_session_runs_its_episodes_in_waves_and_a_failing_one_drops_only_its_group(tiny, seed):
+    """An environment that allows one session at once (openenv-core's server at its defaults) gets every episode of
+    the round, one session open at a time; a step or an opening that raises fails its episode, and its group says
+    why, where it used to end the worker."""
+    model, tok = tiny
+    prompts = [[{"role": "user", "content": f"Say something about the number {i}."}] for i in range(3)]
+    env = Environment("one-session", prompts, lambda i: Counted(prompts[i], fail_step=i == 1, fail_open=i == 2),
+                      max_turns=8, max_sessions=1)
+    rend = Renderer(tok, {tok.eos_token_id})
+    ids = [rend.ids(p) for p in prompts]
+    torch.manual_seed(seed)
+    Counted.open_now = Counted.most = 0
+    eps = run_in_waves(HFTurns(model, {tok.eos_token_id}, tok.pad_token_id, 1.0), env, [0, 1, 2], ids, 2,
+                       Budget(4, 6, 200), rend, 7)
+    assert [e.prompt_index for e in eps] == [0, 0, 1, 1, 2, 2] and Counted.most == 1 and Counted.open_now == 0
+    assert group_of(eps[:2])[2] is None and all(e.turns == 2 for e in eps[:2])
+    assert group_of(eps[2:4])[2] == ("episode 0: the environment's step failed: RuntimeError: Server error: the game "
+                                     "broke (code: EXECUTION_ERROR)")
+    assert group_of(eps[4:])[2] == ("episode 0: its session could not be opened: ConnectionError: the server refused "
+                                    "the session")
+
+
+@pytest.mark.timeout(300)
+def test_a_prompt_too_long_is_not_generated_and_a_worker_that_sends_nothing_stops(start_proxy, run_name, tmp_path):
+    """Prompts of 1 MB (~250k tokens): each is refused before generation, its group dropped with the reason; after
+    --max-failed-rounds (3) rounds in a row sent nothing, the worker stops, exit status 1, saying the first reason."""
+    data = tmp_path / "huge.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "many words " * 100_000, "answer": "1"}) + "\n" for _ in range(3)))
+    proxy = start_proxy("--group-size", "2", "--no-pace")
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "rollout.py"), "--task", f"jsonl:{data}",  # the default model
+                           "--group-size", "2", "--prompts-per-round", "1", "--worker-id", "w1", "--no-serve"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "group of prompt 0 not sent: its prompt has " in done.stderr, done.stderr[-3000:]
+    assert ("tokens, more than 4096 (--max-prompt-tokens, the proxy's limit)" in done.stderr), done.stderr[-3000:]
+    assert "stopping: 3 rounds in a row sent nothing (--max-failed-rounds); the first failure: group of prompt" in \
+        done.stderr.splitlines()[-1], done.stderr[-3000:]
 
 
 # ---- the built-in calculator task ------------------------------------------------------------------

@@ -137,3 +137,45 @@ def test_evaluate_runs_an_environment_through_the_workers_episode_runner(tiny_mo
                        for i in range(3)], 1, Budget(calc.max_turns, 6, 512), rend, 0)
     assert [x["completion"] for x in res["examples"]] == [" | ".join(e.texts) for e in eps]
     assert res["examples"][0]["prompt"] == calc.prompts[0]
+
+
+def test_a_reward_of_another_scale_is_no_accuracy():
+    """An environment whose rewards are 42: no 'accuracy 39.1', the mean reward is the result; a reasoning-gym
+    partial credit (0.4) is in [0, 1] and counts."""
+    import evaluate
+    assert evaluate.accuracy([{"correct": 42.0}, {"correct": 36.2}]) is None
+    assert evaluate.accuracy([{"correct": 1.0}, {"correct": 0.4}]) == 0.7
+    curve = [(0, {"accuracy": None, "reward_mean": 39.1}), (3, {"accuracy": None, "reward_mean": 41.0})]
+    assert evaluate.curve_line("openenv-x", curve) == "result per version (openenv-x): v0: mean reward 39.100  v3: mean reward 41.000"
+    assert evaluate.curve_line("addition", [(0, {"accuracy": 0.25, "reward_mean": 0.25})]) == "accuracy per version (addition): v0: 0.250"
+
+
+@pytest.mark.timeout(900)
+def test_a_finished_local_run_is_evaluated_from_its_folder_and_the_base_model_needs_no_bucket(tiny_model, bucket,
+                                                                                               run_name, tmp_path):
+    """A local run's bucket stops with it: report.py copies its last adapter into the run's folder, evaluate.py
+    --run-dir reads it there (sha256-checked) and writes its result there; --version 0 runs with no bucket at all,
+    and any other version without one says where adapters are read from."""
+    import report
+    for v in (1, 2):
+        publish_random_adapter(bucket, tiny_model, tmp_path, v)
+    run = tmp_path / "runs" / "my-run"
+    assert report.save_adapters(bucket, str(run), "last") == [2]
+    assert (run / "adapters" / "v000002" / "meta.json").is_file() and not (run / "adapters" / "v000001").exists()
+    env = {k: v for k, v in os.environ.items() if k != "BUCKET"} | {"OMP_NUM_THREADS": "1"}
+    base = ["--model", tiny_model, "--max-new-tokens", "2", "--limit", "2"]
+    p = run_eval(env, *base, "--run-dir", str(run))  # the latest version there: 2
+    res = json.loads((run / "adapters" / "v000002" / "eval_addition.json").read_text())
+    assert res["version"] == 2 and json.loads(p.stdout.strip().splitlines()[-1])["accuracy"] == res["accuracy"]
+    assert "accuracy per version (addition): v2: " in p.stderr
+    p = run_eval(env, *base, "--run-dir", str(run), "--version", "1", ok=False)
+    assert (f"version 1 is not published in {run}/adapters/ (a local run saves its last version there; "
+            "`bash launch_jobs.sh --local --keep-adapters all` saves every one) (published: [2])") in p.stderr
+    p = run_eval(env, *base, "--version", "0")
+    assert json.loads(p.stdout.strip().splitlines()[-1])["version"] == 0
+    assert "(no BUCKET and no --run-dir: the result is printed, not stored)" in p.stderr
+    p = run_eval(env, *base, "--version", "2", ok=False)
+    assert ("evaluate.py reads a run's adapters from its bucket (set BUCKET, RUN_NAME and S3_ENDPOINT_URL) or, for a "
+            "finished local run, from its folder: --run-dir runs/NAME") in p.stderr
+    p = run_eval(env, *base, "--run-dir", str(tmp_path / "nope"), ok=False)
+    assert f"--run-dir {tmp_path / 'nope'}: no such folder" in p.stderr

@@ -106,3 +106,18 @@ def test_the_local_launcher_takes_its_settings_from_the_preset_and_the_command_l
 def test_an_unknown_preset_is_refused_naming_the_known_ones(capsys):
     with pytest.raises(SystemExit, match="--preset 'nope': one of local, local-calculator, jobs"):
         launch_hf.main(["--dry-run", "--preset", "nope"])
+
+
+def test_the_local_launcher_gives_each_task_kind_its_token_budget_and_the_command_line_wins():
+    """--max-new-tokens follows the task's kind (tasks.token_budget), not the preset's task: a reasoning-gym run on the
+    addition preset gets 64 tokens, not addition's 24, which cut its answers before they were given; a
+    --rollout-arg=--max-new-tokens wins."""
+    def rollout_args(*extra: str):
+        out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "launch_hf.py", "--local-plan", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        plan = dict(re.findall(r"^([A-Z_]+)=(.*)$", out.stdout, re.M))
+        return parse("rollout", shlex.split(plan["ROLLOUT_ARGS"].strip("()")))
+    assert rollout_args("--task", "reasoning-gym:chain_sum").max_new_tokens == 64
+    assert rollout_args("--task", "gsm8k").max_new_tokens == 512
+    assert rollout_args("--task", "calculator", "--rollout-arg=--max-new-tokens", "--rollout-arg=40").max_new_tokens == 40

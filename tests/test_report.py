@@ -75,3 +75,55 @@ def test_an_environments_success_rate_and_tool_call_share_first_and_last_five_st
     assert "tool_call_share_first5_last5" not in plain and "success_first5_last5" not in plain
     report.plot(train, {}, str(tmp_path / "curve.png"))
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def _untrained(cut: float | None) -> tuple[list[dict], dict]:
+    """Five steps in which every group had equal rewards (0), and a worker's rounds cut at the limit `cut` of the time."""
+    train = [{**r, "reward/mean": 0.0, "tokens": 0, "groups/trained": 0, "groups/zero_std_frac": 1.0} for r in _rows()[:5]]
+    rounds = [{"version": v, "rollout/reward_mean": 0.0, "rollout/samples": 64, "rollout/gen_s": 2.0,
+               "rollout/tokens_per_s": 500.0, "mem/peak_rss_mb": 2.0,
+               **({} if cut is None else {"rollout/finish_length": cut if v else 1.0})} for v in range(4)]
+    return train, {"w1": rounds}
+
+
+def test_a_run_that_trained_no_group_says_so_and_why(tmp_path, capsys):
+    """Every group's rewards equal, nothing trained: the summary's last line says so, and names the share of
+    answers cut at the token limit (weighted by the rounds' samples: one round of 4 cut every answer)."""
+    train, rollouts = _untrained(0.85)
+    s = report.summarize(train, rollouts, [])
+    assert (s["groups_trained"], s["groups_equal_rewards_share"], s["answers_cut_share"]) == (0, 1.0, 0.888)
+    want = ("nothing was trained: every group had equal rewards (mean reward 0.0) in 5 steps; e.g. answers cut at "
+            "the token limit in 89% of episodes (raise --max-new-tokens)")
+    assert report.headline(s) == want
+    report.save_dir(str(tmp_path), train, rollouts, [])
+    report.main(report.Args(from_dir=str(tmp_path)))
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == want
+    s = report.summarize(*_untrained(None), [])  # rounds that do not say how they finished
+    assert report.headline(s).endswith("in 5 steps; the task may be out of the model's reach, or its answers not in "
+                                       "the form the task scores")
+
+
+def test_a_run_that_trained_groups_has_its_usual_headline():
+    train = [{**r, "groups/trained": 3, "groups/zero_std_frac": 0.5} for r in _rows()]
+    s = report.summarize(train, {}, [])
+    assert (s["groups_trained"], s["groups_equal_rewards_share"], s["answers_cut_share"]) == (24, 0.5, None)
+    assert report.headline(s) == "5-step mean reward first reaches 0.8 at step 7, 70 s into training"
+
+
+def test_rewards_outside_the_unit_range_are_told_in_their_own_terms(tmp_path, capsys):
+    """An environment whose rewards are 42 does not 'reach 0.8': the summary gives its rewards' range and the
+    first and last five steps' means, and no level unless --level names one."""
+    train = [{**r, "reward/mean": 30.0 + 2 * i, "groups/trained": 4} for i, r in enumerate(_rows())]  # 30 .. 44
+    s = report.summarize(train, {}, [])
+    assert s["reward_level"] is None and s["reward_range"] == [30.0, 44.0]
+    assert not any(k.startswith("first_reaches") for k in s)
+    want = ("rewards outside [0, 1.1] (step means 30.0 to 44.0): mean reward 34.0 over the first 5 steps, 40.0 over "
+            "the last 5, in 8 steps (80.0 s)")
+    assert report.headline(s) == want
+    report.save_dir(str(tmp_path), train, {}, [])
+    report.main(report.Args(from_dir=str(tmp_path)))
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == want
+    named = report.summarize(train, {}, [], level=40.0)  # a level given: the 5-step mean 40.0 at step 8
+    assert report.headline(named) == "5-step mean reward first reaches 40.0 at step 8, 80 s into training"
+    gsm8k = report.summarize([{**r, "reward/mean": 1.1} for r in _rows()], {}, [])  # right and formatted: the unit scale
+    assert gsm8k["reward_level"] == 0.8 and gsm8k["first_reaches_0.8"] == {"step": 5, "wall_s": 50.0}

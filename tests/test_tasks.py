@@ -142,6 +142,26 @@ def test_unknown_task_file_or_split(tmp_path):
         load_task("addition", "test")
 
 
+@pytest.mark.parametrize("name, want", [
+    ("calculater", "unknown task 'calculater'; did you mean 'calculator'?"),
+    ("reasoning_gym:chain_sum", "unknown task 'reasoning_gym:chain_sum'; did you mean 'reasoning-gym:chain_sum'?"),
+    ("openenvs:http://127.0.0.1:8001", "did you mean 'openenv:http://127.0.0.1:8001'?"),
+    ("verifier", "did you mean 'verifiers:ENV_ID'?"),
+    ("poetry", "unknown task 'poetry'. Tasks:"),
+])
+def test_an_unknown_task_lists_every_form_and_the_nearest(name, want):
+    """rollout.py and evaluate.py resolve --task through is_environment, then load_environment or load_task: a
+    misspelled task is told the nearest one there is and every form, environments included."""
+    import environments
+    load = environments.load_environment if environments.is_environment(name) else load_task
+    with pytest.raises(SystemExit) as e:
+        load(name)
+    assert want in str(e.value)
+    assert str(e.value).endswith("Tasks: addition, gsm8k, math, jsonl:PATH (one turn); calculator, "
+                                 "reasoning-gym:DATASET, openenv:URL or openenv:PATH.py:APP, verifiers:ENV_ID "
+                                 "(environments of several turns: docs/environments.md)")
+
+
 def test_script_args_drop_files_shipped_beside_the_script(tmp_path, monkeypatch):
     """`hf jobs uv run rollout.py common.py --x 1` runs `uv run /data/rollout.py /data/common.py --x 1`."""
     for f in ("rollout.py", "common.py", "data.jsonl"):
@@ -301,3 +321,14 @@ def test_jsonl_task_from_the_bucket(bucket, run_name):
     bucket.put("prompts/bad.jsonl", b'{"prompt": "a", "answer": 1}\n{oops\n')
     with pytest.raises(SystemExit, match=r"bad.jsonl:2: not valid JSON"):
         load_task(f"jsonl:s3://{bucket.bucket}/{run_name}/prompts/bad.jsonl")
+
+
+def test_every_task_kind_has_a_token_budget_and_an_unknown_task_is_named():
+    """--max-new-tokens when none is given (rollout.py, evaluate.py, the launchers): one rule, by the task's kind."""
+    from tasks import TASK_KINDS, PLAIN_TASKS, token_budget
+    assert [token_budget(t) for t in ("addition", "calculator", "gsm8k", "reasoning-gym:leg_counting",
+                                      "jsonl:data/x.jsonl", "openenv:http://h:8000")] == [24, 24, 512, 64, 256, 128]
+    assert all(token_budget(t) > 0 for t in PLAIN_TASKS + [f"{k}:x" for k in TASK_KINDS])
+    with pytest.raises(SystemExit, match="unknown task 'reasoning_gym:leg_counting'; did you mean "
+                                         "'reasoning-gym:leg_counting'"):
+        token_budget("reasoning_gym:leg_counting")

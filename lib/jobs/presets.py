@@ -8,9 +8,10 @@ Jobs launch plan). Options given on the launcher's command line come after a pre
 
 The scripts' own defaults are the settings the project measured best (docs/objectives.md#what-closes-the-gap):
 `local` spells them out (tests/test_presets.py checks that they agree), so a script started by hand behaves as
-the local run measured. `jobs` changes only what the Jobs layout needs (answers of 512 tokens, max_staleness 2), each
-choice with its reason below; the fleet simulation that chose its staleness is in
-docs/results/fleet.md#the-jobs-preset, the table of its settings in docs/jobs.md#the-jobs-preset.
+the local run measured. `jobs` changes only what the Jobs layout needs (max_staleness 2), each choice with its
+reason below (its answers of 512 tokens come with its task, gsm8k: --max-new-tokens follows the task's kind,
+tasks.token_budget); the fleet simulation that chose its staleness is in docs/results/fleet.md#the-jobs-preset,
+the table of its settings in docs/jobs.md#the-jobs-preset.
 
 A preset's `version` goes up whenever one of its values changes, so a recorded `jobs@2` names one
 configuration. Changing a value here changes what a resumed run's relaunched jobs get only if the launcher is
@@ -27,8 +28,9 @@ RUN_SHAPING = {
     "proxy": ("max_staleness", "max_buffer", "pace", "lease_s"),
     "train": ("loss", "lr", "batch_groups", "micro_groups", "lora_r", "lora_alpha", "publish_every",
               "checkpoint_every"),
-    "rollout": ("prompts_per_round", "max_new_tokens", "temperature", "mid_round_swap"),
+    "rollout": ("prompts_per_round", "temperature", "mid_round_swap"),
 }
+# not a preset's: --max-new-tokens follows the task's kind (tasks.token_budget), which the launchers pass
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ LOCAL = Preset(
     proxy={"max_staleness": 1, "max_buffer": 0, "pace": True, "lease_s": 300.0},
     train={"loss": "cispo", "lr": 3e-4, "batch_groups": 8, "micro_groups": 2, "lora_r": 16, "lora_alpha": 32,
            "publish_every": 1, "checkpoint_every": 10},
-    rollout={"prompts_per_round": 8, "max_new_tokens": 24, "temperature": 1.0, "mid_round_swap": True},
+    rollout={"prompts_per_round": 8, "temperature": 1.0, "mid_round_swap": True},
 )
 
 PRESETS = {p.name: p for p in [
@@ -90,7 +92,7 @@ PRESETS = {p.name: p for p in [
     replace(LOCAL, name="local-calculator", version=1, task="calculator",
             about="this machine: a * b with a calculator the model may call, episodes of several turns, 40 steps"),
     # Hugging Face Jobs: Qwen2.5-0.5B on GSM8K, two vLLM workers on L4s, the trainer on an A10G. Answers of up to 512
-    # tokens (a GSM8K solution needs a few hundred). max_staleness 2: the fleet simulation at this layout's
+    # tokens (gsm8k's tasks.token_budget: a GSM8K solution needs a few hundred). max_staleness 2: the fleet simulation at this layout's
     # modelled times kept the trainer busy 0.80 of the time at 1 (rounds of 0.8-1.4 steps) and 0.52 (3.4 steps),
     # 0.89-0.91 / 0.67 at 2; staleness costs learning too (locally, cispo reached 0.8 in a median 11 steps at 1, 13
     # in the run whose staleness reached 2): 2 is 6% slower to learn on the shorter rounds, 8% faster on the long
@@ -100,7 +102,7 @@ PRESETS = {p.name: p for p in [
                                       "the trainer on a10g-small, 200 steps",
         model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k", workers=2, steps=200,
         proxy={**LOCAL.proxy, "max_staleness": 2}, train=dict(LOCAL.train),
-        rollout={**LOCAL.rollout, "max_new_tokens": 512}),
+        rollout=dict(LOCAL.rollout)),
 ]}
 
 

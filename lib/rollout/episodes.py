@@ -122,6 +122,49 @@ class Renderer:
                 f"token {i}: {self.tok.decode(want[i:i + 8])!r} vs {self.tok.decode(have[i:i + 8])!r}")
 
 
+def open_episode(env: Environment, i: int) -> Episode:
+    """An episode of prompt i with a fresh session; one whose session cannot be opened (a server that refuses
+    it, say) is failed at once: its group is dropped, the round and the worker go on."""
+    try:
+        return Episode(i, env.session(i))
+    except Exception as err:  # noqa: BLE001 - whatever the environment's library raises
+        return Episode(i, Session(), finish="stop",
+                       failed=f"its session could not be opened: {type(err).__name__}: {err}"[:500])
+
+
+def score(e: Episode) -> None:
+    """The episode's reward from its session; a scorer that raises fails the episode (its group is dropped)."""
+    try:
+        e.reward, e.parts = e.session.score()
+    except Exception as err:  # noqa: BLE001 - the environment's scorer
+        e.failed = f"the environment's scorer failed: {type(err).__name__}: {err}"[:500]
+
+
+def waves(n: int, G: int, limit: int | None) -> list[tuple[int, int, int]]:
+    """How a round of n prompts, G episodes each, runs with at most `limit` sessions open at once (None: no
+    limit): (first prompt, prompts, episodes per prompt) of each wave, in order, so that the episodes come out
+    group-major as one wave's would. limit >= G: whole groups, limit // G of them a wave; else each group in
+    waves of `limit` episodes."""
+    if limit is None or limit >= n * G:
+        return [(0, n, G)]
+    if limit >= G:
+        per = limit // G
+        return [(j, min(per, n - j), G) for j in range(0, n, per)]
+    return [(j, 1, min(limit, G - k)) for j in range(n) for k in range(0, G, limit)]
+
+
+def run_in_waves(turns, env: Environment, indices: list[int], prompts: list[list[int]], G: int, budget: Budget,
+                 renderer: Renderer, version: int, swap: Callable[[], int | None] | None = None) -> list[Episode]:
+    """run_episodes, with at most env.max_sessions sessions open at once (an OpenEnv server's limit): the rest
+    wait for a later wave. A round of several waves takes no new version before its end (swap unused): the
+    first tokens of every wave must be sampled by the round's version, the version its groups are sent at."""
+    plan = waves(len(indices), G, env.max_sessions)
+    if len(plan) == 1:
+        return run_episodes(turns, env, indices, prompts, G, budget, renderer, version, swap)
+    return [e for first, n, g in plan for e in run_episodes(turns, env, indices[first:first + n],
+                                                             prompts[first:first + n], g, budget, renderer, version)]
+
+
 def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list[int]], G: int, budget: Budget,
                  renderer: Renderer, version: int, swap: Callable[[], int | None] | None = None) -> list[Episode]:
     """G episodes for each prompt (group-major, as the engines' sample()), run to their end. `turns` is an
@@ -130,10 +173,10 @@ def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list
     rebuild() after the weights changed. `version` samples the first turn; swap(), called between two turns,
     returns the version it has just loaded (None: none), which samples from the next turn on (each token
     records its version: Episode.versions)."""
-    eps = [Episode(i, env.session(i)) for i in indices for _ in range(G)]
+    eps = [open_episode(env, i) for i in indices for _ in range(G)]
     max_turns = min(budget.max_turns, env.max_turns) if env.max_turns else budget.max_turns
     turns.start(prompts, G)
-    feed: dict[int, list[int]] = {k: [] for k in range(len(eps))}
+    feed: dict[int, list[int]] = {k: [] for k, e in enumerate(eps) if not e.failed}
     try:
         while feed:
             if swap is not None and any(e.turns for e in eps) and (new := swap()) is not None:
@@ -148,7 +191,11 @@ def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list
                 e.turns += 1
                 text = renderer.tok.decode(ids, skip_special_tokens=True)
                 e.texts.append(text)
-                step = e.session.step(text)
+                try:
+                    step = e.session.step(text)
+                except Exception as err:  # noqa: BLE001 - the environment's code or server failed this episode
+                    e.failed, e.finish = f"the environment's step failed: {type(err).__name__}: {err}"[:500], "stop"
+                    continue
                 if step.mismatch:  # the environment says the episode is not the one these tokens are
                     e.drift, e.finish = step.mismatch, "stop"
                     continue
@@ -169,7 +216,8 @@ def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list
                     continue
                 feed[k] = env_ids
         for e in eps:  # scored while the environment is still there (a server's session, say)
-            e.reward, e.parts = e.session.score()
+            if not e.failed:
+                score(e)
     finally:
         for e in eps:
             e.session.close()

@@ -2,12 +2,12 @@
 sampled token ids and their logprobs out), served by the worker's own engine, so that an environment library
 that runs its own episode loop (verifiers' train client, which renders prompts to token ids with its
 `renderers`) generates with exactly the weights the worker serves, and the worker knows exactly what was
-sampled. `hf` and in-process `vllm` generate here; `server` relays each call to its `vllm serve`, which
-provides the same route (started with --enable-scale-out).
+sampled. Every backend answers it through its engine's `generate_ids` (`server`: the server's own completions route,
+as its episodes' later turns are).
 
 Every call is recorded by the caller's `X-Session-ID` (verifiers sends its trace id): prompt ids, sampled
 ids, behaviour logprobs, finish reason and the adapter version, in order, so an episode is rebuilt from
-what the engine did, not from what the library says it did (`Calls.episode`). Requests that arrive
+what the engine did, not from what the library says it did (`episode_of`). Requests that arrive
 together are generated together (one batch of the engine); the server binds 127.0.0.1 and wants a random
 key (Bearer), so no other process on the machine can drive the engine.
 

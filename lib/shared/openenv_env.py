@@ -6,16 +6,20 @@ process), `--task openenv:PATH.py:APP` starts the server in PATH.py (an app made
 An OpenEnv server speaks typed actions and observations (GET /schema) over a WebSocket session per
 episode (openenv's own client, `GenericEnvClient(...).sync()`): reset(seed) gives the first observation,
 step(action) the next one with a reward and `done`. The model's turn becomes the action's one text field
-(the schema's only string property, or `?action_field=NAME`); an observation becomes a user message (its
-one text field, or `?observation_field=NAME`, else its fields as JSON). Prompt index i resets with seed
-i (eval: seeds from 1,000,003 on), so the G episodes of a group start from the same observation, which
-is the group's shared prompt; a server that answers another first observation to the same seed breaks
-that, and its episodes are counted as drift and not trained. The episode's reward is the sum of its
-steps' rewards.
+(the schema's only string property, Optional[str] included, or `?action_field=NAME`); an observation becomes a
+user message (its one text field, or `?observation_field=NAME`, else its fields as JSON). An MCP environment
+(CallToolAction: a tool's name and arguments) is refused: no model turn can drive it. Prompt index i resets
+with seed i (eval: seeds from 1,000,003 on), so the G episodes of a group start from the same observation,
+which is the group's shared prompt; a server that answers another first observation to the same seed breaks
+that, and its episodes are counted as drift and not trained; one whose first observations for seeds 0 and 1
+are the same is warned about (it may ignore the seed). The episode's reward is the sum of its steps' rewards;
+an episode with none (openenv sends a NaN reward as null) drops its group, saying so.
 """
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import socket
 import subprocess
@@ -30,6 +34,8 @@ from env_types import Environment, Session, Step, require
 
 SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
 EVAL_SEED = 1_000_003
+log = logging.getLogger(__name__)
+CAPACITY_WAIT_S = 120.0  # a session refused because the server is full is asked for again this long
 
 
 def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
@@ -58,43 +64,130 @@ def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
     raise SystemExit(f"the OpenEnv server {path_app} did not answer {url}/health within 60 s (log: {log.name})")
 
 
+def is_text(prop: dict) -> bool:
+    """A property the model's text can fill: a string, or an optional one (pydantic's Optional[str] is anyOf string,
+    null), and not a constant (a discriminator such as an action's `type`)."""
+    types = {t.get("type") for t in prop["anyOf"]} if "anyOf" in prop else {prop.get("type")}
+    return "const" not in prop and "string" in types and types <= {"string", "null"}
+
+
 def text_field(schema: dict, given: str | None, what: str) -> str | None:
-    """The one string property of a JSON schema (or `given`, checked); None when there is not exactly one."""
+    """The one text property of a JSON schema (or `given`, checked); None when there is not exactly one."""
     props = {k: v for k, v in (schema.get("properties") or {}).items() if k not in SKIP}
     if given:
         if given not in props:
             raise SystemExit(f"the OpenEnv {what} has no field {given!r}; its fields: {sorted(props)}")
         return given
-    strings = [k for k, v in props.items() if v.get("type") == "string"]
+    strings = [k for k, v in props.items() if is_text(v)]
     return strings[0] if len(strings) == 1 else None
 
 
+def refuse_mcp(action: dict, url: str) -> None:
+    """An MCP environment (its action is openenv's CallToolAction: a tool's name and its arguments) cannot take a
+    model's text as its action: given ?action_field=tool_name, every step is a call of no tool, answered with an
+    error, and the run would train on those. Refused at start, saying so."""
+    props = action.get("properties") or {}
+    if action.get("title") in ("CallToolAction", "ListToolsAction") or {"tool_name", "arguments"} <= set(props):
+        raise SystemExit(f"the OpenEnv environment at {url} is an MCP environment (its action is "
+                         f"{action.get('title', 'a tool call')}: a tool's name and its arguments), which a model's "
+                         "text turn cannot drive: --task openenv: needs an environment whose action has a text field")
+
+
+def same_prompts(prompts: "Prompts") -> str | None:
+    """A warning when the first two prompt indices start alike (a server that ignores reset's seed gives one prompt
+    for every index: the run would train on one question), else None."""
+    if len(prompts) < 2 or prompts.text(0) != prompts.text(1):
+        return None
+    return (f"the OpenEnv server at {prompts.url} gave the same first observation for seeds {prompts.seed0} and "
+            f"{prompts.seed0 + 1} ({prompts.text(0)[:80]!r}): if it ignores reset's seed, every prompt index is one "
+            "question; if its episodes differ by the seed only after the first observation, this is fine")
+
+
+def refused(err: Exception) -> bool:
+    """Whether a session was refused because the server holds as many as it allows: its CAPACITY_REACHED error,
+    or the connection it closes right after sending it (which our first message can meet before the error)."""
+    from websockets.exceptions import ConnectionClosed
+    return "CAPACITY_REACHED" in str(err) or isinstance(err, ConnectionClosed)
+
+
+def close_quietly(client) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - a refused or broken connection: nothing left to tell the server
+        pass
+
+
+def open_reset(client_cls, url: str, seed: int, patience_s: float = CAPACITY_WAIT_S):
+    """A connected sync client and its reset(seed). A session refused for capacity is asked for again (the slot of
+    an episode that just ended is freed a moment after it closes; another worker's may end) for patience_s, then
+    the refusal is raised, naming the server's limit."""
+    t0 = time.monotonic()
+    while True:
+        client = client_cls(base_url=url).sync()
+        try:
+            client.connect()
+            return client, client.reset(seed=seed)
+        except Exception as e:
+            close_quietly(client)
+            if not refused(e):
+                raise
+            if time.monotonic() - t0 > patience_s:
+                raise RuntimeError(f"the OpenEnv server at {url} refused a session for {patience_s:.0f} s: it holds "
+                                   f"as many as it allows (its create_app(..., max_concurrent_envs=N)): {e}") from e
+        time.sleep(0.2)
+
+
+def session_limit(client_cls, url: str, want: int) -> int | None:
+    """How many sessions the server at url allows open at once, if fewer than `want` (None: it took `want`).
+    openenv's server says its limit only when it refuses one, so sessions are opened one after another (each
+    asked for its state) until one is refused, then all are closed."""
+    opened = []
+    try:
+        for n in range(want):
+            opened.append(client := client_cls(base_url=url).sync())
+            try:
+                client.connect()
+                client.state()
+            except Exception as e:
+                if refused(e):
+                    return max(n, 1)  # (none at all: another client holds them; ours wait for one, open_reset)
+                raise
+        return None
+    finally:
+        for client in opened:
+            close_quietly(client)
+
+
 class OpenEnvSession(Session):
-    def __init__(self, client, action_field: str, render, first: str, seed: int):
-        self.client, self.action_field, self.render = client.sync(), action_field, render
-        self.client.connect()
-        got = render(self.client.reset(seed=seed).observation)
+    def __init__(self, client_cls, url: str, action_field: str, render, first: str, seed: int):
+        self.action_field, self.render = action_field, render
+        self.client, reset = open_reset(client_cls, url, seed)
+        got = render(reset.observation)
         self.mismatch = None if got == first else (
             f"the server's first observation for seed {seed} is not the group's prompt ({got[:80]!r} vs "
             f"{first[:80]!r}): the environment does not reset deterministically from its seed")
-        self.rewards: list[float] = []
+        self.rewards: list[float | None] = []
 
     def step(self, text: str) -> Step:
         if self.mismatch:
             return Step([], done=True, mismatch=self.mismatch)
         r = self.client.step({self.action_field: text})
-        self.rewards.append(float(r.reward or 0.0))
+        if r.reward is not None and not math.isfinite(float(r.reward)):  # a failing step drops its group, saying this
+            raise ValueError(f"the environment's reward is {r.reward}, not a number")
+        self.rewards.append(r.reward)  # None: a step without a reward (or a NaN: openenv sends one as null)
         return Step([] if r.done else [{"role": "user", "content": self.render(r.observation)}], done=bool(r.done))
 
     def score(self) -> tuple[float, dict[str, float]]:
-        total = sum(self.rewards)
+        """The sum of the steps' rewards. An episode none of whose steps had a reward is refused (its group dropped,
+        saying so): openenv's server sends a NaN reward as null, which would otherwise be trained as 0."""
+        if self.rewards and all(r is None for r in self.rewards):
+            raise ValueError(f"the environment gave no reward in {len(self.rewards)} step(s) (null every time: "
+                             "openenv sends a NaN reward as null)")
+        total = float(sum(r for r in self.rewards if r is not None))
         return total, {"correct": total, "diag_env_steps": float(len(self.rewards))}
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:  # noqa: BLE001 - a server gone at the end of a run: nothing left to tell it
-            pass
+        close_quietly(self.client)  # (a server gone at the end of a run: nothing left to tell it)
 
 
 class Prompts:
@@ -110,8 +203,9 @@ class Prompts:
 
     def text(self, i: int) -> str:
         if i not in self.cache:
-            with self.client_cls(base_url=self.url).sync() as c:
-                self.cache[i] = self.render(c.reset(seed=self.seed0 + i).observation)
+            client, reset = open_reset(self.client_cls, self.url, self.seed0 + i)
+            close_quietly(client)
+            self.cache[i] = self.render(reset.observation)
         return self.cache[i]
 
     def __getitem__(self, i: int) -> list[dict]:
@@ -119,7 +213,9 @@ class Prompts:
             {"role": "user", "content": self.text(i)}]
 
 
-def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Environment:
+def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions: int = 0) -> Environment:
+    """sessions: how many the caller opens at once at most (rollout: G x prompts per round); the server's own
+    limit, if lower, is learnt now (Environment.max_sessions), and the episodes run in waves of it."""
     require("openenv-core", "openenv")
     from openenv.core.generic_client import GenericEnvClient
     parts = urlsplit(spec) if spec.startswith(("http://", "https://")) else None
@@ -133,6 +229,7 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Envir
         schema = httpx.get(f"{url}/schema", timeout=30.0).raise_for_status().json()
     except httpx.HTTPError as e:
         raise SystemExit(f"the OpenEnv server at {url} does not answer GET /schema: {e}") from e
+    refuse_mcp(schema["action"], url)
     action_field = text_field(schema["action"], opts.get("action_field"), "action")
     if action_field is None:
         raise SystemExit(f"the OpenEnv action at {url} has no single text field: name it with "
@@ -145,9 +242,11 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Envir
         return json.dumps({k: v for k, v in obs.items() if k not in SKIP}, sort_keys=True)
     seed0 = (seed if split == "train" else seed + EVAL_SEED)
     prompts = Prompts(GenericEnvClient, url, render, opts.get("system"), int(opts.get("size", 1000)), seed0)
+    if warning := same_prompts(prompts):
+        log.warning(warning)
 
     def session(i: int) -> Session:
-        return OpenEnvSession(GenericEnvClient(base_url=url), action_field, render, prompts.text(i), seed0 + i)
+        return OpenEnvSession(GenericEnvClient, url, action_field, render, prompts.text(i), seed0 + i)
 
     def close() -> None:
         if proc is not None and proc.poll() is None:
@@ -157,4 +256,5 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0) -> Envir
             except subprocess.TimeoutExpired:
                 proc.kill()
     name = "openenv-" + (urlsplit(url).hostname or "env") if parts else "openenv-" + os.path.basename(spec.split(":")[0])[:-3]
-    return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close)
+    limit = session_limit(GenericEnvClient, url, sessions) if sessions > 1 else None
+    return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close, max_sessions=limit)

@@ -12,6 +12,7 @@ fallback when math-verify finds no answer at all.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -252,4 +253,50 @@ def load_task(name: str, split: str = "train") -> Task:
         return math_task(split)
     if name.startswith("jsonl:"):
         return jsonl_task(name[len("jsonl:"):], split)
-    raise SystemExit(f"unknown task {name!r}; built in: addition, gsm8k, math, jsonl:PATH")
+    raise SystemExit(unknown_task(name))
+
+
+# Tokens a model turn may take when no --max-new-tokens is given, by task kind: the one rule rollout.py,
+# evaluate.py and the launchers use (`bash launch_jobs.sh` prints the value it passes). Too few and every answer is
+# cut before it is given: reasoning-gym at 24 tokens cut 228 of 256 answers, every reward 0, nothing trained.
+TOKEN_BUDGETS = {
+    "addition": 24,        # the answer is a number; the local run learns at 24 (docs/results/learning.md)
+    "calculator": 24,      # per turn: an expression, or a number
+    "gsm8k": 512,          # a worked solution takes a few hundred tokens
+    "math": 512,
+    "reasoning-gym": 64,   # the prompt asks for the answer alone in <answer> tags (environments.reasoning_gym)
+    "jsonl": 256,          # your data: unknown, room for a few sentences
+    "openenv": 128,        # per turn of an environment we do not know: an action, a short reply
+    "verifiers": 256,
+}
+
+
+def token_budget(task: str) -> int:
+    """--max-new-tokens when none is given: the budget of the task's kind (TOKEN_BUDGETS)."""
+    kind = task if task in TOKEN_BUDGETS else task.partition(":")[0]
+    if kind not in TOKEN_BUDGETS:
+        raise SystemExit(unknown_task(task))
+    return TOKEN_BUDGETS[kind]
+
+
+PLAIN_TASKS = ["addition", "gsm8k", "math", "calculator"]
+TASK_KINDS = {"jsonl": "PATH", "reasoning-gym": "DATASET", "openenv": "URL", "verifiers": "ENV_ID"}  # KIND:WHAT
+
+
+def near_task(name: str) -> str | None:
+    """The task `name` was likely meant to be (difflib), or None: a plain name by its spelling (calculater:
+    calculator), a KIND:WHAT by its kind, WHAT kept (reasoning_gym:chain_sum: reasoning-gym:chain_sum)."""
+    kind, colon, rest = name.partition(":")
+    if colon:
+        near = difflib.get_close_matches(kind.lower(), list(TASK_KINDS), n=1, cutoff=0.6)
+        return f"{near[0]}:{rest}" if near else None
+    near = difflib.get_close_matches(name.lower(), PLAIN_TASKS + list(TASK_KINDS), n=1, cutoff=0.6)
+    return (near[0] if near[0] in PLAIN_TASKS else f"{near[0]}:{TASK_KINDS[near[0]]}") if near else None
+
+
+def unknown_task(name: str) -> str:
+    """What a --task nothing knows is told: the nearest task if one is near, and every form a task takes."""
+    near = near_task(name)
+    return (f"unknown task {name!r}" + (f"; did you mean {near!r}?" if near else ".") + " Tasks: addition, gsm8k, math, "
+            "jsonl:PATH (one turn); calculator, reasoning-gym:DATASET, openenv:URL or openenv:PATH.py:APP, "
+            "verifiers:ENV_ID (environments of several turns: docs/environments.md)")
