@@ -171,7 +171,9 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
                    "--vocab-size", "151936", *preset["proxy"]],  # Qwen2.5's, from its carried config.json
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
         "rollout-1": (["/data/rollout.py", *shipped("rollout.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
-                       "--task", "gsm8k", "--group-size", "8", *preset["rollout"], "--worker-id", "gsm-1-w1",
+                       "--task", "gsm8k", "--group-size", "8", *preset["rollout"],
+                       "--max-new-tokens", "512",  # gsm8k's budget (tasks.token_budget), not the preset's
+                       "--worker-id", "gsm-1-w1",
                        "--seed", "1"], "l4x1", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets, base_env),
         "trainer": (["/data/train.py", *shipped("train.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--task", "gsm8k", "--max-steps", "50",
                      *preset["train"], "--lr", "1e-5"], "a10g-small", {"HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN"} | bucket_secrets,

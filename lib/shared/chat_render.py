@@ -1,7 +1,6 @@
 """How an episode's tokens are rendered by the chat template, one new piece at a time: the runner builds episodes with
 it (lib/rollout/episodes.py) and the trainer's audit replays a participant's episode with it (lib/train/audit_tasks.py),
-so both must render alike: one class for both. (episodes.py still holds its own copy of `Renderer` until it imports
-this one: the two are the same code.)"""
+so both must render alike: one class for both."""
 from __future__ import annotations
 
 
