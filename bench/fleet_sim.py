@@ -30,7 +30,8 @@ from the lease answers' waited_s), the staleness of what it leased, tokens gener
 apart), how evenly prompts are served (the share of the prompts handed out that were trained: all, the
 hardest quarter, the easiest) and workers (rounds per worker, the share that never got one, the p99 wait for
 a grant), the proxy's CPU and the p99 of its answers (group submission, and /health probed every 100 ms: the
-event loop's lag), bucket requests per second (from the S3 server's request log), and this simulator's own
+event loop's lag, asked both from inside the simulator and from bench/health_probe.py, a process apart whose
+answer times do not include the simulator's own lag), bucket requests per second (from the S3 server's request log), and this simulator's own
 CPU (its one process drives every worker and the trainer: near 100%, its own delays would count as the
 proxy's). Writes everything as JSON to --out.
 """
@@ -527,6 +528,8 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "grant_wait_p50_s": pct(m["grant_wait"], .5), "grant_wait_p99_s": pct(m["grant_wait"], .99),
             "proxy_cpu": round(cpu / run["elapsed"], 3), "submit_p99_ms": round(1000 * (pct(m["submit"], .99) or 0), 1),
             "health_p99_ms": round(1000 * (pct(m["health"], .99) or 0), 1),
+            "health_apart_p99_ms": round(1000 * (pct(m["health_apart"], .99) or 0), 1),
+            "health_apart_p50_ms": round(1000 * (pct(m["health_apart"], .5) or 0), 1),
             "bucket_rps": round(s3_requests["all"] / run["elapsed"], 1), "bucket_cpu": round(s3_cpu / run["elapsed"], 3),
             "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
@@ -596,7 +599,15 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
         f = Fleet(a, n, pace, f"http://127.0.0.1:{port}", token, f"http://127.0.0.1:{s3_port}", bucket, adapter)
         start, cpu0, s3_cpu0 = s3_log.stat().st_size, cpu_s(proxy.pid), cpu_s(s3_pid)
         print(f"== {n} workers, pacing {'on' if pace else 'off'}: batch {f.batch}, {a.steps} steps", flush=True)
-        result = asyncio.run(f.run())
+        probed = tmp / f"health-{n}-{pace}.txt"
+        probe = subprocess.Popen([sys.executable, str(ROOT / "bench" / "health_probe.py"), "--url",
+                                  f"http://127.0.0.1:{port}", "--out", str(probed)])
+        try:
+            result = asyncio.run(f.run())
+        finally:
+            probe.terminate()
+            probe.wait()
+        f.m["health_apart"] = [float(x) for x in probed.read_text().split()] if probed.exists() else []
         return summarize(f, result, cpu_s(proxy.pid) - cpu0, s3_counts(s3_log, start), cpu_s(s3_pid) - s3_cpu0)
     finally:
         proxy.kill()
@@ -619,7 +630,8 @@ def line(r: dict) -> str:
             f"rounds/worker {r['rounds_per_worker']} none {r['workers_without_a_round']}  "
             f"grant wait p99 {r['grant_wait_p99_s'] or 0:.1f}s  "
             f"proxy cpu {100 * r['proxy_cpu']:.0f}% (sim {100 * r['sim_cpu']:.0f}%)  "
-            f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms  "
+            f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms "
+            f"(from a process apart: p99 {r['health_apart_p99_ms']:.0f} ms, p50 {r['health_apart_p50_ms']:.0f} ms)  "
             f"bucket {r['bucket_rps']:.0f} req/s (cpu {100 * r['bucket_cpu']:.0f}%)  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
 
 
