@@ -54,6 +54,28 @@ def test_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model):
             assert (lp1[n, len(c):] == 0).all()
 
 
+def test_a_long_group_gets_its_logits_in_chunks_with_the_same_numbers(tiny_model, monkeypatch):
+    """Without checkpointing (the CPU trainer's default, the audit's recompute), positions beyond LOGITS_AT_ONCE
+    are scored LOGITS_CHUNK at a time, so the [positions, vocab] logits a group can ask for are bounded by a
+    setting; the logprobs and gradients equal those computed at once, with gradients on and off."""
+    model = lora_model(tiny_model)
+    lp0, g0 = logprobs_and_grads(model, checkpoint=False)  # 10 positions, at once
+    widths = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, inp, out: widths.append(out.shape[0]))
+    monkeypatch.setattr(models, "LOGITS_AT_ONCE", 4)
+    monkeypatch.setattr(models, "LOGITS_CHUNK", 3)
+    lp1, g1 = logprobs_and_grads(model, checkpoint=False)
+    with torch.no_grad():
+        lp2, _ = completion_logprobs(model, PROMPTS, COMPS, T, pad=0, checkpoint=False)
+    hook.remove()
+    assert max(widths) == 3 and sum(widths) > 10  # chunks only; the backward recomputed them (checkpointed)
+    assert torch.allclose(lp0, lp1, atol=1e-6, rtol=0) and torch.allclose(lp0, lp2, atol=1e-6, rtol=0)
+    for n in g0:
+        scale = g0[n].abs().max()  # float32 sums in another order: ~5e-6 of the largest entry off
+        assert torch.allclose(g0[n], g1[n], atol=1e-5 * scale, rtol=0), n
+
+
 def kept_bytes(model, checkpoint, comps=tuple([list(range(20, 60))] * 4)) -> int:
     """Bytes autograd keeps for backward outside checkpointed regions (a checkpointed region hands
     its saved tensors to torch.utils.checkpoint's own hooks instead), parameters left out."""

@@ -140,7 +140,10 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     # lm_head only on completion positions: the vocab projection is a large share of the FLOPs;
     # each position divided by its own row's temperature
     row_t = temps[:, None].expand(sel.shape)[sel]
-    lp = _token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], row_t)
+    head, h, t = lm.get_output_embeddings(), hidden[sel], cids[sel]
+    # [positions, vocab] float32 logits: at once for an ordinary micro-batch (fastest), in chunks beyond
+    # LOGITS_AT_ONCE positions, so that what one group carries (4 x 4,096 tokens) cannot set the memory
+    lp = _token_logprobs(head, h, t, row_t) if len(t) <= LOGITS_AT_ONCE else _chunked_token_logprobs(head, h, t, row_t)
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 
@@ -150,6 +153,16 @@ def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temps: torch.
     in float32."""
     logits = head(hidden).float() / temps[:, None]
     return torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+
+
+def _chunked_token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """_token_logprobs in chunks of LOGITS_CHUNK positions: at most one chunk's logits exist at a time. With
+    gradients on, each chunk is checkpointed (its logits recomputed in backward), else they would all be kept
+    for backward anyway."""
+    def one(i: int) -> torch.Tensor:
+        args = (head, hidden[i:i + LOGITS_CHUNK], ids[i:i + LOGITS_CHUNK], temps[i:i + LOGITS_CHUNK])
+        return checkpoint(_token_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled() else _token_logprobs(*args)
+    return torch.cat([one(i) for i in range(0, len(ids), LOGITS_CHUNK)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +178,9 @@ def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temps: torch.
 
 CHECKPOINT_ATTR = "async_grpo_checkpointing"
 LOGITS_CHUNK = 256  # tokens per checkpointed lm_head + log_softmax chunk: 256 x 152k vocab x 14 B = 0.5 GB at peak
+# without checkpointing, positions whose logits are computed at once (a local micro-batch has ~400); beyond it,
+# chunks of LOGITS_CHUNK: 4,096 x 49k (SmolLM2) x 4 B x 2 (logits, log_softmax) = 1.6 GB at most
+LOGITS_AT_ONCE = 4096
 
 
 def enable_checkpointing(model, on: bool = True) -> None:
@@ -235,10 +251,7 @@ def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[i
                           use_cache=True, **cache_kw(decoder, shared))
             hidden = torch.cat([hidden, out.last_hidden_state], 1)
     sel = cmask.bool()
-    h, t, row_t = hidden[sel], cids[sel], temps[:, None].expand(sel.shape)[sel]
-    head = lm.get_output_embeddings()
-    lp = torch.cat([checkpoint(_token_logprobs, head, h[i:i + LOGITS_CHUNK], t[i:i + LOGITS_CHUNK],
-                               row_t[i:i + LOGITS_CHUNK], use_reentrant=False) for i in range(0, len(t), LOGITS_CHUNK)])
+    lp = _chunked_token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], temps[:, None].expand(sel.shape)[sel])
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
     return logp, cmask
 
