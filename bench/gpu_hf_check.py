@@ -519,9 +519,10 @@ def main() -> None:
         bnb, res["bitsandbytes_error"] = False, f"{type(e).__name__}: {e}"[:300]
     work = tempfile.mkdtemp(prefix="gpu-hf-check-", dir=a.work_dir)
     run = Run(out, budget, a.cpu_smoke, res)
+    limits = (f"budget {budget:.0f} s from the command's start" if res["budget_s"] is not None else "no budget") + (
+        f", exit ('Timeout') at {timeout - DEADLINE_S:.0f} s" if timeout else ", no deadline")
     log(f"{res['gpu'] or 'no GPU (--cpu-smoke)'}; pass {a.pass_}: {len(items)} items, ~{res['plan_estimate_s']} s by EST; "
-        f"budget {res['budget_s']} s from the command's start" + (f", exit ('Timeout') at {timeout - DEADLINE_S:.0f} s" if timeout else "")
-        + f"; work dir {work}; results to {out}")
+        f"{limits}; work dir {work}; results to {out}")
     run.save()
     gpu_gib = res["gpu_gib"] or float("inf")
     dirs: dict[str, str] = {}
