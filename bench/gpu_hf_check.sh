@@ -7,7 +7,7 @@
 # sampler/trainer logprob difference in bf16. The full check with vLLM stays bench/gpu_check.sh.
 #
 #   .venv/bin/python bench/gpu_wheels.py download   # once, here, with PyPI: wheels-gpu/ (22.5 MiB) and wheels-rehearsal/
-#   bash bench/gpu_hf_check.sh --cpu-smoke [--pass 1|2|all] [DIR [--no-emulate]]   # here, no GPU: tiny models (~1-3 min a pass)
+#   bash bench/gpu_hf_check.sh --cpu-smoke [--pass 1|2|all] [DIR [--no-emulate]]   # here, no GPU: tiny models (about a minute a pass)
 #   bash bench/gpu_hf_check.sh [--pass 1|2|all] [ARGS of gpu_hf_check.py]          # on the GPU machine
 #
 # --pass: 1 = the trainer at 0.5B, 1.5B and 7B in bf16 with checkpointing, the hf engine's tokens/s
