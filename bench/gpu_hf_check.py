@@ -1,17 +1,18 @@
-"""The GPU check without vLLM (run by bench/gpu_hf_check.sh): one run of at most ~9 minutes on one
-GPU, no network, on the machine's own torch/transformers/peft. Models are built from the configs the
-project carries (lib/jobs/configs/), with random weights (bf16) and a word-level tokenizer;
-nothing is downloaded. With the repository's own code (train.build_model / train.train_step,
-hf_engine.sample / hf_engine.swap_in, models.load_base / completion_logprobs, memory.trainer_memory) it
-measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bitsandbytes imports:
+"""The GPU check without vLLM (run by bench/gpu_hf_check.sh) on one GPU, no network, on the machine's
+own torch/transformers/peft, in two passes that each fit one command of the device tool (docs/gpu.md).
+Models are built from the configs the project carries (lib/jobs/configs/), with random weights (bf16)
+and a word-level tokenizer; nothing is downloaded. With the repository's own code (train.build_model /
+train.train_step, hf_engine.sample / hf_engine.swap_in, models.load_base / completion_logprobs,
+memory.trainer_memory) it measures Qwen2.5-0.5B, 1.5B and 7B (bf16), and 7B and 14B in 4-bit when
+bitsandbytes imports:
 
   trainer   step time and peak GPU memory at the Jobs layout (8 groups a step, 2 per micro-batch,
             G=8, prompts of 256 tokens, completions of 512; LoRA r=16, r=64 in 4-bit; AdamW, clipping,
-            as train.main does), activation checkpointing on and off (off where memory.py predicts it
-            fits the GPU; an out-of-memory is recorded as a result), against memory.trainer_memory's
-            prediction. "measured" = torch's peak reserved + what the process holds outside torch's
-            allocator (CUDA context, ...: device used - reserved, read after the steps), which is what
-            the prediction's overhead stands for.
+            as train.main does), activation checkpointing on and off (any bf16 configuration only where
+            memory.py predicts it fits the GPU; an out-of-memory is recorded as a result), against
+            memory.trainer_memory's prediction. "measured" = torch's peak reserved + what the process
+            holds outside torch's allocator (CUDA context, ...: device used - reserved, read after the
+            steps), which is what the prediction's overhead stands for.
   sampler   the hf engine (hf_engine.sample) on 8 prompts x G=8 (a worker's round), 256-token prompts,
             128 new tokens: tokens/s without and with a LoRA (r=16, all linear layers, B non-zero);
             the first adapter load (hf_engine.swap_in wraps the model) and the in-place swap time
@@ -22,17 +23,27 @@ measures, for Qwen2.5-0.5B, 1.5B and 7B (bf16), then 7B and 14B in 4-bit when bi
             path), and float32 (no grad); mean and max |diff| per token, the on-policy ratio
             exp(trainer - sampler) (mean, max |ratio - 1|, share outside PPO's 0.2 clip).
 
-Items run in that order per model, smallest model first; one whose estimated time does not fit
-what is left of --budget-s is skipped and recorded as skipped. The JSON is rewritten after every
-item, so a run cut short keeps what it measured; a markdown table of it is printed last.
+--pass picks what runs (plan()), each pass sized for one command of the device tool (TIMEOUT_S, its
+timeout_s; docs/gpu.md gives each pass's estimated seconds, which the check also logs when it starts):
+  1    per bf16 model, smallest first: trainer with checkpointing on, sampler, logprobs
+  2    per bf16 model: trainer with checkpointing off; then the 4-bit trainer, 7B and 14B
+  all  (the default) 1 then 2 in one process, each model written once: longer than one device-tool
+       command may run; for a GPU of your own and for the rehearsal
+The budget and the deadline count from the command's start (GPU_HF_CHECK_T0, which the .sh sets before
+it installs the wheels; else this check's start), as the device tool's timeout_s does. An item whose
+estimated time does not fit what is left of --budget-s is skipped and recorded as skipped; at
+--timeout-s less 10 s the process dumps every thread's stack and exits, so that the command returns
+its output before the tool kills it. The JSON is rewritten after every item, so a run cut short keeps
+what it measured; a markdown table of it is printed last.
 
-    python bench/gpu_hf_check.py --out results.json          # on the GPU (bash bench/gpu_hf_check.sh)
-    python bench/gpu_hf_check.py --cpu-smoke --out smoke.json # here: the same code path, 2-layer models
-                                                              # a 16th as wide, vocab 512, tiny shapes
+    python bench/gpu_hf_check.py --pass 1 --out p1.json        # on the GPU (bash bench/gpu_hf_check.sh --pass 1)
+    python bench/gpu_hf_check.py --cpu-smoke --pass 2 --out s.json  # here: the same code path, 2-layer models
+                                                                # a 16th as wide, vocab 512, tiny shapes
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import importlib.metadata as md
 import json
@@ -57,19 +68,32 @@ import torch  # noqa: E402
 import memory  # noqa: E402
 from gpu_check import synthetic_groups  # noqa: E402  (bench/gpu_check.py, the vLLM check)
 
-T0 = time.time()
+# the command's start (bench/gpu_hf_check.sh sets it before installing the wheels): the budget and the
+# deadline then count what the device tool's timeout_s counts, the setup included
+T0 = float(os.environ.get("GPU_HF_CHECK_T0") or time.time())
 GiB = memory.GiB
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 MODELS = {"0.5B": "Qwen/Qwen2.5-0.5B-Instruct", "1.5B": "Qwen/Qwen2.5-1.5B-Instruct",
           "7B": "Qwen/Qwen2.5-7B-Instruct", "14B": "Qwen/Qwen2.5-14B-Instruct"}
 # seconds each item is expected to take on an H200 (setup = random weights initialised on the GPU and
-# written to disk; a model's setup waits for its own time plus its first trainer item's): an item is
-# skipped when less than this is left of the budget. Estimates from FLOP counts and disk/PCIe rates,
-# not measurements, until the first run (each item's time is in the JSON's "items").
+# written to disk; a model's setup waits for its own time plus its first item's): an item is skipped
+# when less than this is left of the budget. Estimates from FLOP counts and disk/PCIe rates, not
+# measurements, until the first run (each item's time is in the JSON's "items").
 EST = {"0.5B": {"setup": 5, "train_on": 12, "train_off": 10, "sampler": 15, "logprobs": 10},
        "1.5B": {"setup": 8, "train_on": 15, "train_off": 12, "sampler": 18, "logprobs": 12},
        "7B": {"setup": 40, "train_on": 30, "train_off": 25, "sampler": 30, "logprobs": 40, "train_4bit": 45},
        "14B": {"setup": 80, "train_4bit": 70}}
+# Each pass is one command of the device tool, whose timeout_s (at most 600) is the value here; the
+# session's 900 s of device time, the machine's start (a minute or two) included, must hold both
+# passes, or one pass and a rerun of it (start + 2 x 360 < 900; docs/gpu.md). Pass 1 holds what the
+# project needs first (the trainer as it runs, the sampler, the logprob difference); pass 2 what
+# memory.py predicts and the 4-bit path. Their items' estimates (plan_estimate) are in docs/gpu.md,
+# which tests/test_gpu_hf_check.py holds to these numbers.
+TIMEOUT_S = {"1": 300, "2": 360}  # what each pass runs: plan()
+BF16_MODELS, FOUR_BIT_MODELS = "0.5B,1.5B,7B", "7B,14B"  # --models and --four-bit
+# --budget-s is --timeout-s less this: room for an item whose estimate fell short, the table and the
+# log's last lines before the hard exit (DEADLINE_S before the timeout)
+BUDGET_MARGIN_S, DEADLINE_S = 25, 10
 
 
 def log(msg: str) -> None:
@@ -100,15 +124,20 @@ def eos_ids(cfg: dict) -> set[int]:
     return set(e) if isinstance(e, list) else {e}
 
 
+def model_config(name: str, smoke: bool) -> tuple[dict, str]:
+    """The carried config of `name` (shrunk for the rehearsal) and where it came from."""
+    cfg, src = memory.config_for(name, hub=False)
+    if cfg is None:
+        raise RuntimeError(src)
+    return (shrink(cfg) if smoke else cfg), src
+
+
 def random_model_dir(name: str, work: str, device: str, smoke: bool) -> tuple[str, dict]:
     """A model folder from a carried config: random bf16 weights (initialised on `device`) and a
     word-level tokenizer over the whole vocabulary, so every token id round-trips."""
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-    cfg, src = memory.config_for(name, hub=False)
-    if cfg is None:
-        raise RuntimeError(src)
-    cfg = shrink(cfg) if smoke else cfg
+    cfg, src = model_config(name, smoke)
     out = os.path.join(work, name.split("/")[-1])
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -321,6 +350,28 @@ def logprob_run(d: str, name: str, s: dict, micro_groups: int, device: str) -> d
     return row
 
 
+def drop(dirs: dict[str, str], key: str) -> None:
+    if key in dirs:
+        shutil.rmtree(dirs.pop(key), ignore_errors=True)
+
+
+def plan(passes: list[str], bf16: list[str], four: list[str]) -> list[tuple[str, str, str]]:
+    """(pass, model key, item) in the order they run. Pass 1 goes model by model, smallest first, so
+    that a budget cut short loses the biggest model's items, not a small model's logprobs (which need
+    its sampler's output); pass 2 runs checkpointing off per bf16 model, then the 4-bit trainers."""
+    items: list[tuple[str, str, str]] = []
+    if "1" in passes:
+        items += [("1", k, it) for k in bf16 for it in ("train_on", "sampler", "logprobs")]
+    if "2" in passes:
+        items += [("2", k, "train_off") for k in bf16] + [("2", k, "train_4bit") for k in four]
+    return items
+
+
+def plan_estimate(items: list[tuple[str, str, str]]) -> int:
+    """Seconds the items take by EST, each model's setup once (its folder is kept until its last item)."""
+    return sum(EST[k][it] for _, k, it in items) + sum(EST[k]["setup"] for k in {k for _, k, _ in items})
+
+
 class Run:
     def __init__(self, out: str, budget: float, smoke: bool, res: dict):
         self.out, self.budget, self.smoke, self.res = out, budget, smoke, res
@@ -393,21 +444,54 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+ITEM_NAMES = {"train_on": "bf16 trainer, checkpointing on", "train_off": "bf16 trainer, checkpointing off",
+              "sampler": "hf sampler", "logprobs": "logprobs", "train_4bit": "4-bit trainer, checkpointing on"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench"), "gpu_hf_check.json"))
-    p.add_argument("--budget-s", type=float, default=500, help="seconds from start; items that do not fit are skipped")
-    p.add_argument("--models", default="0.5B,1.5B,7B", help="bf16 models, of " + ",".join(MODELS))
-    p.add_argument("--four-bit", default="7B,14B", help="4-bit models (checkpointing on, LoRA r=64) when bitsandbytes imports; '' for none")
+    p.add_argument("--pass", dest="pass_", choices=("1", "2", "all"), default="all",
+                   help="1: bf16 trainer with checkpointing, hf sampler, logprobs; 2: bf16 checkpointing off, 4-bit; "
+                        "all (default): 1 then 2 in one process")
+    p.add_argument("--out", default=None, help="the JSON (default: gpu_hf_check.json, gpu_hf_check_pass1.json or "
+                                                "_pass2.json in $OUT, else in bench/)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="what the command may run, from its start (the device tool's timeout_s): the check exits "
+                        f"{DEADLINE_S} s before it; default: the pass's ({', '.join(f'{k}: {v}' for k, v in TIMEOUT_S.items())}; "
+                        "all: their sum), none in --cpu-smoke")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds from the command's start: an item whose estimate does not fit what is left is skipped "
+                        f"(default: --timeout-s less {BUDGET_MARGIN_S})")
+    p.add_argument("--models", default=BF16_MODELS, help="bf16 models, of " + ",".join(MODELS))
+    p.add_argument("--four-bit", default=FOUR_BIT_MODELS, help="4-bit models (checkpointing on, LoRA r=64) when bitsandbytes imports; '' for none")
     p.add_argument("--steps", type=int, default=2, help="timed trainer steps (after one warm-up step)")
     p.add_argument("--new-tokens", type=int, default=128, help="the sampler's completions")
     p.add_argument("--swaps", type=int, default=5)
     p.add_argument("--work-dir", default=None, help="where the random models are written (default: the temp dir)")
     p.add_argument("--cpu-smoke", action="store_true", help="no GPU: every item on shrunk models with tiny shapes")
     a = p.parse_args()
+    passes = list(TIMEOUT_S) if a.pass_ == "all" else [a.pass_]
+    bf16 = [k for k in a.models.split(",") if k]
+    four = [k for k in a.four_bit.split(",") if k]
+    for opt, keys, need in (("--models", bf16, "train_on"), ("--four-bit", four, "train_4bit")):
+        bad = [k for k in keys if k not in EST or need not in EST[k]]
+        if bad:
+            p.error(f"{opt}: {','.join(bad)} not among {','.join(k for k in EST if need in EST[k])}")
     cuda = torch.cuda.is_available()
     if not cuda and not a.cpu_smoke:
         sys.exit("gpu_hf_check: no CUDA device visible to torch (--cpu-smoke rehearses it here, tiny)")
+    # the rehearsal's times are a shared CPU's: no deadline unless asked for (to rehearse the exit)
+    timeout = a.timeout_s if a.timeout_s is not None else (None if a.cpu_smoke else sum(TIMEOUT_S[x] for x in passes))
+    budget = a.budget_s if a.budget_s is not None else (timeout - BUDGET_MARGIN_S if timeout else math.inf)
+    out = a.out or os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench"),
+                                "gpu_hf_check.json" if a.pass_ == "all" else f"gpu_hf_check_pass{a.pass_}.json")
+    if timeout:
+        left = timeout - DEADLINE_S - (time.time() - T0)
+        if left <= 0:
+            sys.exit(f"gpu_hf_check: the deadline ({timeout:.0f} - {DEADLINE_S} s from GPU_HF_CHECK_T0) has passed")
+        # a hang inside a CUDA call holds the main thread; faulthandler's own thread still dumps every
+        # stack and exits, and what was measured is already in the JSON
+        faulthandler.dump_traceback_later(left, exit=True)
     device = "cuda" if cuda else "cpu"
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # the log stays readable: no "Loading weights" bars
@@ -418,10 +502,12 @@ def main() -> None:
     else:
         lay, steps, bg = memory.Layout(), a.steps, 8
         n_prompts, G, Lp, new, swaps = lay.rollout_seqs // lay.group_size, lay.group_size, lay.prompt_tokens, a.new_tokens, a.swaps
-    res = {"check": "bench/gpu_hf_check.py", "mode": "cpu-smoke" if a.cpu_smoke else "gpu",
+    items = plan(passes, bf16, four)
+    res = {"check": "bench/gpu_hf_check.py", "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "pass": a.pass_,
            "gpu": torch.cuda.get_device_name(0) if cuda else None,
            "gpu_gib": round(torch.cuda.get_device_properties(0).total_memory / GiB, 1) if cuda else None,
-           "versions": versions(), "budget_s": a.budget_s,
+           "versions": versions(), "timeout_s": timeout, "budget_s": None if math.isinf(budget) else budget,
+           "plan": [f"pass {ps}: {k} {ITEM_NAMES[it]}" for ps, k, it in items], "plan_estimate_s": plan_estimate(items),
            "layout": {"trainer": {"batch_groups": bg, "micro_groups": lay.micro_groups, "G": lay.group_size,
                                   "prompt_tokens": lay.prompt_tokens, "new_tokens": lay.new_tokens, "timed_steps": steps},
                       "sampler": {"prompts": n_prompts, "G": G, "prompt_tokens": Lp, "new_tokens": new, "swaps": swaps}},
@@ -432,84 +518,78 @@ def main() -> None:
     except Exception as e:
         bnb, res["bitsandbytes_error"] = False, f"{type(e).__name__}: {e}"[:300]
     work = tempfile.mkdtemp(prefix="gpu-hf-check-", dir=a.work_dir)
-    run = Run(a.out, a.budget_s, a.cpu_smoke, res)
-    log(f"{res['gpu'] or 'no GPU (--cpu-smoke)'}; work dir {work}; results to {a.out}")
+    run = Run(out, budget, a.cpu_smoke, res)
+    limits = (f"budget {budget:.0f} s from the command's start" if res["budget_s"] is not None else "no budget") + (
+        f", exit ('Timeout') at {timeout - DEADLINE_S:.0f} s" if timeout else ", no deadline")
+    log(f"{res['gpu'] or 'no GPU (--cpu-smoke)'}; pass {a.pass_}: {len(items)} items, ~{res['plan_estimate_s']} s by EST; "
+        f"{limits}; work dir {work}; results to {out}")
     run.save()
     gpu_gib = res["gpu_gib"] or float("inf")
     dirs: dict[str, str] = {}
-    bf16 = [k for k in a.models.split(",") if k]
-    four = [k for k in a.four_bit.split(",") if k]
+    broken: set[str] = set()  # models whose setup raised: not tried again
+    samples: dict[str, dict] = {}  # the sampler's output, for that model's logprobs
 
-    def setup(key: str, then: str) -> bool:
+    def setup(key: str, then: float) -> bool:
         if key in dirs:
             return True
-        got = run.do(f"{key}: random weights", EST[key]["setup"] + EST[key][then],
+        if key in broken:
+            return False
+        errors = len(res["errors"])
+        got = run.do(f"{key}: random weights", EST[key]["setup"] + then,
                      lambda: random_model_dir(MODELS[key], work, device, a.cpu_smoke))
         if got is None:
+            if len(res["errors"]) > errors:
+                broken.add(key)
             return False
         dirs[key], info = got
         res["setup"].append(info)
         return True
 
-    def drop(key: str) -> None:
-        if key in dirs:
-            shutil.rmtree(dirs.pop(key), ignore_errors=True)
-
-    for key in bf16:
-        name = MODELS[key]
-        if not setup(key, "train_on"):
-            run.skip(f"{key}: everything", "no model folder")
-            continue
-        d = dirs[key]
-        for ckpt in (True, False):
-            item = f"{key} bf16 trainer, checkpointing {'on' if ckpt else 'off'}"
-            arch = memory.Arch.from_config(json.load(open(os.path.join(d, "config.json"))))
-            need = memory.trainer_memory(arch, memory.Trainer("bfloat16", False, ckpt, 16), lay, cuda=cuda)["total"] / GiB
-            if need > 1.1 * gpu_gib:
-                run.skip(item, f"memory.py predicts {need:.1f} GiB, over 1.1 x the GPU's {gpu_gib} GiB")
-                continue
-            r = run.do(item, EST[key]["train_on" if ckpt else "train_off"],
-                       lambda: trainer_run(d, name, False, ckpt, 16, lay, steps, bg, cuda))
-            if r:
-                res["trainer"].append(r)
-                log(f"trainer {json.dumps({k: v for k, v in r.items() if k != 'predicted_parts_gib'})}")
-        got = run.do(f"{key} hf sampler", EST[key]["sampler"],
-                     lambda: sampler_run(d, name, work, n_prompts, G, Lp, new, swaps, device))
-        if got:
-            res["sampler"].append(got[0])
-            log(f"sampler {json.dumps(got[0])}")
-            r = run.do(f"{key} logprobs", EST[key]["logprobs"], lambda: logprob_run(d, name, got[1], lay.micro_groups, device))
-            if r:
-                res["logprobs"].append(r)
-                log(f"logprobs {json.dumps(r)}")
-        else:
-            run.skip(f"{key} logprobs", "no sampler output")
-        if key not in four:
-            drop(key)
-    for key in four:
-        item = f"{key} 4-bit trainer, checkpointing on"
-        if not bnb:
-            run.skip(item, f"bitsandbytes does not import ({res['bitsandbytes_error']})")
-            continue
-        others = [k for k in list(dirs) if k != key]
-        for k in others:  # disk: one big model folder at a time
-            drop(k)
-        if not setup(key, "train_4bit"):
-            run.skip(item, "no model folder")
-            continue
-        r = run.do(item, EST[key]["train_4bit"], lambda: trainer_run(dirs[key], MODELS[key], True, True, 64, lay, steps, bg, cuda))
+    def trainer(item: str, key: str, est: float, four_bit: bool, ckpt: bool, lora_r: int) -> None:
+        r = run.do(item, est, lambda: trainer_run(dirs[key], MODELS[key], four_bit, ckpt, lora_r, lay, steps, bg, cuda))
         if r:
             res["trainer"].append(r)
             log(f"trainer {json.dumps({k: v for k, v in r.items() if k != 'predicted_parts_gib'})}")
-        drop(key)
-    for k in list(dirs):
-        drop(k)
+
+    for i, (_, key, it) in enumerate(items):
+        item = f"{key} {ITEM_NAMES[it]}"
+        bf16_fit = None
+        if it in ("train_on", "train_off"):
+            arch = memory.Arch.from_config(model_config(MODELS[key], a.cpu_smoke)[0])
+            bf16_fit = memory.trainer_memory(arch, memory.Trainer("bfloat16", False, it == "train_on", 16), lay,
+                                             cuda=cuda)["total"] / GiB
+        if bf16_fit is not None and bf16_fit > 1.1 * gpu_gib:
+            run.skip(item, f"memory.py predicts {bf16_fit:.1f} GiB, over 1.1 x the GPU's {gpu_gib} GiB")
+        elif it == "train_4bit" and not bnb:
+            run.skip(item, f"bitsandbytes does not import ({res['bitsandbytes_error']})")
+        elif it == "logprobs" and key not in samples:
+            run.skip(item, "no sampler output")
+        elif not setup(key, EST[key][it]):
+            run.skip(item, "no model folder")
+        elif it in ("train_on", "train_off"):
+            trainer(item, key, EST[key][it], False, it == "train_on", 16)
+        elif it == "train_4bit":
+            trainer(item, key, EST[key][it], True, True, 64)
+        elif it == "sampler":
+            got = run.do(item, EST[key][it], lambda: sampler_run(dirs[key], MODELS[key], work, n_prompts, G, Lp, new, swaps, device))
+            if got:
+                res["sampler"].append(got[0])
+                samples[key] = got[1]
+                log(f"sampler {json.dumps(got[0])}")
+        else:
+            r = run.do(item, EST[key][it], lambda: logprob_run(dirs[key], MODELS[key], samples.pop(key), lay.micro_groups, device))
+            if r:
+                res["logprobs"].append(r)
+                log(f"logprobs {json.dumps(r)}")
+        if all(k != key for _, k, _ in items[i + 1:]):  # disk: a model's folder goes after its last item
+            drop(dirs, key)
     shutil.rmtree(work, ignore_errors=True)
     res["table"] = table(res)
     run.save()
+    faulthandler.cancel_dump_traceback_later()
     print(res["table"])
-    print(f"{len(res['trainer'])} trainer rows, {len(res['sampler'])} sampler, {len(res['logprobs'])} logprob; "
-          f"{len(res['skipped'])} skipped, {len(res['errors'])} errors; {res['wall_s']} s; {a.out}")
+    print(f"pass {a.pass_}: {len(res['trainer'])} trainer rows, {len(res['sampler'])} sampler, {len(res['logprobs'])} logprob; "
+          f"{len(res['skipped'])} skipped, {len(res['errors'])} errors; {res['wall_s']} s; {out}")
     if res["errors"]:
         for e in res["errors"]:
             print(f"error in {e['item']}: {e['error']}")
