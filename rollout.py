@@ -603,9 +603,13 @@ class Worker:
         log.info(f"stopped after {self.rounds} rounds")
 
 
+def resolved(args: Args) -> Args:
+    """args with what follows from the others filled in: --max-new-tokens from the task's kind."""
+    return args if args.max_new_tokens is not None else replace(args, max_new_tokens=token_budget(args.task))
+
+
 def main(args: Args) -> None:
-    if args.max_new_tokens is None:
-        args = replace(args, max_new_tokens=token_budget(args.task))
+    args = resolved(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(worker_seed(args.seed, args.worker_id))
     stop = threading.Event()

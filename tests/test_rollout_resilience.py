@@ -110,7 +110,7 @@ def test_a_worker_that_cannot_load_the_latest_version_asks_at_its_own_and_waits_
     sync = SimpleNamespace(latest=2, seen=2, failed=0, why_failed="", max_staleness=3, done=False, ready=new,
                            take=lambda: (sync.ready, setattr(sync, "ready", None))[0])
     routed = SimpleNamespace(serve=lambda chat, version, wait_s=0.0: served.append(wait_s) or 0)
-    worker = rollout.Worker(rollout.Args(), engine, client, sync, None, None, routed, threading.Event(),
+    worker = rollout.Worker(rollout.resolved(rollout.Args()), engine, client, sync, None, None, routed, threading.Event(),
                             SimpleNamespace(name="addition", prompts=list(range(10))))
     worker.version = 1
     worker.take_new()

@@ -275,7 +275,8 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
     assert auditor.prompt_problem(v1[1]) is None and auditor.reward_problem(v1[1]) is None
     inflated = {**v1[1], "completions": [{**c, "reward": 1.0} for c in v1[1]["completions"]]}
     assert "claims reward 1" in auditor.reward_problem(inflated)
-    off = {**v1[1], "prompt_ids": encode_prompt(tok, task.prompts[v1[1]["prompt_index"] + 1])}
+    other = (v1[1]["prompt_index"] + 1) % len(task.prompts)  # (the seed may have drawn the last prompt)
+    off = {**v1[1], "prompt_ids": encode_prompt(tok, task.prompts[other])}
     assert "not the chat-formatted prompt" in auditor.prompt_problem(off)
     assert "this run's task is 'addition'" in auditor.prompt_problem({**v1[1], "prompt_dataset": "gsm8k"})
 
