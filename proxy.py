@@ -72,7 +72,7 @@ from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import (MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup,
-                    token_id_problem)
+                    temperature_problem, token_id_problem)
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -115,6 +115,11 @@ class Args:
     vocab_size: int = 49152
     """the model's vocabulary (its embedding's rows): a group with a token id at or past it is refused (the trainer
     could not look it up). The default is the default model's, SmolLM2-135M's; the launchers pass the run's model's"""
+    temperatures: tuple[float, ...] = (1.0,)
+    """the sampling temperatures a participant's group may say it was sampled at (meta.temperature): the run's, its
+    workers' --temperature (the launchers pass the one they start the workers with). The trainer scores a group at
+    the temperature it names, which weighs its gradient (about 1/T: a group at 0.1 would count ~9 times one at 1),
+    so any other is refused (422). The run's own groups (the admin token) are not held to it"""
     max_body_mb: float = 8.0
     """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
@@ -177,7 +182,9 @@ def settings_problems(a: Args) -> list[str]:
                 ("grant_s", 0), ("pace_jitter", 0)]
     above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    return ([f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
+    temps = (["--temperatures: at least one"] if not a.temperatures else
+             [f"--temperatures {t}: {why}" for t in a.temperatures if (why := temperature_problem(t))])
+    return (temps + [f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
             + [f"{flag(n)} {getattr(a, n)}: must be above 0" for n in above_zero if not getattr(a, n) > 0]
             + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else []))
 
@@ -514,6 +521,16 @@ async def journaled(gid: str, rec: bytes | dict | list, then=lambda: None):
     finally:
         del S.pending[gid]
 
+def temperature_refused(meta: dict) -> str | None:
+    """Why a participant's group may not say the temperature it names (None: it may, or it names none: the trainer
+    then scores it at its own --temperature). The trainer divides the logits by it, so the temperature a group claims
+    scales its gradient (~1/T): only the run's sampling temperatures (--temperatures) are taken."""
+    t = meta.get("temperature")
+    if t is None or t in ARGS.temperatures:
+        return None
+    return (f"meta.temperature: {t!r} is not this run's sampling temperature: it takes "
+            f"{' or '.join(map(str, ARGS.temperatures))} (--temperatures; the trainer weighs a group's gradient by its temperature)")
+
 QUARANTINED = "this participant is now quarantined (its token refused, its groups held out) until the run's owner reinstates it"
 
 async def record_checks(checked: dict[str, int], failures: list[tuple[str, str, str, str]]) -> set[str]:
@@ -554,6 +571,8 @@ async def submit_group(request: Request) -> SubmitResponse:
     if participant and group.lease_id is None:
         raise HTTPException(422, "lease_id, prompt_index: a participant's group must name the prompt lease it answers "
                                  "(the lease_id of POST /v1/prompts/lease) and which of its prompt indices")
+    if participant and (why := temperature_refused(group.meta)):
+        raise HTTPException(422, why)
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
     book = S.book

@@ -8,6 +8,7 @@ import uuid
 import pytest
 import torch
 
+from conftest import stop
 from proxyproc import spawn  # noqa: F401 - a fixture
 from test_proxy_access import as_, create, leased
 from test_train_step import _group
@@ -55,6 +56,34 @@ def test_the_proxy_refuses_each_hostile_group_naming_why(model, spawn, row):
     assert r.status_code == 422 and ROWS[row][1] in detail(r), (r.status_code, r.text)
     assert alice.post("/v1/groups", json=honest(model, 2, alice)).json()["status"] == "accepted"
     assert p.stats()["buffer_size"] == 1
+
+
+def test_a_participant_may_claim_only_the_runs_sampling_temperature(model, spawn):
+    """The claimed temperature is a gradient weight (the trainer scores a group at meta.temperature, ~1/T): a group
+    sampled and reported honestly at T = 0.1 (its logprobs the tiny model's own at 0.1) is refused at the door,
+    naming the field and the temperatures the run takes (--temperatures, the workers' own); at the run's temperature
+    the same prompt is taken. The run's own groups are not held to it; a proxy told of several takes each."""
+    p = spawn()
+    alice = as_(p, create(p, "alice"))
+    cold = {**_group(model[0], 5, [1.0, 0.0, 0.0, 1.0], T=0.1), "group_id": uuid.uuid4().hex, **leased(alice)[0]}
+    r = alice.post("/v1/groups", json=cold)
+    assert r.status_code == 422 and detail(r) == (
+        "meta.temperature: 0.1 is not this run's sampling temperature: it takes 1.0 (--temperatures; the trainer "
+        "weighs a group's gradient by its temperature)"), r.text
+    assert p.stats()["buffer_size"] == 0 and p.stats()["participants"]["alice"]["checks"]["failed"] == 0
+    honest_ = {**_group(model[0], 5, [1.0, 0.0, 0.0, 1.0], T=1.0), "group_id": uuid.uuid4().hex,
+               **{k: cold[k] for k in ("lease_id", "prompt_index")}}
+    assert alice.post("/v1/groups", json=honest_).json()["status"] == "accepted"  # (the prompt refused is not used up)
+    ours = {**cold, "group_id": uuid.uuid4().hex}
+    del ours["lease_id"], ours["prompt_index"]
+    assert p.http.post("/v1/groups", json=ours).json()["status"] == "accepted"
+    stop(p.proc)
+    q = spawn("--temperatures", "0.7", "1.0", token=p.token)  # the same run, restarted
+    alice = as_(q, alice.headers["x-proxy-token"])
+    for t, code in [(0.7, 200), (1.0, 200), (0.1, 422)]:
+        g = {**_group(model[0], 6, [1.0, 0.0, 0.0, 1.0], T=t), "group_id": uuid.uuid4().hex, **leased(alice)[0]}
+        r = alice.post("/v1/groups", json=g)
+        assert r.status_code == code and (code == 200 or "it takes 0.7 or 1.0" in detail(r)), (t, r.text)
 
 
 def trainer(tiny_model, p, model, loss: str):
