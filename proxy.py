@@ -427,6 +427,14 @@ def prompts_record(got: dict, dataset: str, name: str) -> dict:
     return {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"],
             "latest": S.latest, **({"participant": who} if who else {})}
 
+def once_each(answer: dict) -> dict:
+    """A participant's lease without repeats: where it runs past the end of an epoch into the next, the prompts it
+    holds already are left out (it gets fewer than it asked for). Each index of a participant's lease is answered by
+    one group at most (receipts.py), so a repeat would be a prompt its worker generates for and cannot send."""
+    seen: set[int] = set()
+    keep = [j for j, i in enumerate(answer["indices"]) if not (i in seen or seen.add(i))]
+    return {"indices": [answer["indices"][j] for j in keep], "epochs": [answer["epochs"][j] for j in keep]}
+
 @app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
 async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
@@ -476,6 +484,8 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
                   await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
         # trust: whom they went to. Appended in the same turn as the cursor (n <= 64), so the three records share
         # one commit: the answer waits for one bucket write, not two in a row (a grant's round starts sooner)
+        if who.name != ADMIN:  # a participant's lease holds each prompt once: it may answer each once (receipts.py)
+            answer = once_each(answer)
         bound = prompts_record(answer, req.dataset, request.scope["principal"].name)
         writes.append(JOURNAL.append(bound))
         for fut in writes:

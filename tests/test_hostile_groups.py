@@ -204,3 +204,32 @@ def test_row_7_made_up_dataset_names_take_no_room_from_the_runs(spawn):
     assert set(p.stats()["cursors"]) == {"prompts"}  # the tests' own, opened by the owner (create)
     assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).status_code == 200
     assert lease(mallory, size=500).status_code == 200
+
+
+def test_prompt_choice_a_leased_prompt_is_answered_once_per_lease(spawn):
+    """The issue's attack: a lease answered 20 times for one prompt (all 20 were taken). A participant's lease holds
+    each prompt once, also where it runs into the next epoch (the prompts it holds already are left out), and each
+    is answered by one group: the other 19 are refused (409 naming the index and the lease, nothing of them taken,
+    each counted). The same group sent again (a spool's resend after a lost answer) is a duplicate, not a lie."""
+    from test_proxy import group
+    from test_proxy_access import own
+    p = spawn("--quarantine-after", "100")
+    mallory, trainer = as_(p, create(p, "mallory")), as_(p, create(p, "lab", "trainer"))
+    assert trainer.post("/v1/prompts/datasets", json={"dataset": "d80", "size": 80}).status_code == 200
+    assert len(lease(mallory, dataset="d80", size=80, n=30).json()["indices"]) == 30
+    got = lease(mallory, dataset="d80", size=80, n=80).json()  # 50 of epoch 0, then epoch 1 up to 80 prompts
+    idx, epochs = got["indices"], got["epochs"]
+    assert len(set(idx)) == len(idx) == len(epochs) and epochs[:50] == [0] * 50 and set(epochs[50:]) <= {1}, got
+    assert len(idx) < 80  # (a seeded shuffle: epoch 1's first 30 meet some of epoch 0's last 50)
+    target = idx[-1]
+    answers = [mallory.post("/v1/groups", json=own(group(lease_id=got["lease_id"], prompt_index=target, worker="m1")))
+               for _ in range(20)]
+    assert [r.status_code for r in answers].count(200) == 1 and answers[0].json()["status"] == "accepted"
+    first = answers[0].request.content
+    for r in answers[1:]:
+        assert r.status_code == 409 and r.json()["detail"].startswith(
+            f"reused: prompt index {target} of lease {got['lease_id']} was answered already, by group ") \
+            and r.json()["detail"].endswith("; counted against this participant"), r.text
+    assert mallory.post("/v1/groups", content=first, headers={"content-type": "application/json"}).json()["status"] == "duplicate"
+    s = p.stats()
+    assert s["buffer_size"] == 1 and s["participants"]["mallory"]["checks"]["by_check"] == {"reused": 19}, s

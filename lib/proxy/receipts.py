@@ -6,8 +6,8 @@ again. Both are rules of the book (book.py): the live proxy applies them as requ
 Prompt leases. `POST /v1/prompts/lease` answers with a lease_id, and the proxy journals which indices of
 which dataset it leased to whom (a `prompts` record). A group names `lease_id` and `prompt_index`, and is
 taken only from the participant the lease went to (the admin token's leases: from the admin token), for an
-index of that lease, as often as the lease holds it (once, unless the lease ran past the end of an epoch
-into the next). The group's journal line then carries the lease's dataset, and a `receipt` record says which
+index of that lease, once (a participant's lease holds each index once: one that runs past the end of an epoch
+leaves out the indices it already holds; the admin's own leases, as often as they hold it). The group's journal line then carries the lease's dataset, and a `receipt` record says which
 lease index it used up. Whether `prompt_ids` are that prompt's tokens the proxy cannot tell (it has no
 tokenizer): the trainer checks that (lib/train/audit.py).
 
@@ -59,8 +59,8 @@ class Receipts:
         """Prompts `indices` of `dataset` were leased to `who` (None: the admin token) while `latest` was the
         latest version."""
         left: dict[int, int] = {}
-        for i in indices:
-            left[i] = left.get(i, 0) + 1
+        for i in indices:  # a participant answers each index of its lease once (the proxy leases it each once)
+            left[i] = 1 if who is not None else left.get(i, 0) + 1
         self.leases[lease_id] = {"who": who, "dataset": dataset, "latest": latest, "size": len(indices),
                                  "left": left, "by": {}}
         key = who or ""
