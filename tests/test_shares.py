@@ -193,7 +193,7 @@ def test_a_flood_takes_at_most_its_share_of_each_batch_and_the_honest_worker_los
     lost = set(honest.sent) - leased_ids - left
     assert not lost and not honest.refused, (len(lost), len(honest.sent), honest.refused[:3], p.stats())
     # its share of the batches is half now (the flood's is the other half), and what it trains per second drops by
-    # what the trainer spends on the flood's half: measured 46% (ROUND_S 0.5, TRAIN_S 0.1), bounded here loosely
+    # what the trainer spends on the flood's half: measured 45-47% (ROUND_S 0.5, TRAIN_S 0.1), bounded here loosely
     # (a loaded machine's timings)
     assert min(honest_in) >= BATCH // 2, honest_in
     assert sum(honest_in) / flooded_s >= 0.25 * sum(len(b) for _, b in alone) / alone_s
