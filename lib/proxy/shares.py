@@ -68,10 +68,13 @@ def party(key: str) -> str | None:
 class Live:
     """Which workers are live (module docstring), on this process's monotonic clock."""
 
+    CACHE_S = 0.25
+
     def __init__(self, max_workers: int = 4096):
         self.max_workers = max_workers
         self.open: dict[str, int] = {}                  # key -> its version long-polls open now
         self.seen: OrderedDict[str, float] = OrderedDict()  # key -> when its last poll ended or paced lease came
+        self.counted: tuple[float, Counter] | None = None
 
     def opened(self, key: str) -> None:
         self.open[key] = self.open.get(key, 0) + 1
@@ -96,8 +99,11 @@ class Live:
         return {*self.open, *self.seen}
 
     def workers(self, now: float) -> Counter:
-        """Live workers per party."""
-        return Counter(party(k) for k in self.keys(now))
+        """Live workers per party (not to be changed: counted at most every CACHE_S, as a batch lease asks on every
+        group's arrival, and a fleet has thousands of workers)."""
+        if self.counted is None or not 0 <= now - self.counted[0] < self.CACHE_S:
+            self.counted = (now, Counter(party(k) for k in self.keys(now)))
+        return self.counted[1]
 
 
 def shares(live: Counter, buffered: Iterable, ceiling: float = 1.0) -> dict:
