@@ -178,12 +178,26 @@ def vocab_options(model: str | None) -> list[str]:
     return ["--vocab-size", str(cfg["vocab_size"] if cfg and isinstance(cfg.get("vocab_size"), int) else 1 << 24)]
 
 
+def sampling_options(args: Args) -> list[str]:
+    """The proxy's --temperatures: the temperature the run's workers sample at, as the launcher starts them (the
+    preset's rollout temperature, or the person's --rollout-arg --temperature, which wins as it does for the workers).
+    One place: a participant's group that claims another is refused at the door (docs/trust.md)."""
+    t, extra = presets.get(args.preset).options("rollout").get("temperature", 1.0), list(args.rollout_arg)
+    for i, a in enumerate(extra):
+        if a == "--temperature" and i + 1 < len(extra):
+            t = extra[i + 1]
+        elif a.startswith("--temperature="):
+            t = a.split("=", 1)[1]
+    return ["--temperatures", str(t)]
+
+
 def local_plan(args: Args) -> str:
     """The local run as bash assignments (launch_jobs.sh evals them): the preset's name, layout and each role's
     options, the launcher's own options (--steps, --workers, --task) applied."""
     q = shlex.quote
     model = ["--model", args.model] if args.model else []  # None: the scripts' default, the local SmolLM2
-    roles = {"PROXY_ARGS": ["--group-size", str(args.group_size), *vocab_options(args.model), *role_options(args, "proxy"),
+    roles = {"PROXY_ARGS": ["--group-size", str(args.group_size), *vocab_options(args.model), *sampling_options(args),
+                            *role_options(args, "proxy"),
                             *args.proxy_arg],
              "TRAIN_ARGS": [*model, "--task", args.task, "--max-steps", str(args.steps), *role_options(args, "train"),
                             *args.train_arg],
@@ -235,7 +249,7 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
     jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G,
-                                                                      *vocab_options(args.model),
+                                                                      *vocab_options(args.model), *sampling_options(args),
                                                                       *role_options(args, "proxy"), *args.proxy_arg],
                     args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
     for i in range(1, args.workers + 1):

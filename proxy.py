@@ -48,7 +48,7 @@ Who may call what is access.py (scoped tokens, checked before a body is read); t
 serving.py; version checks and adapter files for workers without bucket keys adapter_files.py; which
 prompts a worker gets prompts.py, and when pacing.py; who sent the groups participants.py; what a
 participant's group is checked for on arrival receipts.py, who failed checks and is quarantined for it
-quarantine.py (docs/trust.md); the routes' bodies and answers wire.py; /metrics telemetry.py.
+quarantine.py, each participant's share of a batch shares.py (docs/trust.md); the routes' bodies and answers wire.py; /metrics telemetry.py.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ import asyncio
 import gc
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -72,7 +73,7 @@ from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import (MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup,
-                    token_id_problem)
+                    temperature_problem, token_id_problem)
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -85,6 +86,7 @@ from participants import Senders, worker_key
 from prompts import Cursors, NotOpen, PromptError
 from receipts import fingerprint
 from serving import Limits, serve
+import shares
 from snapshots import Keeper
 import routing
 import telemetry
@@ -115,6 +117,11 @@ class Args:
     vocab_size: int = 49152
     """the model's vocabulary (its embedding's rows): a group with a token id at or past it is refused (the trainer
     could not look it up). The default is the default model's, SmolLM2-135M's; the launchers pass the run's model's"""
+    temperatures: tuple[float, ...] = (1.0,)
+    """the sampling temperatures a participant's group may say it was sampled at (meta.temperature): the run's, its
+    workers' --temperature (the launchers pass the one they start the workers with). The trainer scores a group at
+    the temperature it names, which weighs its gradient (about 1/T: a group at 0.1 would count ~9 times one at 1),
+    so any other is refused (422). The run's own groups (the admin token) are not held to it"""
     max_body_mb: float = 8.0
     """bodies of POST /v1/groups, /v1/chat/completions and /v1/inference/answers above this get 413 (every other route: 64 KiB)"""
     body_timeout_s: float = 60.0
@@ -159,6 +166,11 @@ class Args:
     """pacing's least margin on the predicted arrival order, as a share of the worker's round time (4 mean deviations of its round time where wider)"""
     route: routing.Limits = field(default_factory=routing.Limits)
     """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
+    max_participant_share: float = 1.0
+    """the most of each batch one participant's groups may take, as a share: each takes at most its share of the live
+    workers (shares.py: those polling for versions with their worker_id), and at most this; beyond it its groups wait
+    in the buffer (and past that share of --max-buffer get 429). 1: its share of the live workers alone. Worker ids are
+    a participant's own labels: lower this to bound one that polls under many. The run's own groups are never held back"""
     quarantine_after: int = 3
     """a participant whose groups failed this many checks (here, or in the trainer's audit) is suspended until
     the run's owner reinstates it (docs/trust.md)"""
@@ -177,9 +189,13 @@ def settings_problems(a: Args) -> list[str]:
                 ("grant_s", 0), ("pace_jitter", 0)]
     above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    return ([f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
+    temps = (["--temperatures: at least one"] if not a.temperatures else
+             [f"--temperatures {t}: {why}" for t in a.temperatures if (why := temperature_problem(t))])
+    return (temps + [f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
             + [f"{flag(n)} {getattr(a, n)}: must be above 0" for n in above_zero if not getattr(a, n) > 0]
-            + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else []))
+            + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else [])
+            + ([] if 0 < a.max_participant_share <= 1 else
+               [f"--max-participant-share {a.max_participant_share}: must be above 0 and at most 1"]))
 
 
 # ---- state ----------------------------------------------------------------------------------------
@@ -193,8 +209,10 @@ class State:
     book: Book = field(default_factory=lambda: Book(MAX_STALENESS, 300.0))
     deadlines: dict = field(default_factory=dict)   # batch_id -> monotonic deadline of its open lease
     pending: dict = field(default_factory=dict)     # group_id -> future of its journal write
+    pending_by: Counter = field(default_factory=Counter)  # participant -> its groups being written (shares' room)
     pending_version: int = 0                        # a version whose journal write is in flight
     rejected_full: int = 0                          # 429s (not in the log: the commits' counters line carries it)
+    rejected_share: int = 0                         # 429s of a participant past its share of the buffer (the same)
     cursors: Cursors = field(default_factory=lambda: Cursors(0, MAX_DATASETS))  # prompt dispatch
     senders: Senders = field(default_factory=lambda: Senders(MAX_WORKERS))  # groups per participant and worker
     incarnation: int = 0
@@ -210,13 +228,14 @@ class State:
 
     @property
     def counters(self) -> dict:
-        return {**self.book.counts, "groups_rejected_full": self.rejected_full}
+        return {**self.book.counts, "groups_rejected_full": self.rejected_full, "groups_rejected_share": self.rejected_share}
 
 S = State()
 BUCKET: Bucket | None = None
 METRICS: Metrics | None = None
 DOWNLOADS: Downloads | None = None
 POLICY = access.POLICY
+LIVE = shares.Live(MAX_WORKERS)  # which workers are live, for each participant's share of a batch (live only)
 JOURNAL = journal.Writer(None, 0)  # replaced at start (lifespan): the writer of this incarnation
 
 # the long-polls (a version, a batch) wait on a condition, and give up when their client goes away
@@ -250,6 +269,7 @@ def take_over(live: dict) -> None:
     pacing_options(S.book)
     S.book.pacing.restart(time.monotonic())  # an open grant holds its place as if made now (as a lease does)
     S.cursors.table, S.senders, S.rejected_full = live["cursors"], live["senders"], live["counters"].get("groups_rejected_full", 0)
+    S.rejected_share = live["counters"].get("groups_rejected_share", 0)
     # every open lease gets a full lease_s from now: no clock of another host (or of ours, earlier) is compared
     S.deadlines = {b: time.monotonic() + h.lease_s for b, h in S.book.leases.items()}
 
@@ -410,7 +430,24 @@ def pace() -> None:
 def _pace_now() -> None:
     global _pace_soon
     _pace_soon = False
-    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic())
+    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic(),
+                 share_room)
+
+def share_room(key: str, version: int) -> int | None:
+    """The most a participant's worker may be granted for a round of `version`: what its share of the batches that may
+    still train that round (the staleness window's, pacing.window) leaves, less its groups buffered and granted to its
+    other workers and what it owes (shares.py: past its quota, its groups wait for the next batch, and would go stale
+    there). None for the run's own workers (never held back)."""
+    if (who := shares.party(key)) is None:
+        return None
+    pacer, now = S.book.pacing, time.monotonic()
+    n = pacer.batch or 8
+    buffered = Counter(it.who for it in S.book.buffer.values())
+    quota = shares.quotas(shares.shares(LIVE.workers(now), {*buffered, who}, ARGS.max_participant_share), n)[who]
+    batches = ARGS.max_staleness - pacer.base(S.latest, S.pending_version) + version + 1
+    mine = buffered[who] + sum(g.left for k, g in pacer.grants.items() if k != key and shares.party(k) == who)
+    slots = quota * max(0, batches)
+    return max(0, slots - mine - min(S.book.receipts.owed.get(who, 0), slots))
 
 def prompts_record(got: dict, dataset: str, name: str) -> dict:
     """(Trust, docs/trust.md) The journal record of a prompt lease: a lease_id for these indices and whom they went
@@ -419,6 +456,14 @@ def prompts_record(got: dict, dataset: str, name: str) -> dict:
     who = None if name == ADMIN else name
     return {"t": "prompts", "lease_id": uuid.uuid4().hex, "dataset": dataset, "indices": got["indices"],
             "latest": S.latest, **({"participant": who} if who else {})}
+
+def once_each(answer: dict) -> dict:
+    """A participant's lease without repeats: where it runs past the end of an epoch into the next, the prompts it
+    holds already are left out (it gets fewer than it asked for). Each index of a participant's lease is answered by
+    one group at most (receipts.py), so a repeat would be a prompt its worker generates for and cannot send."""
+    seen: set[int] = set()
+    keep = [j for j, i in enumerate(answer["indices"]) if not (i in seen or seen.add(i))]
+    return {"indices": [answer["indices"][j] for j in keep], "epochs": [answer["epochs"][j] for j in keep]}
 
 @app.post("/v1/prompts/lease", openapi_extra=scope("worker"))
 async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
@@ -438,6 +483,7 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         if req.version is not None and req.version > S.latest:
             raise HTTPException(422, f"version {req.version} is newer than the latest registered {S.latest}")
         key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
+        LIVE.saw(key, time.monotonic())
         released = release_grant(key, req.refused)
         if not_open is not None:  # an honest worker started before the trainer: held up to wait_s, as for a grant
             async with S.cond:
@@ -469,6 +515,8 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
                   await asyncio.to_thread(S.cursors.indices, req.dataset, req.size, spans))  # ~5 us an index: off the loop
         # trust: whom they went to. Appended in the same turn as the cursor (n <= 64), so the three records share
         # one commit: the answer waits for one bucket write, not two in a row (a grant's round starts sooner)
+        if who.name != ADMIN:  # a participant's lease holds each prompt once: it may answer each once (receipts.py)
+            answer = once_each(answer)
         bound = prompts_record(answer, req.dataset, request.scope["principal"].name)
         writes.append(JOURNAL.append(bound))
         for fut in writes:
@@ -514,6 +562,34 @@ async def journaled(gid: str, rec: bytes | dict | list, then=lambda: None):
     finally:
         del S.pending[gid]
 
+def temperature_refused(meta: dict) -> str | None:
+    """Why a participant's group may not say the temperature it names (None: it may, or it names none: the trainer
+    then scores it at its own --temperature). The trainer divides the logits by it, so the temperature a group claims
+    scales its gradient (~1/T): only the run's sampling temperatures (--temperatures) are taken."""
+    t = meta.get("temperature")
+    if t is None or t in ARGS.temperatures:
+        return None
+    return (f"meta.temperature: {t!r} is not this run's sampling temperature: it takes "
+            f"{' or '.join(map(str, ARGS.temperatures))} (--temperatures; the trainer weighs a group's gradient by its temperature)")
+
+def paced(participant: str | None, worker_id: str) -> bool:
+    """Whether an open grant of this participant's worker covers a group of its arriving now: pacing admitted it, within
+    the participant's share of the batches that may train it (share_room)."""
+    g = S.book.pacing.grants.get(worker_key(participant, worker_id)) if participant else None
+    return g is not None and g.left > 0
+
+def past_share(participant: str) -> str | None:
+    """Why a participant's group that no grant covers finds no room in the buffer (None: it does): the participant
+    holds its share of --max-buffer already (shares.py)."""
+    buffered = Counter(it.who for it in S.book.buffer.values())
+    share = shares.shares(LIVE.workers(time.monotonic()), {*buffered, participant}, ARGS.max_participant_share)[participant]
+    cap = max(1, math.ceil(share * max_buffer() - 1e-9))
+    if (held := buffered[participant] + S.pending_by[participant]) < cap:
+        return None
+    return (f"participant {participant!r} holds {held} groups of the buffer, its share of it ({cap} of {max_buffer()}: "
+            f"{share:.0%}, its live workers' share, at most --max-participant-share {ARGS.max_participant_share:g}); "
+            "a batch takes at most its share of them: send again later (Retry-After)")
+
 QUARANTINED = "this participant is now quarantined (its token refused, its groups held out) until the run's owner reinstates it"
 
 async def record_checks(checked: dict[str, int], failures: list[tuple[str, str, str, str]]) -> set[str]:
@@ -554,6 +630,8 @@ async def submit_group(request: Request) -> SubmitResponse:
     if participant and group.lease_id is None:
         raise HTTPException(422, "lease_id, prompt_index: a participant's group must name the prompt lease it answers "
                                  "(the lease_id of POST /v1/prompts/lease) and which of its prompt indices")
+    if participant and (why := temperature_refused(group.meta)):
+        raise HTTPException(422, why)
     if gid in S.pending:  # the same group is being written: answer once that write is done
         await asyncio.shield(S.pending[gid])
     book = S.book
@@ -590,6 +668,10 @@ async def submit_group(request: Request) -> SubmitResponse:
     if len(book.buffer) + len(S.pending) >= (cap := max_buffer()):  # stale groups are gone already (return_lease, register)
         S.rejected_full += 1
         raise HTTPException(429, f"buffer full ({cap} groups)", headers={"Retry-After": "1"})
+    if participant and not (covered := paced(participant, group.worker_id)) and (why := past_share(participant)):
+        S.rejected_share += 1
+        retry = max(1, math.ceil(book.pacing.retry_s(time.monotonic())))
+        raise HTTPException(429, why, headers={"Retry-After": str(retry)})
     # the bytes as sent are what we log and lease out when they are one line that leads with the fields
     # as we would write them (replay reads those unparsed); otherwise the canonical re-encoding, without
     # the optional fields a sender left out (a single-turn group's line carries no mask or versions)
@@ -600,7 +682,7 @@ async def submit_group(request: Request) -> SubmitResponse:
         # cannot send these fields: unknown fields are refused)
         raw = (raw[:-1] + b',"prompt_dataset":"' + book.receipts.dataset(lease_id).encode()
                + b'","participant":"' + participant.encode() + b'"}')
-    entry = Entry(gid, group.policy_version, raw, participant)
+    entry = Entry(gid, group.policy_version, raw, participant, bool(participant) and covered)
     receipt = {"t": "receipt", "group_id": gid, "fp": fp, **({"lease_id": lease_id, "index": index} if lease_id else {})}
     book.receipts.take(gid, lease_id, index)  # now, so that a second answer to this prompt is refused meanwhile
 
@@ -608,11 +690,16 @@ async def submit_group(request: Request) -> SubmitResponse:
         ok = book.accept(entry)
         book.remember(gid, fp)
         return ok
+    S.pending_by[participant] += 1
     try:
         buffered = await journaled(gid, [raw, receipt], buffer)
     except journal.JournalWriteError:
         book.receipts.untake(gid, lease_id, index)
         raise
+    finally:
+        S.pending_by[participant] -= 1
+        if S.pending_by[participant] <= 0:
+            del S.pending_by[participant]
     S.senders.touch(participant, group.worker_id, time.time(), groups=1)
     arrived(participant, group.worker_id)
     if not buffered and book.quarantine.held(participant):  # suspended while its line was being written
@@ -638,6 +725,7 @@ async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**
     gone = None
     if key is not None:
         S.book.pacing.polling(key)
+        LIVE.opened(key)
         gone = asyncio.create_task(_until_disconnect(request.receive, S.versions))
     try:
         async with S.versions:  # only register() (a new version, or the final one) and a disconnect notify it
@@ -646,6 +734,7 @@ async def latest_adapter(request: Request, after: int = Query(-1, ge=-1, le=10**
     finally:
         if key is not None:
             S.book.pacing.polled(key, time.monotonic())
+            LIVE.closed(key, time.monotonic())
             gone.cancel()
     v = S.book.versions.last
     return {"version": v["version"], "step": v["step"], "published_at": v["published_at"], "done": S.book.done,
@@ -694,6 +783,62 @@ def expire_leases(now: float) -> None:
     for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
         end_lease(bid)
 
+def party_shares(now: float, buffered: Counter | None = None) -> dict:
+    """Each party's share of a batch now (shares.py): None, the run's own workers; else a participant."""
+    if buffered is None:
+        buffered = Counter(it.who for it in S.book.buffer.values())
+    return shares.shares(LIVE.workers(now), buffered, ARGS.max_participant_share)
+
+def expected(now: float, version: int) -> dict:
+    """The parties with a round on its way -> whether a batch trained from `version` is the last that can train it: an
+    open grant of one of their workers (not given up: its worker's polls did not stop; the last chance where the next
+    batch leaves its version stale), or a live worker of theirs that sent a group within shares.LIVE_S (between two
+    rounds: pacing may hold its next grant while the buffer holds the others' groups). A batch waits for them a while
+    (shares.select, stall_s)."""
+    wall, out = time.time(), {}
+    for key in LIVE.keys(now):
+        if (w := S.senders.workers.get(key)) is not None and w["groups"] and wall - w["last_seen"] < shares.LIVE_S:
+            out[shares.party(key)] = False
+    for g in S.book.pacing.grants.values():
+        if g.left > 0 and not g.gone:
+            p = shares.party(g.key)
+            out[p] = out.get(p, False) or S.book.too_stale(g.version, version + 1)
+    return out
+
+STALL = {"since": None}  # when the batch asked for could first have been made but for the rounds on their way
+
+def stall_s() -> float:
+    """How long a batch waits for the rounds of parties under their share (expected) once it could be made without
+    them: twice the fleet's median round time, at least --poll-grace-s, at most --grant-s (none measured yet: that). A
+    party that keeps a round on its way and sends little holds each batch up at most this long."""
+    r, _ = S.book.pacing.fleet_round()
+    return ARGS.grant_s if r is None else min(ARGS.grant_s, max(ARGS.poll_grace_s, 2 * r))
+
+def batch_of(n: int, version: int) -> tuple[list[Entry], dict] | None:
+    """The batch of n the trainer gets now, trained from `version` (groups it leaves stale are passed over), and what
+    its participants paid of the prompts they owe; None while it cannot be made. Each participant takes at most its
+    share (shares.py); where no participant is live or buffered, the oldest n, as ever."""
+    book = S.book
+    if len(book.buffer) < n:  # (asked on every arrival while a lease waits: the cheap answer first)
+        return None
+    fresh, now = book.fresh(version), time.monotonic()
+    buffered, live = Counter(it.who for it in fresh), LIVE.workers(now)
+    if len(fresh) < n:
+        return None
+    if not any(p is not None for p in (*buffered, *live)):  # the run's own groups only
+        return fresh[:n], {}
+    quota, owed = shares.quotas(shares.shares(live, buffered, ARGS.max_participant_share), n), book.receipts.owed
+    urgent = lambda it: it.paced and book.too_stale(it.version, version + 1)  # noqa: E731 - its last batch
+    if (got := shares.select(fresh, n, quota, owed, waits := expected(now, version), urgent)) is not None or not waits:
+        STALL["since"] = None if got is None else STALL["since"]
+        return got
+    if (got := shares.select(fresh, n, quota, owed, {}, urgent)) is None:  # not for want of their rounds
+        STALL["since"] = None
+        return None
+    if STALL["since"] is None:  # (reset by a lease, or once it is no longer their rounds that it waits for)
+        STALL["since"] = now
+    return got if now - STALL["since"] >= stall_s() else None
+
 @app.post("/v1/batches/lease", response_model=LeaseResponse, openapi_extra=scope("trainer"))
 async def lease_batch(req: LeaseRequest, request: Request) -> Response:
     """The oldest `num_groups` fresh-enough groups, waiting up to `wait_s` for them to arrive; an empty
@@ -718,24 +863,26 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
         async with S.cond:
             before = book.counts["groups_dropped_stale"]
             await wait_until(lambda: expire_leases(time.monotonic()) or gone.done() or
-                             book.leasable(req.num_groups, max(S.pending_version, trains_from())) is not None, req.wait_s)
+                             batch_of(req.num_groups, max(S.pending_version, trains_from())) is not None, req.wait_s)
             waited = time.monotonic() - asked
-            entries = None if gone.done() else book.leasable(req.num_groups, max(S.pending_version, trains_from()))
-            if not entries:
+            picked = None if gone.done() else batch_of(req.num_groups, max(S.pending_version, trains_from()))
+            if not picked:
                 return lease_answer(None, [], book.counts["groups_dropped_stale"] - before, S.latest, waited)
+            entries, paid = picked
+            STALL["since"] = None
             bid, latest, left = uuid.uuid4().hex, trains_from(), book.pacing.left_after(len(entries))
-            book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest, left, at=time.monotonic())
+            book.lease(bid, [e.gid for e in entries], ARGS.lease_s, latest, left, at=time.monotonic(), paid=paid)
             S.deadlines[bid] = time.monotonic() + ARGS.lease_s
             # "latest": the version that trains it (the staleness histogram; replay counts the batches held from it)
             fut = JOURNAL.append({"t": "lease", "batch_id": bid, "group_ids": [e.gid for e in entries], "lease_s": ARGS.lease_s,
                                   "expires_at": round(time.time() + ARGS.lease_s, 3), "latest": latest,
-                                  **({} if left is None else {"left": left})})
+                                  **({} if left is None else {"left": left}), **({"paid": paid} if paid else {})})
         try:
             await fut  # the trainer must be able to ack this batch after a restart
         except journal.JournalWriteError:  # the write failed: undo, so that nothing changed
             async with S.cond:
                 if S.deadlines.pop(bid, None) is not None:  # (unless it ran out during the write: then it is back)
-                    book.unlease(bid, latest)
+                    book.unlease(bid, latest, paid)
                     S.cond.notify_all()
             raise
         for e in entries:
@@ -866,6 +1013,9 @@ async def get_stats() -> dict:
             "incarnation": S.incarnation, "pending_writes": len(JOURNAL.queue),
             "quarantined": {n: trust.reason(n) for n in trust.people if trust.held(n)},
             "quarantine_after": ARGS.quarantine_after, "open_prompt_leases": len(S.book.receipts.leases),
+            "shares": {(p or ADMIN): round(x, 4) for p, x in sorted(party_shares(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
+            "live_workers": {(p or ADMIN): n for p, n in sorted(LIVE.workers(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
+            "prompts_owed": dict(S.book.receipts.owed), "max_participant_share": ARGS.max_participant_share,
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 @app.get("/v1/state", openapi_extra=scope("trainer"))

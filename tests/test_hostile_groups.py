@@ -8,6 +8,7 @@ import uuid
 import pytest
 import torch
 
+from conftest import stop
 from proxyproc import spawn  # noqa: F401 - a fixture
 from test_proxy_access import as_, create, leased
 from test_train_step import _group
@@ -55,6 +56,34 @@ def test_the_proxy_refuses_each_hostile_group_naming_why(model, spawn, row):
     assert r.status_code == 422 and ROWS[row][1] in detail(r), (r.status_code, r.text)
     assert alice.post("/v1/groups", json=honest(model, 2, alice)).json()["status"] == "accepted"
     assert p.stats()["buffer_size"] == 1
+
+
+def test_a_participant_may_claim_only_the_runs_sampling_temperature(model, spawn):
+    """The claimed temperature is a gradient weight (the trainer scores a group at meta.temperature, ~1/T): a group
+    sampled and reported honestly at T = 0.1 (its logprobs the tiny model's own at 0.1) is refused at the door,
+    naming the field and the temperatures the run takes (--temperatures, the workers' own); at the run's temperature
+    the same prompt is taken. The run's own groups are not held to it; a proxy told of several takes each."""
+    p = spawn()
+    alice = as_(p, create(p, "alice"))
+    cold = {**_group(model[0], 5, [1.0, 0.0, 0.0, 1.0], T=0.1), "group_id": uuid.uuid4().hex, **leased(alice)[0]}
+    r = alice.post("/v1/groups", json=cold)
+    assert r.status_code == 422 and detail(r) == (
+        "meta.temperature: 0.1 is not this run's sampling temperature: it takes 1.0 (--temperatures; the trainer "
+        "weighs a group's gradient by its temperature)"), r.text
+    assert p.stats()["buffer_size"] == 0 and p.stats()["participants"]["alice"]["checks"]["failed"] == 0
+    honest_ = {**_group(model[0], 5, [1.0, 0.0, 0.0, 1.0], T=1.0), "group_id": uuid.uuid4().hex,
+               **{k: cold[k] for k in ("lease_id", "prompt_index")}}
+    assert alice.post("/v1/groups", json=honest_).json()["status"] == "accepted"  # (the prompt refused is not used up)
+    ours = {**cold, "group_id": uuid.uuid4().hex}
+    del ours["lease_id"], ours["prompt_index"]
+    assert p.http.post("/v1/groups", json=ours).json()["status"] == "accepted"
+    stop(p.proc)
+    q = spawn("--temperatures", "0.7", "1.0", token=p.token)  # the same run, restarted
+    alice = as_(q, alice.headers["x-proxy-token"])
+    for t, code in [(0.7, 200), (1.0, 200), (0.1, 422)]:
+        g = {**_group(model[0], 6, [1.0, 0.0, 0.0, 1.0], T=t), "group_id": uuid.uuid4().hex, **leased(alice)[0]}
+        r = alice.post("/v1/groups", json=g)
+        assert r.status_code == code and (code == 200 or "it takes 0.7 or 1.0" in detail(r)), (t, r.text)
 
 
 def trainer(tiny_model, p, model, loss: str):
@@ -175,3 +204,32 @@ def test_row_7_made_up_dataset_names_take_no_room_from_the_runs(spawn):
     assert set(p.stats()["cursors"]) == {"prompts"}  # the tests' own, opened by the owner (create)
     assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).status_code == 200
     assert lease(mallory, size=500).status_code == 200
+
+
+def test_prompt_choice_a_leased_prompt_is_answered_once_per_lease(spawn):
+    """The issue's attack: a lease answered 20 times for one prompt (all 20 were taken). A participant's lease holds
+    each prompt once, also where it runs into the next epoch (the prompts it holds already are left out), and each
+    is answered by one group: the other 19 are refused (409 naming the index and the lease, nothing of them taken,
+    each counted). The same group sent again (a spool's resend after a lost answer) is a duplicate, not a lie."""
+    from test_proxy import group
+    from test_proxy_access import own
+    p = spawn("--quarantine-after", "100")
+    mallory, trainer = as_(p, create(p, "mallory")), as_(p, create(p, "lab", "trainer"))
+    assert trainer.post("/v1/prompts/datasets", json={"dataset": "d80", "size": 80}).status_code == 200
+    assert len(lease(mallory, dataset="d80", size=80, n=30).json()["indices"]) == 30
+    got = lease(mallory, dataset="d80", size=80, n=80).json()  # 50 of epoch 0, then epoch 1 up to 80 prompts
+    idx, epochs = got["indices"], got["epochs"]
+    assert len(set(idx)) == len(idx) == len(epochs) and epochs[:50] == [0] * 50 and set(epochs[50:]) <= {1}, got
+    assert len(idx) < 80  # (a seeded shuffle: epoch 1's first 30 meet some of epoch 0's last 50)
+    target = idx[-1]
+    answers = [mallory.post("/v1/groups", json=own(group(lease_id=got["lease_id"], prompt_index=target, worker="m1")))
+               for _ in range(20)]
+    assert [r.status_code for r in answers].count(200) == 1 and answers[0].json()["status"] == "accepted"
+    first = answers[0].request.content
+    for r in answers[1:]:
+        assert r.status_code == 409 and r.json()["detail"].startswith(
+            f"reused: prompt index {target} of lease {got['lease_id']} was answered already, by group ") \
+            and r.json()["detail"].endswith("; counted against this participant"), r.text
+    assert mallory.post("/v1/groups", content=first, headers={"content-type": "application/json"}).json()["status"] == "duplicate"
+    s = p.stats()
+    assert s["buffer_size"] == 1 and s["participants"]["mallory"]["checks"]["by_check"] == {"reused": 19}, s

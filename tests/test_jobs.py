@@ -168,7 +168,8 @@ def test_launch_submits_proxy_then_workers_trainer_and_supervisor(hub, s3_env, c
     shipped = lambda script: [f"/data/{m}" for m in hf_jobs.shipped(script)]  # noqa: E731
     expected = {
         "proxy": (["/data/proxy.py", *shipped("proxy.py"), "--host", "0.0.0.0", "--port", "8000", "--group-size", "8",
-                   "--vocab-size", "151936", *preset["proxy"]],  # Qwen2.5's, from its carried config.json
+                   "--vocab-size", "151936",  # Qwen2.5's, from its carried config.json
+                   "--temperatures", "1.0", *preset["proxy"]],  # the workers' temperature (the preset's rollout one)
                   "cpu-upgrade", {"PROXY_TOKEN"} | bucket_secrets, base_env),
         "rollout-1": (["/data/rollout.py", *shipped("rollout.py"), "--model", "Qwen/Qwen2.5-0.5B-Instruct",
                        "--task", "gsm8k", "--group-size", "8", *preset["rollout"],

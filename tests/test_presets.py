@@ -103,6 +103,26 @@ def test_the_local_launcher_takes_its_settings_from_the_preset_and_the_command_l
     assert parse("rollout", argv("ROLLOUT_ARGS")).max_new_tokens == 24
 
 
+def test_the_proxy_takes_the_temperature_the_workers_are_started_with():
+    """The claimed temperature weighs a group's gradient, so the proxy takes only the run's (docs/trust.md): its default
+    is the workers' default, and the local launcher passes it the temperature it starts the workers with, the
+    person's --rollout-arg included."""
+    import proxy
+    import rollout
+    assert proxy.Args().temperatures == (rollout.Args().temperature,)
+
+    def plan(*extra: str) -> dict:
+        out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "launch_hf.py", "--local-plan", *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got = dict(re.findall(r"^([A-Z_]+)=(.*)$", out.stdout, re.M))
+        return {r: parse(r, shlex.split(got[k].strip("()"))) for r, k in (("proxy", "PROXY_ARGS"), ("rollout", "ROLLOUT_ARGS"))}
+    for extra, want in [((), 1.0), (("--rollout-arg=--temperature", "--rollout-arg=0.7"), 0.7),
+                        (("--rollout-arg=--temperature=0.5",), 0.5)]:
+        got = plan(*extra)
+        assert got["rollout"].temperature == want and got["proxy"].temperatures == (want,), (extra, got)
+
+
 def test_an_unknown_preset_is_refused_naming_the_known_ones(capsys):
     with pytest.raises(SystemExit, match="--preset 'nope': one of local, local-calculator, jobs"):
         launch_hf.main(["--dry-run", "--preset", "nope"])

@@ -217,10 +217,11 @@ def test_settings_that_cannot_work_are_refused_at_the_start_each_named():
     """A negative staleness, a margin of NaN, a grace of 0, a port past 65535: the proxy does not start, and says
     which options and why, all at once (each was taken before, and a proxy started that could not work)."""
     bad = subprocess.run([sys.executable, str(ROOT / "proxy.py"), "--max-staleness", "-1", "--pace-jitter", "nan",
-                          "--poll-grace-s", "0", "--port", "70000", "--no-use-bucket"],
+                          "--poll-grace-s", "0", "--port", "70000", "--temperatures", "1.0", "1e-39", "--no-use-bucket"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode != 0
     for problem in ("--max-staleness -1: must be at least 0", "--pace-jitter nan: must be at least 0",
-                    "--poll-grace-s 0.0: must be above 0", "--port 70000: must be at most 65535"):
+                    "--poll-grace-s 0.0: must be above 0", "--port 70000: must be at most 65535",
+                    "--temperatures 1e-39: 1e-39 is not a number in [0.05, 10.0]"):
         assert problem in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr

@@ -36,7 +36,9 @@ BATCHES = 1024  # acked and expired batch ids remembered, each
 COUNTED = ("groups_accepted", "groups_duplicate", "groups_dropped_stale", "groups_leased", "groups_acked",
            "batches_leased", "batches_acked", "leases_expired", "groups_held_out")  # what the journal implies (429s it does not)
 
-Entry = namedtuple("Entry", "gid version raw who", defaults=(None,))  # a group as the live proxy holds it: the line it logged
+# a group as the live proxy holds it: the line it logged; paced: a participant's group its worker's grant covered on
+# arrival (shares.py; live only: after a restart it is held to its participant's quota like the rest)
+Entry = namedtuple("Entry", "gid version raw who paced", defaults=(None, False))
 Held = namedtuple("Held", "items lease_s ids")   # an open lease: its groups, its duration, the ids it named
 
 
@@ -167,25 +169,23 @@ class Book:
         self.buffer[item.gid] = item
         return True
 
-    def leasable(self, n: int, pending_version: int = 0) -> list | None:
-        """The oldest n groups that may be leased, or None while fewer wait. While version `pending_version`
-        is being registered, or is the one a batch asked for ahead will be trained from, groups it will make
-        stale are passed over (a lease decided now comes after that version in the log), not dropped: the
-        registration may yet fail."""
+    def fresh(self, pending_version: int = 0) -> list:
+        """The buffered groups a lease may take, oldest first. While version `pending_version` is being registered, or
+        is the one a batch asked for ahead will be trained from, groups it will make stale are passed over (a lease
+        decided now comes after that version in the log), not dropped: the registration may yet fail. Which of them a
+        lease takes is the live proxy's choice (shares.py), journaled with the lease."""
         if pending_version <= self.latest:
-            return list(islice(self.buffer.values(), n)) if len(self.buffer) >= n else None
-        if len(self.buffer) < n:  # (asked on every arrival while a lease waits: the cheap answer first)
-            return None
-        fresh = list(islice((it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)), n))
-        return fresh if len(fresh) == n else None
+            return list(self.buffer.values())
+        return [it for it in self.buffer.values() if not self.too_stale(it.version, pending_version)]
 
     def lease(self, bid: str, ids: list[str], lease_s: float, latest: int, left: int | None = None,
-              at: float | None = None) -> list:
+              at: float | None = None, paid: dict[str, int] | None = None) -> list:
         """Groups `ids` out of the buffer into the open lease `bid`, to be trained from version `latest` (the
         latest one, or the next for a batch the trainer asked for while it trains the one before: for the
         staleness histogram, and how many batches the trainer holds, pacing.py); returns their items. A group
         another open lease names means that lease ran out and its expiry was never journaled (replay): it is
-        returned first. left: the trainer's demand after this lease, as journaled; at: the live proxy's clock."""
+        returned first. left: the trainer's demand after this lease, as journaled; at: the live proxy's clock; paid:
+        what each participant's share of it paid of the prompts it owes (shares.py), as journaled."""
         for b in {self.holder[g] for g in ids if g in self.holder}:
             self.return_lease(b)
         items = [self.buffer.pop(g) for g in ids if g in self.buffer]
@@ -196,6 +196,8 @@ class Book:
         for it in items:
             self.staleness_hist[latest - it.version] = self.staleness_hist.get(latest - it.version, 0) + 1
         self.pacing.leased(len(ids), left, at, held=max(1, latest + 1 - self.latest))
+        if paid:
+            self.receipts.pay(paid)
         return items
 
     def renew(self, bid: str, lease_s: float) -> None:
@@ -257,8 +259,10 @@ class Book:
         self.quarantine.reinstate(who, at)
 
     # ---- undoing a transition whose journal write failed (the live proxy: nothing changed) -------------
-    def unlease(self, bid: str, latest: int) -> None:
+    def unlease(self, bid: str, latest: int, paid: dict[str, int] | None = None) -> None:
         held = self._close(bid)
+        if paid:
+            self.receipts.pay(paid, -1)
         self.pacing.unleased(len(held.ids))
         self.counts["batches_leased"] -= 1
         self.counts["groups_leased"] -= len(held.ids)

@@ -127,7 +127,7 @@ class Ledger(Book):
             self.fenced[e["incarnation"]] = e["seq"] - 1
             self.tip = max(self.tip, (e["by"], 0))
         elif t == "lease":
-            self.lease(e["batch_id"], e["group_ids"], e["lease_s"], e["latest"], e.get("left"))
+            self.lease(e["batch_id"], e["group_ids"], e["lease_s"], e["latest"], e.get("left"), paid=e.get("paid"))
         elif t == "renew" and e["batch_id"] in self.leases:
             self.renew(e["batch_id"], e["lease_s"])
         elif t == "ack":

@@ -540,9 +540,13 @@ class Waiting:
             return a[0] not in pacer.grants, pacer.expected_round(a[0], fleet)[0] or 0.0
         return sorted(self.asking.values(), key=key)
 
-    def pace(self, pacer: Pacer, latest: int, buffered: int, done: bool, pending_version: int, now: float) -> None:
+    def pace(self, pacer: Pacer, latest: int, buffered: int, done: bool, pending_version: int, now: float,
+             share: Callable[[str, int], int | None] | None = None) -> None:
         """Give the waiting workers the grants there is room for, fastest first (order()); after MISSES that
-        do not fit, the rest wait for the next pass. The run over (done): every one of them gets None."""
+        do not fit, the rest wait for the next pass. The run over (done): every one of them gets None. share(key,
+        version): the most the worker's participant may have granted for a round of that version, its share of the
+        batches that train it (the proxy's shares.py: a participant's groups past its share of a batch wait for the
+        next one); None: no bound."""
         flight, misses = pacer.flight(latest, buffered, now, pending_version), 0
         for key, n, version, fut in self.order(pacer, flight):
             if fut.done():
@@ -551,6 +555,8 @@ class Waiting:
                 fut.set_result(None)
                 continue
             k = pacer.room(key, n, latest, buffered, now, flight, pending_version, version)
+            if k > 0 and share is not None and (most := share(key, latest if version is None else version)) is not None:
+                k = min(k, most)
             if k > 0:
                 fut.set_result(g := pacer.grant(key, k, latest if version is None else version, now))
                 pacer.backed_up(g, buffered)

@@ -6,8 +6,8 @@ again. Both are rules of the book (book.py): the live proxy applies them as requ
 Prompt leases. `POST /v1/prompts/lease` answers with a lease_id, and the proxy journals which indices of
 which dataset it leased to whom (a `prompts` record). A group names `lease_id` and `prompt_index`, and is
 taken only from the participant the lease went to (the admin token's leases: from the admin token), for an
-index of that lease, as often as the lease holds it (once, unless the lease ran past the end of an epoch
-into the next). The group's journal line then carries the lease's dataset, and a `receipt` record says which
+index of that lease, once (a participant's lease holds each index once: one that runs past the end of an epoch
+leaves out the indices it already holds; the admin's own leases, as often as they hold it). The group's journal line then carries the lease's dataset, and a `receipt` record says which
 lease index it used up. Whether `prompt_ids` are that prompt's tokens the proxy cannot tell (it has no
 tokenizer): the trainer checks that (lib/train/audit.py).
 
@@ -16,6 +16,10 @@ latest is answered by groups of version <= L, and those are refused as stale onc
 passes L: the lease is forgotten then. Besides, a participant holds at most MAX_PROMPTS leased prompts; past
 that its oldest leases are forgotten. The ids of the last FORGOTTEN forgotten leases are kept, so that a late
 group hears why (409, not counted as a lie).
+
+Owed. When a participant's lease is forgotten, the indices it never answered are owed: they count against its
+share of the batches to come (shares.py), so that leasing many prompts to answer a chosen few costs what answering
+them all would. A lease record pays them off (book.Book.lease).
 
 Fingerprints. A group's fingerprint is a hash of its completions' tokens and behaviour logprobs, in any order
 (prompt and rewards left out): a participant that sends another group's completions again under a new
@@ -53,14 +57,15 @@ class Receipts:
         self.floor = 0
         self.prints: dict[str, str] = {}                       # fingerprint -> group_id
         self.by_version: dict[int, list[str]] = {}             # version -> fingerprints accepted at it
+        self.owed: dict[str, int] = {}                         # participant -> prompts it left unanswered (shares.py)
 
     # ---- the rules ---------------------------------------------------------------------------------
     def bind(self, lease_id: str, who: str | None, dataset: str, indices: list[int], latest: int) -> None:
         """Prompts `indices` of `dataset` were leased to `who` (None: the admin token) while `latest` was the
         latest version."""
         left: dict[int, int] = {}
-        for i in indices:
-            left[i] = left.get(i, 0) + 1
+        for i in indices:  # a participant answers each index of its lease once (the proxy leases it each once)
+            left[i] = 1 if who is not None else left.get(i, 0) + 1
         self.leases[lease_id] = {"who": who, "dataset": dataset, "latest": latest, "size": len(indices),
                                  "left": left, "by": {}}
         key = who or ""
@@ -122,8 +127,20 @@ class Receipts:
             for fp in self.by_version.pop(v):
                 del self.prints[fp]
 
+    def pay(self, paid: dict[str, int], sign: int = 1) -> None:
+        """A batch spent these participants' quota on what they owe (shares.select; sign -1: its lease was undone)."""
+        for who, n in paid.items():
+            if left := self.owed.get(who, 0) - sign * n:
+                self.owed[who] = left
+            else:
+                self.owed.pop(who, None)
+
     def _forget(self, lease_id: str, why: str) -> None:
+        """A lease let go: a late group hears why, and the indices its participant never answered are owed (they
+        count against its share of the batches to come, shares.py)."""
         lease = self.leases.pop(lease_id)
+        if lease["who"] is not None and (unanswered := sum(lease["left"].values())):
+            self.owed[lease["who"]] = self.owed.get(lease["who"], 0) + unanswered
         key = lease["who"] or ""
         self.held[key] -= lease["size"]
         if not self.held[key]:
@@ -138,6 +155,7 @@ class Receipts:
         return {"leases": [[lid, {**x, "left": [[i, n] for i, n in sorted(x["left"].items())],
                                   "by": [[i, g] for i, g in sorted(x["by"].items())]}] for lid, x in self.leases.items()],
                 "forgotten": [[lid, why] for lid, why in self.forgotten.items()], "floor": self.floor,
+                "owed": dict(sorted(self.owed.items())),
                 "prints": {str(v): [[fp, self.prints[fp]] for fp in fps] for v, fps in sorted(self.by_version.items())}}
 
     @classmethod
@@ -148,6 +166,7 @@ class Receipts:
             r.held[x["who"] or ""] = r.held.get(x["who"] or "", 0) + x["size"]
         r.forgotten = OrderedDict((lid, why) for lid, why in d["forgotten"])
         r.floor = d["floor"]
+        r.owed = dict(d.get("owed", {}))
         for v, pairs in d["prints"].items():
             r.by_version[int(v)] = [fp for fp, _ in pairs]
             r.prints.update(dict(pairs))
