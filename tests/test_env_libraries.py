@@ -240,6 +240,7 @@ def test_an_openenv_mcp_environment_is_refused_and_one_prompt_for_every_seed_is_
         assert msg.startswith("the OpenEnv environment at http://127.0.0.1:") and msg.endswith(
             " is an MCP environment (its action is CallToolAction: a tool's name and its arguments), which a model's text "
             "turn cannot drive: --task openenv: needs an environment whose action has a text field"), msg
+    assert children_running("openenv_guess:mcp") == []  # the server it started for the refused one is stopped
     caplog.clear()
     env = environments.load_environment("openenv:tests/support/openenv_guess.py:app")
     env.close()
@@ -247,3 +248,17 @@ def test_an_openenv_mcp_environment_is_refused_and_one_prompt_for_every_seed_is_
     assert said.endswith(" gave the same first observation for seeds 0 and 1 ('I am thinking of a number from 1 to 20. "
                          "Guess it: reply with just a number. You '): if it ignores reset's seed, every prompt index is "
                          "one question; if its episodes differ by the seed only after the first observation, this is fine")
+
+
+def children_running(text: str) -> list[int]:
+    """This process's children whose command line holds `text` (from /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and text in cmd:
+            found.append(int(pid))
+    return found

@@ -213,18 +213,36 @@ class Prompts:
             {"role": "user", "content": self.text(i)}]
 
 
+def stop_server(proc: subprocess.Popen | None) -> None:
+    """Stops a server start_server started (None: one the user runs, left alone)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions: int = 0) -> Environment:
     """sessions: how many the caller opens at once at most (rollout: G x prompts per round); the server's own
     limit, if lower, is learnt now (Environment.max_sessions), and the episodes run in waves of it."""
     require("openenv-core", "openenv")
-    from openenv.core.generic_client import GenericEnvClient
     parts = urlsplit(spec) if spec.startswith(("http://", "https://")) else None
     opts = {k: v[-1] for k, v in parse_qs(parts.query if parts else spec.partition("?")[2]).items()}
-    proc = None
     if parts:
-        url = spec.split("?", 1)[0].rstrip("/")
-    else:
-        url, proc = start_server(spec.split("?", 1)[0])
+        return _connect(spec, spec.split("?", 1)[0].rstrip("/"), None, opts, parts, split, seed, sessions)
+    url, proc = start_server(spec.split("?", 1)[0])
+    try:
+        return _connect(spec, url, proc, opts, parts, split, seed, sessions)
+    except BaseException:  # refused at start (an MCP environment, no text field, ...): the server started goes too
+        stop_server(proc)
+        raise
+
+
+def _connect(spec: str, url: str, proc: subprocess.Popen | None, opts: dict, parts, split: str, seed: int,
+             sessions: int) -> Environment:
+    """openenv_environment once its server is known (proc: one it started, stopped by the Environment's close)."""
+    from openenv.core.generic_client import GenericEnvClient
     try:
         schema = httpx.get(f"{url}/schema", timeout=30.0).raise_for_status().json()
     except httpx.HTTPError as e:
@@ -249,12 +267,7 @@ def openenv_environment(spec: str, split: str = "train", seed: int = 0, sessions
         return OpenEnvSession(GenericEnvClient, url, action_field, render, prompts.text(i), seed0 + i)
 
     def close() -> None:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
     name = "openenv-" + (urlsplit(url).hostname or "env") if parts else "openenv-" + os.path.basename(spec.split(":")[0])[:-3]
     limit = session_limit(GenericEnvClient, url, sessions) if sessions > 1 else None
     return Environment(name, prompts, session, max_turns=int(opts.get("max_turns", 8)), close=close, max_sessions=limit)
