@@ -579,6 +579,14 @@ a group is trained at most this many versions after the one that sampled its old
 measurements chose (docs/objectives.md#what-closes-the-gap)."""
 
 
+MAX_DRIFT = 2.0
+"""The most an honest token's behaviour logprob can differ from the trainer's own logprob of it, in nats (the
+default of train.py --audit.max-drift): the policy's drift from the version that sampled it to the weights the
+trainer holds, within the staleness window. Every token a step trains of a participant's group is judged against
+it in that step's own forward, at no cost (audit.Auditor.judge); beyond it the group fails the `logprobs` check.
+Measured (docs/trust.md#the-steps-own-forward): PLACEHOLDER."""
+
+
 def too_stale(version: int, latest: int, max_staleness: int) -> bool:
     """The staleness rule: a group (or a worker's adapter) of `version` can no longer be trained once the
     latest registered version is more than max_staleness ahead of it. The proxy drops such groups, a worker

@@ -38,6 +38,20 @@ class AuditReports:
         return {"participants": {}}
 
 
+def judged_by_the_step(model, groups: list[dict], args, version: int, auditor, devs: dict | None = None) -> dict:
+    """train.train_step on fresh weights with the audit's judge, as train.learn asks it: {group_id: why} of the groups
+    its forward leaves out."""
+    import train
+    out = {}
+
+    def judge(g: dict, onpolicy, drift: float) -> bool:
+        if why := auditor.judge(g, onpolicy, drift):
+            out[g["group_id"]] = why
+        return why is not None
+    train.train_step(model, groups, args, version, True, devs, judge)
+    return out
+
+
 def test_the_proxy_binds_groups_to_their_leases_and_quarantines_a_liar_across_a_restart(bucket, spawn):
     p = spawn("--quarantine-after", "5")
     publish(bucket, p, 1)
@@ -262,8 +276,8 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
         assert n > 0 and auditor.deviation(s, mx, n) is None, (gid, s / n, mx)
         assert s / n < 1e-4 and mx < 1e-3, (gid, s / n, mx)  # the floor, far below the limits (1e-3, 0.05)
     devs = {}
-    train.train_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, True, devs)
-    assert sorted(devs) == [0, 1, 2] and not auditor.onpolicy({"batch_id": "b"}, v2, devs)
+    assert not judged_by_the_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, auditor, devs)
+    assert sorted(devs) == [0, 1, 2]
     assert all(torch.equal(before[k], t) for k, t in lora_views(model).items())
     # version 1's groups scored with the weights the model holds now (version 2) would fail: the version matters
     stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=False)[0]
@@ -404,8 +418,8 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
     assert lost == 0 and all(n == 4 * 4 for _, _, n in devs.values()), devs  # version 1's: 4 tokens x 4 completions
     assert all(auditor.deviation(*d) is None for d in devs.values()), devs
     step = {}
-    train.train_step(model, groups, args, 2, True, step)
-    assert all(n == 6 * 4 for _, _, n in step.values()) and not auditor.onpolicy({"batch_id": "b"}, groups, step)
+    assert not judged_by_the_step(model, groups, args, 2, auditor, step)
+    assert all(n == 6 * 4 for _, _, n in step.values())
     # made up where version 2 sampled: the audit's recompute (version 1's tokens) passes it, the step's forward does not
     lie = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:4] + [-0.05] * 6} for c in groups[0]["completions"]]}
     assert auditor.deviation(*auditor.recompute(model, [lie], 2, fresh=True)[0]["m0"]) is None
@@ -413,9 +427,7 @@ def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_vers
     lie1 = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:3] + [-0.05] + c["logprobs"][4:]}
                                          for c in groups[0]["completions"]]}
     assert auditor.deviation(*auditor.recompute(model, [lie1], 2, fresh=True)[0]["m0"]) is not None
-    step = {}
-    train.train_step(model, [lie], args, 2, True, step)
-    assert auditor.onpolicy({"batch_id": "b"}, [lie], step) == {"m0"}
+    assert set(judged_by_the_step(model, [lie], args, 2, auditor)) == {"m0"}
 
 
 def test_the_logprob_limits_follow_the_dtype_the_trainer_computes_in():
