@@ -255,9 +255,10 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
 
     judge(group, onpolicy, drift), asked of each group once its micro-batch's forward has computed its logprobs and
     before its loss is formed (Auditor.judge): onpolicy is that (sum, max, count), or None (no such tokens, or the
-    weights moved since); drift the largest |logprob - behaviour logprob| over every token the step trains of it (NaN
-    when one is not finite). True: the group is left out of the step, so it never contributes to the gradient; the
-    others are weighted as if it had never been in the batch."""
+    weights moved since); drift the largest, over every token the step trains of it, of |logprob - behaviour logprob|
+    per version the weights moved since the token's version (its staleness, at least 1; NaN when one is not finite).
+    True: the group is left out of the step, so it never contributes to the gradient; the others are weighted as if
+    it had never been in the batch (the gradients must be zero at the start, as forward_backward makes them)."""
     G = len(groups[0]["completions"])
     rewards = [[c["reward"] for c in g["completions"]] for g in groups]
     adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
@@ -292,6 +293,9 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
                           for i in mb for c in groups[i]["completions"]], 0)[0].to(logp.device)
         with torch.no_grad():  # |logp - behaviour| of every trained token; a NaN stays NaN (where, not a product)
             dev = torch.where(mask.bool(), (logp.detach().float() - behav).abs(), 0.0)
+            # and per version the weights moved since the token's (at least 1: a token of the version held, its
+            # weights moved since the publish, is at most a step behind when every step publishes)
+            rate = dev / (lags + (0 if fresh_weights else 1)).clamp(min=1)
         out_now = []  # positions in mb of the groups judge() leaves out
         for j, i in enumerate(mb):
             rows = slice(j * G, (j + 1) * G)
@@ -299,7 +303,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             onpolicy_d = (d.sum().item(), d.max().item(), d.numel()) if d.numel() else None  # (max: NaN propagates)
             if onpolicy_dev is not None and onpolicy_d is not None:
                 onpolicy_dev[i] = onpolicy_d
-            if judge is not None and judge(groups[i], onpolicy_d, dev[rows].max().item()):
+            if judge is not None and judge(groups[i], onpolicy_d, rate[rows].max().item()):
                 out_now.append(j)
         if out_now:  # left out before its loss is formed: its rows are not in the loss, so no gradient reaches it
             judged_out += len(out_now)

@@ -12,7 +12,8 @@ the hf engine under the weights it holds (version k), measures every batch it sa
 --max-lag, with completion_logprobs (the forward train_step takes), then trains one step (train.train_step, clip,
 AdamW) on the batch sampled --train-lag versions ago, as a run at --max-staleness 1 mostly does. s = 0 is the
 engine's floor; s >= 1 the policy's drift over s steps. Prints, per staleness, the tokens' mean, 99th, 99.9th
-percentile and largest |difference|, and the largest of any group's; writes them with each step's to --out.
+percentile and largest |difference|, a group's largest (median) and a group's mean over its tokens (median, 99th
+percentile, largest); writes them with each step's to --out.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ def main(a: Args) -> None:
     batches: dict[int, list[dict]] = {}
     devs: dict[int, list[float]] = {s: [] for s in range(a.max_lag + 1)}
     group_max: dict[int, list[float]] = {s: [] for s in range(a.max_lag + 1)}
+    group_mean: dict[int, list[float]] = {s: [] for s in range(a.max_lag + 1)}
     rows = []
     for k in range(a.steps + 1):
         t0 = time.time()
@@ -102,6 +104,7 @@ def main(a: Args) -> None:
                 d = (logp.float() - behav).abs()[mask.bool()].tolist()
                 devs[s] += d
                 group_max[s].append(max(d))
+                group_mean[s].append(sum(d) / len(d))
                 row[f"lag{s}_max"] = max(row.get(f"lag{s}_max", 0.0), max(d))
         batches.pop(k - a.max_lag, None)
         if k == a.steps:
@@ -119,10 +122,14 @@ def main(a: Args) -> None:
               + " ".join(f"{s}:{row[f'lag{s}_max']:.3g}" for s in range(a.max_lag + 1) if f"lag{s}_max" in row)
               + f" ({row['step_s']:.0f} s)", flush=True)
     summary = {s: {"tokens": len(d), "mean": statistics.mean(d), "p99": quantile(d, 0.99), "p999": quantile(d, 0.999),
-                   "max": max(d), "group_max_median": statistics.median(group_max[s])} for s, d in devs.items() if d}
+                   "max": max(d), "group_max_median": statistics.median(group_max[s]),
+                   "group_mean_median": statistics.median(group_mean[s]), "group_mean_p99": quantile(group_mean[s], 0.99),
+                   "group_mean_max": max(group_mean[s]), "groups": len(group_mean[s])} for s, d in devs.items() if d}
     for s, x in summary.items():
         print(f"staleness {s}: {x['tokens']} tokens, |logp - behaviour| mean {x['mean']:.2e}, p99 {x['p99']:.3g}, "
-              f"p99.9 {x['p999']:.3g}, max {x['max']:.3g}; a group's largest: median {x['group_max_median']:.3g}")
+              f"p99.9 {x['p999']:.3g}, max {x['max']:.3g}; a group's largest: median {x['group_max_median']:.3g}; a "
+              f"group's mean: median {x['group_mean_median']:.2e}, p99 {x['group_mean_p99']:.3g}, max {x['group_mean_max']:.3g} "
+              f"({x['groups']} groups)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"commit": os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip(), "args": vars(a),

@@ -175,3 +175,24 @@ def test_row_7_made_up_dataset_names_take_no_room_from_the_runs(spawn):
     assert set(p.stats()["cursors"]) == {"prompts"}  # the tests' own, opened by the owner (create)
     assert trainer.post("/v1/prompts/datasets", json={"dataset": "addition", "size": 500}).status_code == 200
     assert lease(mallory, size=500).status_code == 200
+
+
+def test_the_steps_own_forward_leaves_out_a_group_far_off_its_logprobs_before_its_loss(tiny_model, model, spawn):
+    """Row 4 past every rule (the screen skipped), with the audit on: the step's own forward judges every token it
+    trains (Auditor.judge) and leaves the group out before its loss is formed, |logprob - behaviour| being ~100 nats
+    per version of staleness where --audit.max-drift allows common.MAX_DRIFT: counted as a failed `logprobs` check,
+    no group trained alone to find it, the step not taken again, the update made of the rest, finite."""
+    import train
+    from audit import Auditor, Options
+    p = spawn()
+    alice = as_(p, create(p, "alice"))
+    t = trainer(tiny_model, p, model, "ppo")
+    t.auditor = Auditor(Options(), "addition", model[1], None, t.client, 2, lambda g: 1.0, lambda g: True)
+    got, bad = leased_batch(p, model, alice, ROWS["4 logprob -100"][0])
+    got["audit"] = {}
+    st, norm = train.learn(t, got)
+    assert st["groups/trained"] == 1 and "groups/unfit" not in st and math.isfinite(norm) and finite(model[0]), st
+    assert got["audit"] == {"audit/failed": 1, "audit/failed_logprobs": 1, "audit/left_out": 1}, got["audit"]
+    checks = p.stats()["participants"]["alice"]["checks"]
+    assert checks["by_check"] == {"logprobs": 1} and checks["recent"][0]["group_id"] == bad, checks
+    assert "per version of staleness" in checks["recent"][0]["detail"], checks

@@ -15,8 +15,8 @@ task, the tokenizer and the model is checked here, on every batch, before the st
             (train.train_step asks `judge` before it forms their loss); a participant that failed any check (as the
             proxy counts them: `recall` after a restart) has every group checked. And every token the step trains,
             of every participant's group, is judged in that forward too (`judge`): off the trainer's logprob by
-            more than the policy moves within the staleness window (--audit.max-drift, common.MAX_DRIFT), its
-            group fails, whatever was drawn.
+            more than the policy moves per version of staleness (--audit.max-drift, common.MAX_DRIFT), its group
+            fails, whatever was drawn.
 
 Only groups of participants (a `participant` in the leased group: a token other than the run's admin token)
 are audited. A group that fails is left out of the step and reported (`POST /v1/batches/{id}/audit`): the
@@ -66,9 +66,10 @@ class Options:
     """... or when one token's is above this (None: 0.05 in float32, 0.1 in bfloat16 or float16)"""
     max_drift: float = MAX_DRIFT
     """a group the step trains fails when one of its tokens' |behaviour logprob - the trainer's logprob| in the
-    step's own forward is above this, whatever its version: the most an honest group's can be is the policy's
-    drift within the staleness window (docs/trust.md measures it). Every token of every group is judged, at no
-    cost; raise it for a run whose policy moves faster (a larger --lr or --max-staleness)"""
+    step's own forward is above this many nats per version of staleness (the version that sampled the token to the
+    weights the trainer holds; at least 1): an honest token's is the policy's drift, measured in docs/trust.md.
+    Every token of every participant's group is judged, at no cost; raise it for a policy that moves faster (a
+    larger --lr)"""
     reward_tol: float = 1e-6
     """a re-scored reward may differ from the one sent by this much"""
 
@@ -363,15 +364,16 @@ class Auditor:
         the loss; train.learn reports a failure as the `logprobs` check): why it fails, or None. onpolicy: (sum, max,
         count) of |logprob - behaviour logprob| over its tokens the weights the trainer holds sampled (None: none, or
         the weights moved since they were published), judged at the audit's limits; drift: the largest over every
-        token the step trains of it, judged at --audit.max-drift (what the policy moves within the staleness window;
-        NaN fails). Only participants' groups are judged, as only theirs are audited."""
+        token the step trains of it of that |difference| per version of staleness, judged at --audit.max-drift (what
+        the policy moves a token's logprob per version; NaN fails). Only participants' groups are judged, as only
+        theirs are audited."""
         if not (self.opts.enabled and g.get("participant")):
             return None
         if onpolicy is not None and (why := self.deviation(*onpolicy)):
             return why
         if not (drift <= self.opts.max_drift):
-            return (f"one of its behaviour logprobs differs from the trainer's by {drift:.3g} nats, more than the policy "
-                    f"moves within the staleness window (--audit.max-drift {self.opts.max_drift:g})")
+            return (f"one of its behaviour logprobs differs from the trainer's by {drift:.3g} nats per version of "
+                    f"staleness, more than the policy moves (--audit.max-drift {self.opts.max_drift:g})")
         return None
 
     def report(self, batch_id: str, checked: list[str], failed: dict[str, tuple], groups: list[dict]) -> list[dict]:
