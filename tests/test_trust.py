@@ -192,6 +192,15 @@ def test_a_liar_beside_an_honest_worker_is_caught_every_way_and_quarantined(tiny
     assert sum(r["audit/groups"] for r in audited) >= s["participants"]["guest"]["checks"]["checked"] > 8
     honest_max = max(r["audit/logprob_dev_max"] for r in audited if not r["audit/failed"])
     own = sum(r["perf/step_s"] - r["perf/rollout_wait_s"] for r in rows)
+    # the policy's drift on the tiny model, per staleness: what --audit.max-drift (per version) must stay above; the
+    # trained tokens are the honest worker's and the run's own, the lies having been left out
+    drift = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("stale/") and k.endswith("/logp_dev_max"):
+                drift[int(k.split("/")[1])] = max(drift.get(int(k.split("/")[1]), 0.0), v)
+    print("largest |logprob - behaviour logprob| of a trained token by staleness: "
+          + ", ".join(f"{lag}: {v:.3g}" for lag, v in sorted(drift.items())))
     print(f"audited {sum(r['audit/groups'] for r in audited)} groups in {len(rows)} steps; honest groups' largest "
           f"|logprob difference| {honest_max:.2e}; audit {sum(r.get('perf/audit_s', 0) for r in rows):.2f} s of "
           f"the trainer's own {own:.2f} s ({100 * sum(r.get('perf/audit_s', 0) for r in rows) / own:.1f}%)")
