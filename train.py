@@ -278,7 +278,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     stats: dict[str, float] = {}
     agg_stats: dict[str, list] = {}
     onpolicy: list[torch.Tensor] = []
-    judged_out, judged_tokens = 0, 0  # groups judge() left out, and their tokens (the step's weights, made good below)
+    judged_out, judged_tokens = 0, 0  # groups judge() left out, and their tokens (their shares are made good below)
     for s in range(0, len(keep), args.micro_groups):
         mb = keep[s:s + args.micro_groups]
         prompts = [groups[i]["prompt_ids"] for i in mb]

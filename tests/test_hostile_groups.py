@@ -196,3 +196,22 @@ def test_the_steps_own_forward_leaves_out_a_group_far_off_its_logprobs_before_it
     checks = p.stats()["participants"]["alice"]["checks"]
     assert checks["by_check"] == {"logprobs": 1} and checks["recent"][0]["group_id"] == bad, checks
     assert "per version of staleness" in checks["recent"][0]["detail"], checks
+
+
+def test_a_participant_the_steps_judgement_quarantines_has_none_of_its_groups_in_the_update(tiny_model, model, spawn):
+    """The same group, its sender's first failed check past --quarantine-after 1: the report quarantines alice, and
+    her honest group, which the update already held, is taken out by taking the step again without it (audit/redone):
+    the update holds none of hers; the model is what it was before the step."""
+    import train
+    from audit import Auditor, Options
+    p = spawn("--quarantine-after", "1")
+    alice = as_(p, create(p, "alice"))
+    t = trainer(tiny_model, p, model, "ppo")
+    t.auditor = Auditor(Options(), "addition", model[1], None, t.client, 2, lambda g: 1.0, lambda g: True)
+    got, bad = leased_batch(p, model, alice, ROWS["4 logprob -100"][0])
+    got["audit"] = {}
+    before = {n: q.detach().clone() for n, q in model[0].named_parameters() if q.requires_grad}
+    st, norm = train.learn(t, got)
+    assert st["groups/trained"] == 0 and got["audit"]["audit/redone"] == 1 and got["audit"]["audit/left_out"] == 2, (st, got)
+    assert all(torch.equal(before[n], q) for n, q in model[0].named_parameters() if q.requires_grad)
+    assert "alice" in p.stats()["quarantined"]
