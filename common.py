@@ -579,6 +579,17 @@ a group is trained at most this many versions after the one that sampled its old
 measurements chose (docs/objectives.md#what-closes-the-gap)."""
 
 
+MAX_DRIFT = 10.0
+"""How far, in nats per version of staleness, an honest token's behaviour logprob can be from the trainer's own
+logprob of it (the default of train.py --audit.max-drift): the policy's drift from the version that sampled the
+token to the weights the trainer holds. Every token a step trains of a participant's group is judged against it in
+that step's own forward, at no cost (audit.Auditor.judge); beyond it the group fails the `logprobs` check. Measured
+(bench/drift.py, SmolLM2-135M, addition, the local run's settings, 14 versions): over the tokens 1 version stale
+the mean is 0.052 nats, the 99th percentile 0.55, the largest 1.94; the largest per version over 1-4 versions stale
+3.2 (6.48 nats at 2). 10 is three times that: made-up logprobs off by tenths pass it (the sampled recompute is for
+them), a behaviour logprob near LOGPROB_FLOOR on a likely token does not (docs/trust.md#the-steps-own-forward)."""
+
+
 def too_stale(version: int, latest: int, max_staleness: int) -> bool:
     """The staleness rule: a group (or a worker's adapter) of `version` can no longer be trained once the
     latest registered version is more than max_staleness ahead of it. The proxy drops such groups, a worker

@@ -603,21 +603,9 @@ class Worker:
         log.info(f"stopped after {self.rounds} rounds")
 
 
-def resolved(args: Args) -> Args:
-    """args with what follows from the others filled in: --max-new-tokens from the task's kind."""
-    return args if args.max_new_tokens is not None else replace(args, max_new_tokens=token_budget(args.task))
-
-
-def main(args: Args) -> None:
-    args = resolved(args)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(worker_seed(args.seed, args.worker_id))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
-    # every line on stderr, prefixed with the worker id (several workers may share a terminal); other
-    # libraries' loggers only from warnings up (httpx would log every request)
-    logging.basicConfig(format=f"[{args.worker_id}] %(message)s", level=logging.WARNING, stream=sys.stderr)
-    log.setLevel(logging.INFO)
+def start_worker(args: Args, stop: threading.Event) -> Worker:
+    """The worker main() runs, wired as it runs: the bucket (if this machine has its keys) or the proxy alone, the spool,
+    the metrics, the task or environment, the engine, the adapter sync thread (started) and routed serving."""
     # outages of the bucket or the proxy are waited out, however long, saying so every 30 s; a
     # contributor's worker has no bucket keys: adapters come through the proxy, metrics stay on its disk
     bucket = Bucket(patience_s=None) if os.environ.get("BUCKET") else None
@@ -656,7 +644,26 @@ def main(args: Args) -> None:
     # its own client, patient for seconds only: serving is opportunistic, and a proxy outage must not hold the round up
     routed = RoutedServing(ProxyClient(args.proxy_url, args.proxy_token, args.hf_token, patience_s=5.0),
                            args.worker_id, args.serve_per_round if args.serve else 0, log.info)
-    worker = Worker(args, engine, client, sync, spool, metrics, routed, stop, task, env)
+    return Worker(args, engine, client, sync, spool, metrics, routed, stop, task, env)
+
+
+def resolved(args: Args) -> Args:
+    """args with what follows from the others filled in: --max-new-tokens from the task's kind."""
+    return args if args.max_new_tokens is not None else replace(args, max_new_tokens=token_budget(args.task))
+
+
+def main(args: Args) -> None:
+    args = resolved(args)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(worker_seed(args.seed, args.worker_id))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
+    # every line on stderr, prefixed with the worker id (several workers may share a terminal); other
+    # libraries' loggers only from warnings up (httpx would log every request)
+    logging.basicConfig(format=f"[{args.worker_id}] %(message)s", level=logging.WARNING, stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    worker = start_worker(args, stop)
+    client, spool, task = worker.client, worker.spool, worker.task
     if spool.pending():
         log.info(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
         spool.flush(client)

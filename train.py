@@ -47,7 +47,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import httpx
 import torch
@@ -190,7 +190,8 @@ def group_temperature(group: dict, default: float) -> float | None:
 class ByStaleness:
     """One step's diagnostics per staleness s = the trainer's version - the version that sampled: groups and
     mean reward over the whole batch (by the group's oldest version, its policy_version); mean and max
-    |ratio - 1| and the clipped share over the tokens trained on, each by its own version. Flat metric keys
+    |ratio - 1|, mean and max |logprob - behaviour logprob| and the clipped share over the tokens trained on,
+    each by its own version. Flat metric keys
     stale/<s>/..., as train_step returns them."""
 
     def __init__(self, groups: list[dict], rewards: list[list[float]], version: int):
@@ -206,17 +207,19 @@ class ByStaleness:
 
     def _at_lag(self, lag: int) -> dict:
         return self.acc.setdefault(lag, dict.fromkeys(("groups", "reward", "samples", "tokens", "dev_sum", "dev_max",
-                                                       "clipped"), 0.0))
+                                                       "clipped", "logp_sum", "logp_max"), 0.0))
 
-    def add_tokens(self, lags: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor) -> None:
-        """lags, ratio, clipped: the trained tokens (1-D), each token's staleness its own (the version that
-        sampled it: a worker may have taken a new one mid-episode)."""
+    def add_tokens(self, lags: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, logp_dev: torch.Tensor) -> None:
+        """lags, ratio, clipped, logp_dev (|logprob - behaviour logprob|): the trained tokens (1-D), each token's
+        staleness its own (the version that sampled it: a worker may have taken a new one mid-episode)."""
         for lag in lags.unique().tolist():
             on = lags == lag
-            a, dev = self._at_lag(lag), (ratio[on] - 1).abs()
+            a, dev, lp = self._at_lag(lag), (ratio[on] - 1).abs(), logp_dev[on]
             a["tokens"] += dev.numel()
             a["dev_sum"] += dev.sum().item()
             a["dev_max"] = max(a["dev_max"], dev.max().item())
+            a["logp_sum"] += lp.sum().item()
+            a["logp_max"] = max(a["logp_max"], lp.max().item())
             a["clipped"] += clipped[on].sum().item()
 
     def metrics(self) -> dict:
@@ -229,6 +232,9 @@ class ByStaleness:
             if a["tokens"]:
                 out[f"stale/{lag}/ratio_dev_mean"] = a["dev_sum"] / a["tokens"]
                 out[f"stale/{lag}/ratio_dev_max"] = a["dev_max"]
+                # the policy's drift since the version that sampled them: what --audit.max-drift is set above
+                out[f"stale/{lag}/logp_dev_mean"] = a["logp_sum"] / a["tokens"]
+                out[f"stale/{lag}/logp_dev_max"] = a["logp_max"]
                 out[f"stale/{lag}/clip_frac"] = a["clipped"] / a["tokens"]
         return out
 
@@ -241,11 +247,18 @@ def trainable(group: dict, args: Args) -> bool:
 
 
 def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool,
-               onpolicy_dev: dict | None = None) -> dict:
+               onpolicy_dev: dict | None = None, judge: Callable[[dict, tuple | None, float], bool] | None = None) -> dict:
     """One step's forward/backward over `groups` (gradients accumulate in model); returns its metrics,
     per-staleness diagnostics included (staleness = `version` - the group's policy_version). With
     `onpolicy_dev` (a dict) and fresh weights: onpolicy_dev[i] = (sum, max, count) of |logprob - behaviour
-    logprob| over group i's tokens that these very weights sampled (the audit's check, at no cost)."""
+    logprob| over group i's tokens that these very weights sampled (the audit's check, at no cost).
+
+    judge(group, onpolicy, drift), asked of each group once its micro-batch's forward has computed its logprobs and
+    before its loss is formed (Auditor.judge): onpolicy is that (sum, max, count), or None (no such tokens, or the
+    weights moved since); drift the largest, over every token the step trains of it, of |logprob - behaviour logprob|
+    per version the weights moved since the token's version (its staleness, at least 1; NaN when one is not finite).
+    True: the group is left out of the step, so it never contributes to the gradient; the others are weighted as if
+    it had never been in the batch (the gradients must be zero at the start, as forward_backward makes them)."""
     G = len(groups[0]["completions"])
     rewards = [[c["reward"] for c in g["completions"]] for g in groups]
     adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
@@ -265,6 +278,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     stats: dict[str, float] = {}
     agg_stats: dict[str, list] = {}
     onpolicy: list[torch.Tensor] = []
+    judged_out, judged_tokens = 0, 0  # groups judge() left out, and their tokens (their shares are made good below)
     for s in range(0, len(keep), args.micro_groups):
         mb = keep[s:s + args.micro_groups]
         prompts = [groups[i]["prompt_ids"] for i in mb]
@@ -277,6 +291,32 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
                           dtype=torch.float32)[0].to(logp.device)
         lags = pad_right([[version - v for v in token_versions(c, groups[i]["policy_version"])]
                           for i in mb for c in groups[i]["completions"]], 0)[0].to(logp.device)
+        with torch.no_grad():  # |logp - behaviour| of every trained token; a NaN stays NaN (where, not a product)
+            dev = torch.where(mask.bool(), (logp.detach().float() - behav).abs(), 0.0)
+            # and per version the weights moved since the token's (at least 1: a token of the version held, its
+            # weights moved since the publish, is at most a step behind when every step publishes)
+            rate = dev / (lags + (0 if fresh_weights else 1)).clamp(min=1)
+        out_now = []  # positions in mb of the groups judge() leaves out
+        for j, i in enumerate(mb):
+            rows = slice(j * G, (j + 1) * G)
+            d = dev[rows][mask[rows].bool() & (lags[rows] == 0)] if fresh_weights else dev[:0]
+            onpolicy_d = (d.sum().item(), d.max().item(), d.numel()) if d.numel() else None  # (max: NaN propagates)
+            if onpolicy_dev is not None and onpolicy_d is not None:
+                onpolicy_dev[i] = onpolicy_d
+            if judge is not None and judge(groups[i], onpolicy_d, rate[rows].max().item()):
+                out_now.append(j)
+        if out_now:  # left out before its loss is formed: its rows are not in the loss, so no gradient reaches it
+            judged_out += len(out_now)
+            judged_tokens += sum(int(mask[j * G:(j + 1) * G].sum().item()) for j in out_now)
+            rows = torch.tensor([j * G + k for j in range(len(mb)) if j not in out_now for k in range(G)],
+                                dtype=torch.long, device=logp.device)
+            mb = [i for j, i in enumerate(mb) if j not in out_now]
+            if not mb:
+                continue
+            logp, mask, behav, lags, dev = logp[rows], mask[rows], behav[rows], lags[rows], dev[rows]
+            prompts = [groups[i]["prompt_ids"] for i in mb]
+            ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
+            row_t = [temps[i] for i in mb for _ in range(G)]
         a = adv[mb].reshape(-1).to(logp.device)                                    # [N]
         ref = None
         if args.beta > 0:
@@ -293,14 +333,15 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             for j, i in enumerate(mb):
                 rows = slice(j * G, (j + 1) * G)
                 m = mask[rows].bool()
-                by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m])
+                by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m], dev[rows][m])
                 # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
                 if fresh_weights:
-                    on = m & (lags[rows] == 0)
-                    onpolicy.append(out.ratio[rows][on])
-                    if onpolicy_dev is not None and on.any():
-                        dev = (logp.detach()[rows] - behav[rows]).abs()[on]
-                        onpolicy_dev[i] = (dev.sum().item(), dev.max().item(), dev.numel())
+                    onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)])
+    if judged_out:  # the shares above were of the whole batch: scale the gradient to the groups trained
+        whole, left = (n_tok, n_tok - judged_tokens) if args.loss_agg == "token" else (len(keep), len(keep) - judged_out)
+        for p in model.parameters():
+            if p.grad is not None and left > 0:
+                p.grad.mul_(whole / left)
     for k, vs in agg_stats.items():
         if k == "ratio/min":
             stats[k] = min(v for v, _ in vs)
@@ -313,9 +354,9 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
     stats.update(by_lag.metrics())
     stats["groups/zero_std_frac"] = zero_std.float().mean().item()
-    stats["groups/trained"] = len(keep)
+    stats["groups/trained"] = len(keep) - judged_out
     stats["groups/bad_temperature"] = temps.count(None)
-    stats["tokens"] = n_tok
+    stats["tokens"] = n_tok - judged_tokens
     return stats
 
 
@@ -588,13 +629,13 @@ class Unfit(NamedTuple):
 NO_UPDATE = {"groups/trained": 0, "tokens": 0}  # the metrics of a step that made no update
 
 
-def forward_backward(t: Trainer, groups: list[dict], fresh: bool, devs: dict | None = None) -> tuple[dict, float, Unfit | None]:
-    """train_step over `groups` from zeroed gradients, then the gradient norm clipped: (metrics, norm, None), or
-    (NO_UPDATE, norm, why) with the gradients dropped when it raised or gave a non-finite loss or norm (an AdamW step
-    on those would make every LoRA weight NaN)."""
+def forward_backward(t: Trainer, groups: list[dict], fresh: bool, judge=None) -> tuple[dict, float, Unfit | None]:
+    """train_step over `groups` from zeroed gradients (judge: train_step's), then the gradient norm clipped: (metrics,
+    norm, None), or (NO_UPDATE, norm, why) with the gradients dropped when it raised or gave a non-finite loss or norm
+    (an AdamW step on those would make every LoRA weight NaN)."""
     t.opt.zero_grad(set_to_none=True)
     try:
-        st = train_step(t.model, groups, t.args, t.version, fresh, devs) if groups else dict(NO_UPDATE)
+        st = train_step(t.model, groups, t.args, t.version, fresh, judge=judge) if groups else dict(NO_UPDATE)
     except Exception as e:  # noqa: BLE001 - learn() finds out whether a group's values made it raise
         t.opt.zero_grad(set_to_none=True)
         return dict(NO_UPDATE), math.nan, Unfit(f"training on it raised {type(e).__name__}: {str(e)[:500]}", e)
@@ -617,22 +658,50 @@ def culprits(t: Trainer, groups: list[dict], fresh: bool) -> dict[str, tuple[str
 
 def learn(t: Trainer, got: dict) -> tuple[dict, float]:
     """The step's update from its batch: forward/backward, the gradient norm clipped, AdamW; returns the step's
-    metrics and the gradient norm. A participant's lie the step's own forward catches (logprobs off the weights
-    that sampled them) is left out and the step taken again without it: no lie steers an update. So is a group
-    whose values make the step raise or its loss or gradient non-finite (any sender's: logged, and counted against
-    its participant); where no one group does, an error is raised, and a non-finite update is not made."""
-    groups, fresh, devs = got["fresh"], t.since_publish == 0, {}
-    st, grad_norm, unfit = forward_backward(t, groups, fresh, devs)
-    if unfit is not None and (bad := culprits(t, groups, fresh)):
-        groups = t.auditor.report(got["batch_id"], [], bad, groups)
-        devs = {}
-        st, grad_norm, unfit = forward_backward(t, groups, fresh, devs)
-        st["groups/unfit"] = len(bad)
-    if unfit is None and (left_out := t.auditor.onpolicy(got, groups, devs)):
-        t_redo, groups, audit = time.time(), [g for g in groups if g["group_id"] not in left_out], got["audit"]
-        st, grad_norm, unfit = forward_backward(t, groups, fresh)
-        got["audit"] = {**audit, "audit/redone": 1, "audit/left_out": audit.get("audit/left_out", 0) + len(left_out),
-                        "perf/audit_s": audit.get("perf/audit_s", 0.0) + time.time() - t_redo}
+    metrics and the gradient norm. The step's own forward judges every token it trains (Auditor.judge): a
+    participant's group whose behaviour logprobs are off the trainer's by more than the policy can have moved since
+    they were sampled, or, for tokens the weights it holds sampled, by more than the audit's limits, is left out
+    before its loss is formed (no lie steers an update, and no second forward is taken for it) and counted against
+    its participant. A group whose values make the step raise or its loss or gradient non-finite (any sender's) is
+    found by training each group alone, logged, counted against its participant, and the step taken again without
+    it; so is every group of a participant the report quarantined, if the update held one. Where no one group makes
+    the step fail, an error is raised, and a non-finite update is not made."""
+    groups, fresh, failed = got["fresh"], t.since_publish == 0, {}
+
+    def judge(g: dict, onpolicy: tuple | None, drift: float) -> bool:
+        if why := t.auditor.judge(g, onpolicy, drift):
+            failed[g["group_id"]] = ("logprobs", why)
+        return why is not None
+
+    st, grad_norm, unfit = forward_backward(t, groups, fresh, judge)
+    unfits, judged, held, redone, t_redo = 0, 0, 0, False, 0.0
+    while True:  # each turn leaves out at least one group: it ends
+        if unfit is not None:
+            bad = culprits(t, [g for g in groups if g["group_id"] not in failed], fresh)
+            unfits += len(bad)
+            failed.update(bad)
+        if not failed:
+            break
+        judged += sum(check == "logprobs" for check, _ in failed.values())
+        kept = t.auditor.report(got["batch_id"], [], dict(failed), groups)
+        # of a participant quarantined by this report: its groups the update may hold
+        now_held = {g["group_id"] for g in groups} - set(failed) - {g["group_id"] for g in kept}
+        held += len(now_held)
+        groups = kept
+        failed.clear()
+        if unfit is None and not now_held:
+            break  # the update made is of exactly the groups kept
+        redone, t0 = redone or bool(now_held), time.time()
+        st, grad_norm, unfit = forward_backward(t, groups, fresh, judge)
+        t_redo += time.time() - t0 if now_held else 0.0
+    if unfits:
+        st["groups/unfit"] = unfits
+    if judged or held:
+        audit = got["audit"]
+        got["audit"] = {**audit, "audit/failed": audit.get("audit/failed", 0) + judged,
+                        "audit/failed_logprobs": audit.get("audit/failed_logprobs", 0) + judged,
+                        "audit/left_out": audit.get("audit/left_out", 0) + judged + held,
+                        **({"audit/redone": 1, "perf/audit_s": audit.get("perf/audit_s", 0.0) + t_redo} if redone else {})}
     if unfit is not None:
         if unfit.error is not None:  # not a group's doing (each trains on its own): out of memory, say
             raise unfit.error

@@ -1,6 +1,8 @@
 """Where the trainer's audit of participants' groups (lib/train/audit.py) spends its time, in process on
 SmolLM2-135M: the prompt and reward checks of a batch, a weight swap to an older version, the no-grad forward
-that recomputes a group's logprobs under it, against train.train_step (forward and backward) on the same groups.
+that recomputes a group's logprobs under it, against train.train_step (forward and backward) on the same groups,
+and the same step judging every token it trains (train.learn's judge, audit.Auditor.judge), timed between two
+plain ones.
 bench/audit_cost.py measures the share in a whole run; this says which part of it to make cheaper.
 
     .venv/bin/python bench/audit_profile.py                     # 8 groups of 8, 24 new tokens, 2 audited
@@ -96,6 +98,10 @@ def main(a: Args) -> None:
         model.zero_grad(set_to_none=True)
         train.train_step(model, some, args, 2, False)
 
+    def judged_step() -> None:  # the same step with the audit's judgement of every token (train.learn's), none left out
+        model.zero_grad(set_to_none=True)
+        train.train_step(model, some, args, 2, False, judge=lambda g, onpolicy, drift: bool(auditor.judge(g, onpolicy, drift)))
+
     def swap() -> None:
         with auditor.weights.swapped(model, auditor.weights.kept[1]):
             pass
@@ -109,8 +115,11 @@ def main(a: Args) -> None:
            "checks_prompt_reward_s": timed(checks, a.repeats), "swap_s": timed(swap, a.repeats),
            "recompute_forward_s": timed(forward, a.repeats),
            "recompute_with_swap_s": timed(lambda: auditor.recompute(model, some, 2, fresh=True), a.repeats),
-           "train_step_same_groups_s": timed(step, a.repeats)}
+           "train_step_same_groups_s": timed(step, a.repeats), "train_step_judged_s": timed(judged_step, a.repeats),
+           "train_step_again_s": timed(step, a.repeats)}
     out["forward_over_train_step"] = out["recompute_forward_s"] / out["train_step_same_groups_s"]
+    out["judged_over_train_step"] = out["train_step_judged_s"] / statistics.median(
+        [out["train_step_same_groups_s"], out["train_step_again_s"]])
     print(json.dumps(out))
 
 

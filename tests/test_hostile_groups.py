@@ -233,3 +233,43 @@ def test_prompt_choice_a_leased_prompt_is_answered_once_per_lease(spawn):
     assert mallory.post("/v1/groups", content=first, headers={"content-type": "application/json"}).json()["status"] == "duplicate"
     s = p.stats()
     assert s["buffer_size"] == 1 and s["participants"]["mallory"]["checks"]["by_check"] == {"reused": 19}, s
+
+
+def test_the_steps_own_forward_leaves_out_a_group_far_off_its_logprobs_before_its_loss(tiny_model, model, spawn):
+    """Row 4 past every rule (the screen skipped), with the audit on: the step's own forward judges every token it
+    trains (Auditor.judge) and leaves the group out before its loss is formed, |logprob - behaviour| being ~100 nats
+    per version of staleness where --audit.max-drift allows common.MAX_DRIFT: counted as a failed `logprobs` check,
+    no group trained alone to find it, the step not taken again, the update made of the rest, finite."""
+    import train
+    from audit import Auditor, Options
+    p = spawn()
+    alice = as_(p, create(p, "alice"))
+    t = trainer(tiny_model, p, model, "ppo")
+    t.auditor = Auditor(Options(), "addition", model[1], None, t.client, 2, lambda g: 1.0, lambda g: True)
+    got, bad = leased_batch(p, model, alice, ROWS["4 logprob -100"][0])
+    got["audit"] = {}
+    st, norm = train.learn(t, got)
+    assert st["groups/trained"] == 1 and "groups/unfit" not in st and math.isfinite(norm) and finite(model[0]), st
+    assert got["audit"] == {"audit/failed": 1, "audit/failed_logprobs": 1, "audit/left_out": 1}, got["audit"]
+    checks = p.stats()["participants"]["alice"]["checks"]
+    assert checks["by_check"] == {"logprobs": 1} and checks["recent"][0]["group_id"] == bad, checks
+    assert "per version of staleness" in checks["recent"][0]["detail"], checks
+
+
+def test_a_participant_the_steps_judgement_quarantines_has_none_of_its_groups_in_the_update(tiny_model, model, spawn):
+    """The same group, its sender's first failed check past --quarantine-after 1: the report quarantines alice, and
+    her honest group, which the update already held, is taken out by taking the step again without it (audit/redone):
+    the update holds none of hers; the model is what it was before the step."""
+    import train
+    from audit import Auditor, Options
+    p = spawn("--quarantine-after", "1")
+    alice = as_(p, create(p, "alice"))
+    t = trainer(tiny_model, p, model, "ppo")
+    t.auditor = Auditor(Options(), "addition", model[1], None, t.client, 2, lambda g: 1.0, lambda g: True)
+    got, bad = leased_batch(p, model, alice, ROWS["4 logprob -100"][0])
+    got["audit"] = {}
+    before = {n: q.detach().clone() for n, q in model[0].named_parameters() if q.requires_grad}
+    st, norm = train.learn(t, got)
+    assert st["groups/trained"] == 0 and got["audit"]["audit/redone"] == 1 and got["audit"]["audit/left_out"] == 2, (st, got)
+    assert all(torch.equal(before[n], q) for n, q in model[0].named_parameters() if q.requires_grad)
+    assert "alice" in p.stats()["quarantined"]

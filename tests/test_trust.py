@@ -16,6 +16,7 @@ from conftest import ROOT, stop
 from liar import hostile
 from proxyproc import Worker, metric, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from runlib import journal
+from test_audit_limits import AuditReports, judged_by_the_step
 from tasks import load_task
 from test_proxy import group, publish
 from test_proxy_access import as_, create, leased, open_dataset, own, own_group
@@ -24,18 +25,6 @@ from test_proxy_access import as_, create, leased, open_dataset, own, own_group
 def answer(client, g: dict) -> tuple[int, str]:
     r = client.post("/v1/groups", json=g)
     return r.status_code, (r.json()["status"] if r.status_code == 200 else r.json()["detail"])
-
-
-class AuditReports:
-    """The proxy as the audit reports to it (POST /v1/batches/{id}/audit), in process: each report recorded, and
-    the answer that no participant is quarantined (the proxy's own answers: the tests above)."""
-
-    def __init__(self):
-        self.sent: list[tuple[str, dict]] = []
-
-    def post(self, path: str, body: dict) -> dict:
-        self.sent.append((path, body))
-        return {"participants": {}}
 
 
 def test_the_proxy_binds_groups_to_their_leases_and_quarantines_a_liar_across_a_restart(bucket, spawn):
@@ -203,6 +192,15 @@ def test_a_liar_beside_an_honest_worker_is_caught_every_way_and_quarantined(tiny
     assert sum(r["audit/groups"] for r in audited) >= s["participants"]["guest"]["checks"]["checked"] > 8
     honest_max = max(r["audit/logprob_dev_max"] for r in audited if not r["audit/failed"])
     own = sum(r["perf/step_s"] - r["perf/rollout_wait_s"] for r in rows)
+    # the policy's drift on the tiny model, per staleness: what --audit.max-drift (per version) must stay above; the
+    # trained tokens are the honest worker's and the run's own, the lies having been left out
+    drift = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("stale/") and k.endswith("/logp_dev_max"):
+                drift[int(k.split("/")[1])] = max(drift.get(int(k.split("/")[1]), 0.0), v)
+    print("largest |logprob - behaviour logprob| of a trained token by staleness: "
+          + ", ".join(f"{lag}: {v:.3g}" for lag, v in sorted(drift.items())))
     print(f"audited {sum(r['audit/groups'] for r in audited)} groups in {len(rows)} steps; honest groups' largest "
           f"|logprob difference| {honest_max:.2e}; audit {sum(r.get('perf/audit_s', 0) for r in rows):.2f} s of "
           f"the trainer's own {own:.2f} s ({100 * sum(r.get('perf/audit_s', 0) for r in rows) / own:.1f}%)")
@@ -262,8 +260,8 @@ def test_the_audit_recomputes_logprobs_under_the_exact_version_that_sampled_them
         assert n > 0 and auditor.deviation(s, mx, n) is None, (gid, s / n, mx)
         assert s / n < 1e-4 and mx < 1e-3, (gid, s / n, mx)  # the floor, far below the limits (1e-3, 0.05)
     devs = {}
-    train.train_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, True, devs)
-    assert sorted(devs) == [0, 1, 2] and not auditor.onpolicy({"batch_id": "b"}, v2, devs)
+    assert not judged_by_the_step(model, v2, train.Args(model=tiny_model, skip_zero_std=False), 2, auditor, devs)
+    assert sorted(devs) == [0, 1, 2]
     assert all(torch.equal(before[k], t) for k, t in lora_views(model).items())
     # version 1's groups scored with the weights the model holds now (version 2) would fail: the version matters
     stale = auditor.recompute(model, [{**g, "policy_version": 2} for g in v1], 2, fresh=False)[0]
@@ -363,60 +361,67 @@ def test_the_logprob_audit_draws_among_the_groups_the_step_trains_and_takes_ever
         ("/v1/batches/b1/audit", ["a0"]), ("/v1/batches/b2/audit", ["b0", "b1"])]
 
 
-def test_a_group_finished_with_a_newer_version_is_audited_under_each_of_its_versions(tiny_model):
-    """A worker took version 2 in the middle of a round (rollout.py --mid-round-swap): its groups' first tokens are
-    version 1's, the rest version 2's. With the trainer holding version 2, the audit recomputes the version-1
-    tokens under version 1's weights (computing each completion only up to its last version-1 token) and leaves the
-    version-2 tokens to the step's own forward (train_step's on-policy deviations): honest, both pass; logprobs made
-    up for the version-2 tokens only are caught there, one made up at version 1's last token by the recompute."""
-    import torch
+@pytest.mark.parametrize("arrive", ["decode", "prefill"])
+def test_a_group_a_worker_finished_with_a_newer_version_is_audited_under_each_of_its_versions(
+        tiny_model, start_proxy, bucket, run_name, tmp_path, monkeypatch, arrive):
+    """A real worker on participant guest's token took version 2 during its round (tests/support/swapping.py: at a
+    decode step, or during the prefill). The audit's own decision (Auditor.check, the trainer holding version 2,
+    --audit.logprob-share 1) recomputes the version-1 tokens under version 1's weights and leaves the version-2
+    tokens to the step's own forward (Auditor.judge, at the audit's limits there): honest, both pass. Made up on
+    version 1's tokens only (0.01 nats: above the mean limit, far within the drift bound), only the recompute
+    catches it; made up at version 1's last token only, the recompute (each completion up to there) catches it;
+    made up on version 2's tokens, only the step's forward does. A round whose prefill took version 2 is all version
+    2's: checked in the step's forward, nothing recomputed."""
+    from transformers import AutoTokenizer
 
     import train
     from audit import Auditor, Options
-    from hf_engine import sample
-    from models import encode_prompt
-    from rollout import single_turn
-    torch.manual_seed(0)
-    args = train.Args(model=tiny_model, skip_zero_std=False)
-    model, tok = train.build_model(args)
-    auditor = Auditor(Options(), "addition", tok, None, AuditReports(), 2, lambda g: 1.0, lambda g: True,
-                      say=lambda s: None)
+    from common import token_versions
+    from swapping import swap_round, versions
+    monkeypatch.setenv("RUN_NAME", run_name)
+    p = start_proxy("--group-size", "4", "--max-staleness", "3")
+    guest, task = create(p, "guest"), load_task("addition")
+    open_dataset(p, task.name, len(task.prompts))  # as the trainer does at its start
+    models = versions(tiny_model, tmp_path, bucket, p)
+    groups, swaps = swap_round(tiny_model, p, guest, tmp_path, models, arrive)
+    assert all(g["participant"] == "guest" and g["prompt_dataset"] == "addition" for g in groups)
+    tok, args, trainer = AutoTokenizer.from_pretrained(tiny_model), train.Args(model=tiny_model, skip_zero_std=False), models[2]
 
-    def perturb() -> bool:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.add_(torch.randn_like(p) * 0.05)
-        return True
-    perturb()
-    auditor.weights.remember(1, model)
-    prompts = [encode_prompt(tok, load_task("addition").prompts[i]) for i in (0, 1)]
-    with torch.no_grad():
-        got = sample(model, prompts, 4, 10, 1.0, set(), tok.eos_token_id, swap=lambda i: i == 4 and perturb())
-    auditor.weights.remember(2, model)
-    groups = []
-    for b, i in enumerate((0, 1)):
-        comps, _, _ = single_turn(load_task("addition"), tok, i, got[b * 4:(b + 1) * 4], 1, [(4, 2)])
-        assert all(c["versions"] == [[0, 1], [4, 2]] for c in comps)
-        groups.append({"group_id": f"m{b}", "policy_version": 1, "prompt_ids": prompts[b], "completions": comps,
-                       "participant": "p", "prompt_dataset": "addition", "prompt_index": i, "lease_id": "l" * 8,
-                       "meta": {}})
-    devs, lost = auditor.recompute(model, groups, 2, fresh=True)
-    assert lost == 0 and all(n == 4 * 4 for _, _, n in devs.values()), devs  # version 1's: 4 tokens x 4 completions
-    assert all(auditor.deviation(*d) is None for d in devs.values()), devs
-    step = {}
-    train.train_step(model, groups, args, 2, True, step)
-    assert all(n == 6 * 4 for _, _, n in step.values()) and not auditor.onpolicy({"batch_id": "b"}, groups, step)
-    # made up where version 2 sampled: the audit's recompute (version 1's tokens) passes it, the step's forward does not
-    lie = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:4] + [-0.05] * 6} for c in groups[0]["completions"]]}
-    assert auditor.deviation(*auditor.recompute(model, [lie], 2, fresh=True)[0]["m0"]) is None
-    # made up at version 1's last token only: the recompute, which computes each completion up to there, catches it
-    lie1 = {**groups[0], "completions": [{**c, "logprobs": c["logprobs"][:3] + [-0.05] + c["logprobs"][4:]}
-                                         for c in groups[0]["completions"]]}
-    assert auditor.deviation(*auditor.recompute(model, [lie1], 2, fresh=True)[0]["m0"]) is not None
-    step = {}
-    train.train_step(model, [lie], args, 2, True, step)
-    assert auditor.onpolicy({"batch_id": "b"}, [lie], step) == {"m0"}
+    def audit(gs: list[dict]) -> tuple[list[str], dict]:
+        auditor = Auditor(Options(logprob_share=1.0), "addition", tok, None, AuditReports(), 2, lambda g: 1.0,
+                          lambda g: True, say=lambda s: None)
+        for v, m in models.items():
+            auditor.weights.remember(v, m)
+        kept, row = auditor.check({"batch_id": "b"}, gs, trainer, 2, fresh=True)
+        return [g["group_id"] for g in kept], {**row, "judged": kept and judged_by_the_step(trainer, kept, args, 2, auditor)}
+
+    def made_up(g: dict, version: int, last_only: bool = False) -> dict:
+        comps = []
+        for c in g["completions"]:
+            mine = [t for t, v in enumerate(token_versions(c, g["policy_version"])) if v == version]
+            lie = mine[-1:] if last_only else mine
+            comps.append({**c, "logprobs": [x - (0.1 if last_only else 0.01) if t in lie else x
+                                            for t, x in enumerate(c["logprobs"])]})
+        return {**g, "group_id": f"{g['group_id']}-{version}{'-last' * last_only}", "completions": comps}
+
+    kept, row = audit(groups)
+    assert len(kept) == 2 and row["audit/failed"] == 0 and not row["judged"], row
+    if arrive == "prefill":  # every token version 2's: the step's forward checks them all, nothing to recompute
+        assert swaps == [] and row["audit/onpolicy_groups"] == 2 and row["audit/logprob_groups"] == 0, (swaps, row)
+        lie = made_up(groups[0], 2)
+        kept, row = audit([lie])
+        assert kept == [lie["group_id"]] and set(row["judged"]) == {lie["group_id"]}, row
+        return
+    # begun with version 1: its version-1 tokens recomputed by the audit's own decision, never taken as on-policy
+    assert swaps and row["audit/onpolicy_groups"] == 0 and row["audit/logprob_groups"] == 2, (swaps, row)
+    for lie in (made_up(groups[0], 1), made_up(groups[0], 1, last_only=True)):
+        kept, row = audit([lie])
+        assert kept == [] and row["audit/failed_logprobs"] == 1, (lie["group_id"], row)
+    auditor = Auditor(Options(), "addition", tok, None, AuditReports(), 2, lambda g: 1.0, lambda g: True)
+    assert not judged_by_the_step(trainer, [made_up(groups[0], 1)], args, 2, auditor)  # the step's forward passes it
+    lie = made_up(groups[0], 2)
+    kept, row = audit([lie])
+    assert kept == [lie["group_id"]] and row["audit/failed"] == 0 and set(row["judged"]) == {lie["group_id"]}, row
 
 
 def test_the_logprob_limits_follow_the_dtype_the_trainer_computes_in():

@@ -12,17 +12,22 @@ task, the tokenizer and the model is checked here, on every batch, before the st
             version's LoRA weights (kept here for the last max_staleness + 1 versions, read from the bucket
             otherwise): a --audit.logprob-share of the groups the step trains, one forward each. Groups on-policy
             to the weights the trainer holds are checked in the step's own forward instead, every one of them
-            (train.train_step hands their deviations to `onpolicy`); a participant that failed any check (as the
-            proxy counts them: `recall` after a restart) has every group checked.
+            (train.train_step asks `judge` before it forms their loss); a participant that failed any check (as the
+            proxy counts them: `recall` after a restart) has every group checked. And every token the step trains,
+            of every participant's group, is judged in that forward too (`judge`): off the trainer's logprob by
+            more than the policy moves per version of staleness (--audit.max-drift, common.MAX_DRIFT), its group
+            fails, whatever was drawn.
 
 Only groups of participants (a `participant` in the leased group: a token other than the run's admin token)
 are audited. A group that fails is left out of the step and reported (`POST /v1/batches/{id}/audit`): the
 proxy counts it against its participant and past --quarantine-after suspends it; the groups of a suspended
-participant still in the batch are left out too. What the audit costs is `perf/audit_s` in the trainer's
+participant still in the batch are left out too. Every limit is compared as `not (deviation <= limit)`: a NaN
+deviation fails. What the audit costs is `perf/audit_s` in the trainer's
 metrics; what it cannot check (that tokens were *sampled*, not chosen) is in docs/trust.md.
 """
 from __future__ import annotations
 
+import math
 import random
 import sys
 import tempfile
@@ -36,7 +41,8 @@ import torch
 
 from pydantic import ValidationError
 
-from common import AdapterError, BucketError, TrajectoryGroup, fetch_adapter, sampled_mask, token_id_problem, token_versions
+from common import (MAX_DRIFT, AdapterError, BucketError, TrajectoryGroup, fetch_adapter, sampled_mask, token_id_problem,
+                    token_versions)
 from audit_tasks import Unreplayed, audited
 from models import completion_logprobs, lora_views, pad_right
 from proxy_client import ProxyClient, ProxyError
@@ -58,8 +64,19 @@ class Options:
     dtype the trainer computes in, LIMITS: 1e-3 in float32, 2.5e-2 in bfloat16 or float16)"""
     max_dev_token: float | None = None
     """... or when one token's is above this (None: 0.05 in float32, 0.1 in bfloat16 or float16)"""
+    max_drift: float = MAX_DRIFT
+    """a group the step trains fails when one of its tokens' |behaviour logprob - the trainer's logprob| in the
+    step's own forward is above this many nats per version of staleness (the version that sampled the token to the
+    weights the trainer holds; at least 1): an honest token's is the policy's drift, measured in docs/trust.md.
+    Every token of every participant's group is judged, at no cost; raise it for a policy that moves faster (a
+    larger --lr)"""
     reward_tol: float = 1e-6
     """a re-scored reward may differ from the one sent by this much"""
+
+
+def nan_max(a: float, b: float) -> float:
+    """max(a, b) where a NaN wins (Python's max keeps its first argument when compared with a NaN)."""
+    return a if math.isnan(a) or b <= a else b
 
 
 def versions_sampled(g: dict) -> set[int]:
@@ -215,7 +232,7 @@ class Auditor:
             r, why = self.task.rescore(c, g["prompt_index"])
             if why is not None:
                 return f"completion {k}: {why}"
-            if r is not None and abs(r - c["reward"]) > self.opts.reward_tol:
+            if r is not None and not (abs(r - c["reward"]) <= self.opts.reward_tol):  # (NaN: not within)
                 return f"completion {k} claims reward {c['reward']:g}; the task's reward of it is {r:g}"
         return None
 
@@ -270,12 +287,12 @@ class Auditor:
             sent = pad_right([[0.0 if x is None else x for x in c["logprobs"][:k]] for c, k in zip(comps, cut)], 0.0,
                              dtype=torch.float32)[0]
             mine = pad_right([row[:k] for row, k in zip(ours, cut)], 0)[0].bool()
-            dev = (logp.float().cpu() - sent).abs() * (mask.cpu().bool() & mine)
+            dev = torch.where(mask.cpu().bool() & mine, (logp.float().cpu() - sent).abs(), 0.0)  # a NaN stays one
             G = len(mb[0]["completions"])
             for j, g in enumerate(mb):
                 rows, a = slice(j * G, (j + 1) * G), acc[g["group_id"]]
                 a[0] += dev[rows].sum().item()
-                a[1] = max(a[1], dev[rows].max().item())
+                a[1] = nan_max(a[1], dev[rows].max().item())
                 a[2] += int((mask.cpu().bool() & mine)[rows].sum())
 
     # ---- a batch -------------------------------------------------------------------------------------
@@ -331,7 +348,7 @@ class Auditor:
         devs, lost = self._recompute_each(model, audit, version, fresh, failed)
         worst = [0.0, 0.0]
         for gid, (s, mx, n) in devs.items():
-            worst = [max(worst[0], s / max(n, 1)), max(worst[1], mx)]
+            worst = [nan_max(worst[0], s / max(n, 1)), nan_max(worst[1], mx)]
             if why := self.deviation(s, mx, n):
                 failed[gid] = ("logprobs", why)
         kept = self.report(got["batch_id"], [g["group_id"] for g in theirs], failed, groups)
@@ -342,16 +359,22 @@ class Auditor:
                **{f"audit/failed_{c}": [x for x, _ in failed.values()].count(c) for c in ("prompt", "reward", "logprobs")}}
         return kept, row
 
-    def onpolicy(self, got: dict, groups: list[dict], devs: dict[int, tuple]) -> set[str]:
-        """Judge the deviations train_step measured in its own forward ({index in groups: (sum, max, tokens)} of
-        tokens the weights it holds sampled); reports the participants' groups that fail. Returns their ids and
-        those of every group of a participant now quarantined (the step is then taken again without them)."""
-        failed = {groups[i]["group_id"]: ("logprobs", why) for i, d in devs.items()
-                  if groups[i].get("participant") and (why := self.deviation(*d))}
-        if not failed:
-            return set()
-        kept = self.report(got["batch_id"], [], failed, groups)
-        return {g["group_id"] for g in groups} - {g["group_id"] for g in kept}
+    def judge(self, g: dict, onpolicy: tuple[float, float, int] | None, drift: float) -> str | None:
+        """The step's own forward's verdict on a group it is about to train on (train.train_step asks before it forms
+        the loss; train.learn reports a failure as the `logprobs` check): why it fails, or None. onpolicy: (sum, max,
+        count) of |logprob - behaviour logprob| over its tokens the weights the trainer holds sampled (None: none, or
+        the weights moved since they were published), judged at the audit's limits; drift: the largest over every
+        token the step trains of it of that |difference| per version of staleness, judged at --audit.max-drift (what
+        the policy moves a token's logprob per version; NaN fails). Only participants' groups are judged, as only
+        theirs are audited."""
+        if not (self.opts.enabled and g.get("participant")):
+            return None
+        if onpolicy is not None and (why := self.deviation(*onpolicy)):
+            return why
+        if not (drift <= self.opts.max_drift):
+            return (f"one of its behaviour logprobs differs from the trainer's by {drift:.3g} nats per version of "
+                    f"staleness, more than the policy moves (--audit.max-drift {self.opts.max_drift:g})")
+        return None
 
     def report(self, batch_id: str, checked: list[str], failed: dict[str, tuple], groups: list[dict]) -> list[dict]:
         """Tell the proxy; returns the groups left to train on (not failed, not of a participant now quarantined)."""
