@@ -417,21 +417,27 @@ def arrived(participant: str | None, worker: str) -> None:
     pace()
 
 _pace_soon = False
+_pace_next = 0.0  # time.monotonic() before which no pass begins
+PACE_SHARE = 0.1  # of the event loop's time, at most, for pacing passes
 
 def pace() -> None:
     """Hand out the grants there is room for (called when something pacing depends on changes): once, at the
-    event loop's next turn, however many changes asked for it meanwhile. A pass costs ~2 ms at 1,000 workers
-    (docs/results/fleet.md) and their groups arrive by hundreds a second; the busier the loop, the more one pass covers."""
+    event loop's next turn, however many changes asked for it meanwhile. A pass is O(waiting + grants) and
+    O(grants) again per grant it makes, a few ms at 1,000 workers, whose groups arrive by hundreds a second;
+    passes back to back would crowd every other request out (the fleet simulation's /health p99), so a pass
+    begins no sooner than its predecessor's duration / PACE_SHARE after that one began: a grant waits a few ms
+    more at 1,000 workers, ~0.1 ms at ten."""
     global _pace_soon
     if not _pace_soon:
         _pace_soon = True
-        asyncio.get_running_loop().call_soon(_pace_now)
+        asyncio.get_running_loop().call_later(max(0.0, _pace_next - time.monotonic()), _pace_now)
 
 def _pace_now() -> None:
-    global _pace_soon
+    global _pace_soon, _pace_next
     _pace_soon = False
-    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, time.monotonic(),
-                 share_room)
+    t0 = time.monotonic()
+    WAITING.pace(S.book.pacing, S.latest, len(S.book.buffer), S.book.done, S.pending_version, t0, share_room)
+    _pace_next = t0 + (time.monotonic() - t0) / PACE_SHARE
 
 def share_room(key: str, version: int) -> int | None:
     """The most a participant's worker may be granted for a round of `version`: what its share of the batches that may

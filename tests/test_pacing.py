@@ -3,6 +3,7 @@ only when the round it generates can still be trained within max_staleness and w
 still lease; otherwise it waits. Under joins, leaves, a crashed worker, a trainer restart and a proxy restart,
 and never after the trainer's last batch."""
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -120,6 +121,40 @@ def test_the_indexed_pass_grants_exactly_what_room_does():
     p.grant("a", 4, 0, 0.0)
     assert p.room("new", 4, 1, 0, 0.0, p.flight(1, 0, 0.0)) == p.room("new", 4, 1, 0, 0.0) == 4
 
+
+
+def test_a_grant_added_to_the_pass_index_leaves_it_as_a_rebuild_would():
+    """Waiting.pace adds each grant it makes to its pass's index (Flight.add) instead of rebuilding it: over random
+    states and grants of every timing, the index after each add answers every request as a fresh one does, and
+    holds the same totals."""
+    def read(f):  # what room() reads of an index, at every bound a request can fall between (ties in any order)
+        at = f.lo + f.hi + [math.inf]
+        return (f.total, f.keys, sorted(f.lo), sorted(f.hi), {x: f.left_before[bisect.bisect_left(f.lo, x)] for x in at},
+                {x: f.min_slack_after[bisect.bisect_right(f.hi, x)] for x in at})
+    rng = random.Random(1206)
+    for trial in range(300):
+        p, now = Pacer(max_staleness=rng.choice([0, 1, 3])), 100.0
+        p.batch, p.held = rng.choice([4, 8, 16]), int(rng.random() < 0.5)
+        p.demand = rng.choice([None, rng.randrange(0, 400)])
+        latest = rng.randrange(0, 6)
+        for i in range(60):
+            if rng.random() < 0.8:
+                p.round_s[f"w{i}"] = (rng.randrange(1, 40) / 2, rng.randrange(0, 12) / 4)
+            if i < 30 and rng.random() < 0.6:
+                p.grant(f"w{i}", rng.randrange(1, 9), max(0, latest - rng.randrange(0, 3)), now - rng.randrange(0, 60) / 2)
+        buffered = rng.randrange(0, 3 * p.batch)
+        flight = p.flight(latest, buffered, now)
+        for i in range(30, 60):  # workers with no open grant: the adds a pass makes
+            key, n = f"w{i}", rng.randrange(1, 9)
+            k = p.room(key, n, latest, buffered, now, flight) if rng.random() < 0.8 else n  # sometimes past the room
+            if k <= 0:
+                continue
+            g = p.grant(key, k, max(0, latest - rng.randrange(0, 2)), now)
+            flight.add(*g.when(now), g.version, g.left, g.key)
+            fresh = p.flight(latest, buffered, now)
+            assert read(flight) == read(fresh), (trial, key)
+            for j in range(60, 66):
+                assert p.room(f"w{j}", 8, latest, buffered, now, flight) == p.room(f"w{j}", 8, latest, buffered, now, fresh)
 
 def test_a_worker_whose_rounds_vary_is_not_taken_for_late():
     """The margin on a round's arrival follows how much the worker's rounds vary (RFC 6298's mean deviation),

@@ -159,8 +159,31 @@ class Flight:
             slack = window(max_staleness, base, v, batch) - before
             pushed.append((g_hi, slack if slack >= 0 else math.inf))  # out of its window already: no bound
         pushed.sort()
-        self.hi = [h for h, _ in pushed]
-        self.min_slack_after = list(itertools.accumulate(reversed([x for _, x in pushed]), min, initial=math.inf))[::-1]
+        self.hi, self.slack = [h for h, _ in pushed], [x for _, x in pushed]
+        self._suffix_min()
+
+    def _suffix_min(self) -> None:
+        self.min_slack_after = list(itertools.accumulate(reversed(self.slack), min, initial=math.inf))[::-1]
+
+    def add(self, lo: float, hi: float, version: int, left: int, key: str) -> None:
+        """A grant just made to a worker that held none (its when(now)): the index as if built with it, in O(grants)
+        instead of a rebuild's sorts (a pass makes tens of grants at 1,000 workers). Every open grant it may arrive
+        before (hi > lo) has `left` less slack; one pushed out of its window is then unbounded, as a rebuild
+        would make it (room() gives no grant that does so)."""
+        before = self.buffered + self.left_before[bisect.bisect_left(self.lo, hi)] + left
+        i = bisect.bisect_right(self.hi, lo)
+        self.slack[i:] = [x - left if x >= left else math.inf for x in self.slack[i:]]
+        slack = window(self.max_staleness, self.base, version, self.batch) - before
+        j = bisect.bisect_right(self.hi, hi)
+        self.hi.insert(j, hi)
+        self.slack.insert(j, slack if slack >= 0 else math.inf)
+        self._suffix_min()
+        j = bisect.bisect_right(self.lo, lo)
+        self.lo.insert(j, lo)
+        self.left_before.insert(j + 1, self.left_before[j] + left)
+        self.left_before[j + 2:] = [x + left for x in self.left_before[j + 2:]]
+        self.keys.add(key)
+        self.total += left
 
     def room(self, n: int, version: int, lo: float, hi: float, demand: int | None) -> int:
         best = n if demand is None else min(n, demand - self.total)
@@ -170,6 +193,34 @@ class Flight:
         return max(0, best)
 
 
+class RoundTimes(OrderedDict):
+    """Worker key -> measured (round time, its mean deviation), least recently used first. Keeps the fleet's
+    medians of both until it changes: a pacing pass asks for them on every grant it makes, and at 1,000 workers
+    each is a sort of 1,000 numbers (Pacer.fleet_round)."""
+
+    medians: tuple[float | None, float | None] | None = None
+
+    def __setitem__(self, key, value) -> None:
+        self.medians = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.medians = None
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.medians = None
+        return super().pop(*args)
+
+    def popitem(self, last: bool = True):
+        self.medians = None
+        return super().popitem(last)
+
+    def clear(self) -> None:
+        self.medians = None
+        super().clear()
+
+
 class Pacer:
     """Open grants, the trainer's demand and whether it holds a batch, measured round and step times."""
 
@@ -177,7 +228,7 @@ class Pacer:
         self.max_staleness, self.max_workers = max_staleness, max_workers
         self.grants: dict[str, Grant] = {}        # key -> its open grant (a worker has at most one)
         # key -> measured (round time, its mean deviation), least recently used first
-        self.round_s: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.round_s = RoundTimes()
         self.demand: int | None = None            # groups the trainer will still lease after what it holds (None: unknown)
         self.held = 0                             # batches it holds whose versions are not registered yet
         self.batch = 0                            # groups per lease (0: no lease request seen yet)
@@ -246,11 +297,12 @@ class Pacer:
         return self.fleet_round() if fleet is None else fleet
 
     def fleet_round(self) -> tuple[float | None, float | None]:
-        """The medians of the workers' round times and deviations (O(workers): once per pass, not per request)."""
-        if not self.round_s:
-            return None, None
-        return (statistics.median(r for r, _ in self.round_s.values()),
-                statistics.median(d for _, d in self.round_s.values()))
+        """The medians of the workers' round times and deviations ((None, None): none measured yet)."""
+        if self.round_s.medians is None:
+            times = self.round_s.values()
+            self.round_s.medians = ((None, None) if not times else
+                                    (statistics.median(r for r, _ in times), statistics.median(d for _, d in times)))
+        return self.round_s.medians
 
     def expected_at(self, now: float, r: float | None, d: float | None) -> tuple[float, float]:
         """(lo, hi): when the groups of a round of expected time r (mean deviation d) begun at `now` may come."""
@@ -433,7 +485,7 @@ class Pacer:
     def from_state(cls, d: dict, max_staleness: int, max_workers: int = 4096) -> Pacer:
         p = cls(max_staleness, max_workers)
         p.grants = {g[0]: Grant(*g) for g in d["grants"]}
-        p.round_s = OrderedDict((k, (r, dev)) for k, r, dev in d["round_s"])
+        p.round_s = RoundTimes((k, (r, dev)) for k, r, dev in d["round_s"])
         p.demand, p.held, p.batch = d["demand"], d["held"], d["batch"]
         p.counts.update(d["counts"])
         return p
@@ -442,7 +494,7 @@ class Pacer:
         return {"open_grants": len(self.grants), "groups_in_flight": sum(g.left for g in self.grants.values()),
                 "demand": self.demand, "trainer_batches_held": self.held, "batch": self.batch,
                 "step_s": None if self.step_s is None else round(self.step_s, 3),
-                "round_s_median": None if not self.round_s else round(statistics.median(r for r, _ in self.round_s.values()), 3),
+                "round_s_median": None if not self.round_s else round(self.fleet_round()[0], 3),
                 "first_round_spread": round(self.spread.first(), 3),
                 **self.counts, **self.live}
 
@@ -558,8 +610,12 @@ class Waiting:
             if k > 0 and share is not None and (most := share(key, latest if version is None else version)) is not None:
                 k = min(k, most)
             if k > 0:
+                had = key in pacer.grants  # this grant closes it: the index is built afresh without it
                 fut.set_result(g := pacer.grant(key, k, latest if version is None else version, now))
                 pacer.backed_up(g, buffered)
-                flight = pacer.flight(latest, buffered, now, pending_version)
+                if flight is None or had:
+                    flight = pacer.flight(latest, buffered, now, pending_version)
+                else:
+                    flight.add(*g.when(now), g.version, g.left, g.key)
             elif (misses := misses + 1) >= self.MISSES:
                 break
