@@ -613,6 +613,19 @@ async def record_checks(checked: dict[str, int], failures: list[tuple[str, str, 
     return {r["participant"] for r in recs[bool(checked):]
             if S.book.fail(r["participant"], r["group_id"], r["check"], r["detail"], r["limit"], r["at"])}
 
+def shape_problem(group: TrajectoryGroup) -> str | None:
+    """Why a group does not fit this run's settings (None: it does): its group size, its token counts, token ids
+    within the model's vocabulary."""
+    if len(group.completions) != ARGS.group_size:
+        return f"completions: {len(group.completions)} given, this run's group_size is {ARGS.group_size}"
+    for what, n, limit in [("prompt_ids", len(group.prompt_ids), "max_prompt_tokens")] + [
+            (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
+        if n > getattr(ARGS, limit):
+            return f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}"
+    if why := token_id_problem(group.prompt_ids, [c.token_ids for c in group.completions], ARGS.vocab_size):
+        return f"{why} (--vocab-size)"
+    return None
+
 @app.post("/v1/groups", response_model=SubmitResponse, openapi_extra={**GROUP_BODY, **scope("worker", large_body=True)})
 async def submit_group(request: Request) -> SubmitResponse:
     """Submit one scored group. Idempotent on group_id; 429 with Retry-After when the buffer is full.
@@ -621,14 +634,8 @@ async def submit_group(request: Request) -> SubmitResponse:
         group = TrajectoryGroup.model_validate_json(body := await request.body(), strict=True)
     except ValidationError as e:
         raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors()]) from None
-    if len(group.completions) != ARGS.group_size:
-        raise HTTPException(422, f"completions: {len(group.completions)} given, this run's group_size is {ARGS.group_size}")
-    for what, n, limit in [("prompt_ids", len(group.prompt_ids), "max_prompt_tokens")] + [
-            (f"completions[{i}].token_ids", len(c.token_ids), "max_completion_tokens") for i, c in enumerate(group.completions)]:
-        if n > getattr(ARGS, limit):
-            raise HTTPException(422, f"{what}: {n} tokens > {limit} {getattr(ARGS, limit)}")
-    if why := token_id_problem(group.prompt_ids, [c.token_ids for c in group.completions], ARGS.vocab_size):
-        raise HTTPException(422, f"{why} (--vocab-size)")
+    if why := shape_problem(group):
+        raise HTTPException(422, why)
     gid, who = group.group_id, request.scope["principal"]
     participant = None if who.name == ADMIN else who.name
     # the run's own token may omit lease_id: it is trusted (never audited), and the run's tools and tests post groups

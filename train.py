@@ -246,6 +246,47 @@ def trainable(group: dict, args: Args) -> bool:
         args.skip_zero_std and args.beta == 0 and zero_std([c["reward"] for c in group["completions"]]))
 
 
+def row_temperatures_or_warn(groups: list[dict], default: float) -> list[float | None]:
+    """Each group's sampling temperature (group_temperature); None, with a warning, for one the step leaves out."""
+    temps = [group_temperature(g, default) for g in groups]
+    for g, t in zip(groups, temps):
+        if t is None:
+            print(f"warning: group {g['group_id']} has temperature {temperature_problem(g['meta'].get('temperature'))[:120]}, "
+                  "left out of this step", file=sys.stderr)
+    return temps
+
+
+def left_out_by_judge(groups: list[dict], mb: list[int], G: int, dev, rate, mask, lags, fresh_weights: bool,
+                      judge: Callable | None, onpolicy_dev: dict | None) -> list[int]:
+    """Positions in the micro-batch `mb` (indices of groups) of the groups judge() leaves out (train_step's
+    docstring), recording each group's on-policy (sum, max, count) of |logprob - behaviour| in onpolicy_dev.
+    dev, rate, mask, lags: the micro-batch's rows, G per group."""
+    out = []
+    for j, i in enumerate(mb):
+        rows = slice(j * G, (j + 1) * G)
+        d = dev[rows][mask[rows].bool() & (lags[rows] == 0)] if fresh_weights else dev[:0]
+        onpolicy_d = (d.sum().item(), d.max().item(), d.numel()) if d.numel() else None  # (max: NaN propagates)
+        if onpolicy_dev is not None and onpolicy_d is not None:
+            onpolicy_dev[i] = onpolicy_d
+        if judge is not None and judge(groups[i], onpolicy_d, rate[rows].max().item()):
+            out.append(j)
+    return out
+
+
+def merged_stats(per_micro: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """The step's statistics from its micro-batches' (value, share) pairs: the extremes of the ratio's extremes,
+    the share-weighted mean of the rest (so accumulation reports what one big batch would)."""
+    stats = {}
+    for k, vs in per_micro.items():
+        if k == "ratio/min":
+            stats[k] = min(v for v, _ in vs)
+        elif k == "ratio/max":
+            stats[k] = max(v for v, _ in vs)
+        else:
+            stats[k] = sum(v * w for v, w in vs) / max(sum(w for _, w in vs), 1e-9)
+    return stats
+
+
 def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool,
                onpolicy_dev: dict | None = None, judge: Callable[[dict, tuple | None, float], bool] | None = None) -> dict:
     """One step's forward/backward over `groups` (gradients accumulate in model); returns its metrics,
@@ -263,11 +304,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     rewards = [[c["reward"] for c in g["completions"]] for g in groups]
     adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
     zero_std = zero_std_groups(rewards)                                          # [B]
-    temps = [group_temperature(g, args.temperature) for g in groups]
-    for g, t in zip(groups, temps):
-        if t is None:
-            print(f"warning: group {g['group_id']} has temperature {temperature_problem(g['meta'].get('temperature'))[:120]}, "
-                  "left out of this step", file=sys.stderr)
+    temps = row_temperatures_or_warn(groups, args.temperature)
     # beta = 0: a zero-std group has A = 0 on every token, so no gradient at all; skipping it only
     # saves its forward/backward and keeps it out of the token mean. beta > 0: its KL term has a
     # gradient, so it is trained.
@@ -296,15 +333,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             # and per version the weights moved since the token's (at least 1: a token of the version held, its
             # weights moved since the publish, is at most a step behind when every step publishes)
             rate = dev / (lags + (0 if fresh_weights else 1)).clamp(min=1)
-        out_now = []  # positions in mb of the groups judge() leaves out
-        for j, i in enumerate(mb):
-            rows = slice(j * G, (j + 1) * G)
-            d = dev[rows][mask[rows].bool() & (lags[rows] == 0)] if fresh_weights else dev[:0]
-            onpolicy_d = (d.sum().item(), d.max().item(), d.numel()) if d.numel() else None  # (max: NaN propagates)
-            if onpolicy_dev is not None and onpolicy_d is not None:
-                onpolicy_dev[i] = onpolicy_d
-            if judge is not None and judge(groups[i], onpolicy_d, rate[rows].max().item()):
-                out_now.append(j)
+        out_now = left_out_by_judge(groups, mb, G, dev, rate, mask, lags, fresh_weights, judge, onpolicy_dev)
         if out_now:  # left out before its loss is formed: its rows are not in the loss, so no gradient reaches it
             judged_out += len(out_now)
             judged_tokens += sum(int(mask[j * G:(j + 1) * G].sum().item()) for j in out_now)
@@ -342,13 +371,7 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
         for p in model.parameters():
             if p.grad is not None and left > 0:
                 p.grad.mul_(whole / left)
-    for k, vs in agg_stats.items():
-        if k == "ratio/min":
-            stats[k] = min(v for v, _ in vs)
-        elif k == "ratio/max":
-            stats[k] = max(v for v, _ in vs)
-        else:
-            stats[k] = sum(v * w for v, w in vs) / max(sum(w for _, w in vs), 1e-9)
+    stats.update(merged_stats(agg_stats))
     if onpolicy and (r := torch.cat(onpolicy)).numel():
         stats["ratio/onpolicy_mean"] = r.mean().item()
         stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
