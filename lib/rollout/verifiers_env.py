@@ -63,7 +63,7 @@ def episode_error(ep) -> str:
     return said[:500]
 
 
-RENDERER_HINT = "verifiers:ID?renderer.tool_parser=qwen3, or ?renderer=NAME (docs/environments.md#verifiers)"
+RENDERER_HINT = "verifiers:ID?renderer.tool_parser=qwen3, or ?renderer=NAME (docs/environments.md#the-libraries)"
 
 
 def renderer_config(spec: str, given: dict[str, str]):
