@@ -10,9 +10,9 @@
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
 # (one torch thread each) with the options of the preset (lib/jobs/presets.py, `local` unless --preset
-# says another), shows the trainer's progress, stops every process it started on Ctrl-C or at the end,
-# then prints a summary and writes runs/<run>/reward_curve.png (and the last adapter under runs/<run>/adapters/:
-# python evaluate.py --run-dir runs/<run> --task T evaluates it).
+# says another), shows the trainer's progress, stops every process it started on Ctrl-C, when a role dies or at
+# the end (trainer and workers first, the S3 server last), then prints a summary and writes runs/<run>/reward_curve.png
+# (and the last adapter under runs/<run>/adapters/: python evaluate.py --run-dir runs/<run> --task T evaluates it).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -106,15 +106,22 @@ eval "$PLAN_SH"
 export RUN_PRESET  # every role records it with its configuration (lib/shared/runconfig.py)
 OUT="runs/$RUN"; mkdir -p "$OUT"
 PIDS=()  # each process we start leads its own process group (setsid), so stopping it also stops
-         # whatever it spawned (vLLM's engine processes)
-cleanup() {
-  trap - EXIT INT TERM
-  for p in "${PIDS[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
-  for _ in $(seq 1 50); do
-    alive=0; for p in "${PIDS[@]}"; do kill -0 -- "-$p" 2>/dev/null && alive=1; done
+         # whatever it spawned (vLLM's engine processes); in the order started: S3 server, proxy, workers, trainer
+stop_groups() { # SECONDS PID...: SIGTERM to each one's process group, up to SECONDS for them all to exit, then SIGKILL
+  local s=$1 p alive; shift
+  [ $# = 0 ] && return 0
+  for p in "$@"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  for _ in $(seq 1 $(( s * 5 ))); do
+    alive=0; for p in "$@"; do kill -0 -- "-$p" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.2
   done
-  for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
+  for p in "$@"; do kill -KILL -- "-$p" 2>/dev/null || true; done
+}
+cleanup() {  # in the reverse order of their start: the trainer checkpoints on SIGTERM and a worker posts its round,
+  trap - EXIT INT TERM  # through the proxy and into the bucket, so both outlive them; the S3 server goes last
+  stop_groups 60 "${PIDS[@]:2}"
+  stop_groups 10 ${PIDS[1]+"${PIDS[1]}"}
+  stop_groups 10 ${PIDS[0]+"${PIDS[0]}"}
 }
 trap cleanup EXIT
 trap 'echo; echo "interrupted: stopping every process of run $RUN"; exit 130' INT TERM
