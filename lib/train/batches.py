@@ -26,6 +26,16 @@ from proxy_client import ProxyClient
 from trainer_state import Owner, TrainedGroups
 
 
+def merged(a: dict, b: dict) -> dict:
+    """Two batches' audit metrics as one step's: counts and seconds added, the largest deviations kept. A batch whose
+    every group the audit left out (a liar's batch, say) is passed over, and its failures are counted in the row of
+    the step that trains the next one, not lost."""
+    out = dict(b)
+    for k, x in a.items():
+        out[k] = max(x, out.get(k, x)) if k.endswith("_max") else x + out.get(k, 0)
+    return out
+
+
 class Batches:
     """The trainer's batches: `batch_groups` groups a step, each lease long-polled `wait_s` seconds at a time, for
     steps up to `max_steps` (what is left tells the proxy's pacing how many more groups the trainer will lease,
@@ -81,6 +91,7 @@ class Batches:
         returns its metrics, `audit`) and `skipped` (the ids of those left out as already trained, from this
         batch and any passed over before it). show(line): what the trainer waits for, for its progress bar."""
         skipped: list[str] = []
+        passed: dict = {}  # the audit's metrics of the batches passed over: counted in the batch returned
 
         def waiting(got: dict) -> None:
             show(f"waiting for rollouts (buffer {got['buffer_size']})")
@@ -94,7 +105,8 @@ class Batches:
             if got["fresh"]:
                 got["fresh"], got["audit"] = audit(got)
             if got["fresh"]:
-                return {**got, "skipped": skipped}
+                return {**got, "audit": merged(passed, got.get("audit", {})), "skipped": skipped}
+            passed = merged(passed, got.get("audit", {}))
             self.trained.trained_on(got)  # nothing (new, or that passed the audit) in it: acked with the next checkpoint's batches
         return None
 
