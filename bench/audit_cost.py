@@ -80,6 +80,22 @@ def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def local_bucket(run: str, port: int, base: dict, logs: Path, procs: list) -> tuple[dict, common.Bucket]:
+    """A moto S3 server on `port` (appended to procs, its log in logs/s3.log) and the run's bucket in it: the roles'
+    environment (base with the endpoint, local keys, the run and a fresh proxy token), also set in this process."""
+    s3 = start([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], base, logs / "s3.log")
+    procs.append(s3)
+    env = {**base, "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "local",
+           "AWS_SECRET_ACCESS_KEY": "local", "AWS_REGION": "us-east-1", "BUCKET": "async-grpo", "RUN_NAME": run,
+           "PROXY_TOKEN": secrets.token_urlsafe(24)}
+    wait_up(env["S3_ENDPOINT_URL"], s3)
+    os.environ.update({k: env[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                           "AWS_REGION", "BUCKET", "RUN_NAME")})
+    bucket = common.Bucket()
+    bucket.ensure_bucket()
+    return env, bucket
+
+
 def stop(proc: subprocess.Popen, wait_s: float = 30) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -127,16 +143,7 @@ def one_run(a: Args, liar: bool, tmp: Path) -> dict:
     s3_port, p_port = free_port(), free_port()
     procs = []
     try:
-        s3 = start([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)], base, logs / "s3.log")
-        procs.append(s3)
-        env = {**base, "S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "AWS_ACCESS_KEY_ID": "local",
-               "AWS_SECRET_ACCESS_KEY": "local", "AWS_REGION": "us-east-1", "BUCKET": "async-grpo", "RUN_NAME": run,
-               "PROXY_TOKEN": secrets.token_urlsafe(24)}
-        wait_up(env["S3_ENDPOINT_URL"], s3)
-        os.environ.update({k: env[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                               "AWS_REGION", "BUCKET", "RUN_NAME")})
-        bucket = common.Bucket()
-        bucket.ensure_bucket()
+        env, bucket = local_bucket(run, s3_port, base, logs, procs)
         url = f"http://127.0.0.1:{p_port}"
         # the local launcher's proxy settings; 7 failed checks quarantine (the liar lies 6 ways, then once more)
         proxy = start([PY, "proxy.py", "--port", str(p_port), "--max-buffer", "8", "--max-staleness", "1", "--pace",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402 - first of ours: puts the lib/ folders on sys.path
-from audit_cost import Owner, start, stop  # noqa: E402 - bench/ is on the path (this script's folder)
+from audit_cost import Owner, local_bucket, start, stop  # noqa: E402 - bench/ is on the path (this script's folder)
 from proxy_load import free_port, wait_up  # noqa: E402
 
 PY = sys.executable
@@ -89,16 +88,7 @@ def main(a: Args) -> None:
     s3_port, p_port = free_port(), free_port()
     procs, workers, said = [], {}, {}
     try:
-        s3 = start([PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)], base, logs / "s3.log")
-        procs.append(s3)
-        env = {**base, "S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "AWS_ACCESS_KEY_ID": "local",
-               "AWS_SECRET_ACCESS_KEY": "local", "AWS_REGION": "us-east-1", "BUCKET": "async-grpo", "RUN_NAME": run,
-               "PROXY_TOKEN": secrets.token_urlsafe(24)}
-        wait_up(env["S3_ENDPOINT_URL"], s3)
-        os.environ.update({k: env[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                               "AWS_REGION", "BUCKET", "RUN_NAME")})
-        bucket = common.Bucket()
-        bucket.ensure_bucket()
+        env, bucket = local_bucket(run, s3_port, base, logs, procs)
         url = f"http://127.0.0.1:{p_port}"
         # the local launcher's proxy settings (launch_jobs.sh --local), the default --quarantine-after (3)
         proxy = start([PY, "proxy.py", "--port", str(p_port), "--max-buffer", "8", "--max-staleness", "1", "--pace"],
