@@ -344,6 +344,7 @@ async def lifespan(app: FastAPI):
                 how = await asyncio.to_thread(FOLLOWER.load)
             except ProtocolError as e:
                 fatal(f"not starting: {e}", 2)
+            await prepare(startup)
             print(f"proxy: standing by, following the journal from {how}", file=sys.stderr, flush=True)
             tasks.append(asyncio.create_task(stand_by(startup, tasks)))
         else:
@@ -351,6 +352,7 @@ async def lifespan(app: FastAPI):
                 await asyncio.to_thread(TERM.seize)
                 tasks.append(asyncio.create_task(TERM.run(deposed)))  # renewed from now on: a long start keeps its term
             tasks += await lead(startup, KEEPER.start)
+            await announce(startup)
     else:
         tasks += await lead(None, None)
     yield
@@ -386,7 +388,8 @@ async def stand_by(startup: Bucket, tasks: list) -> None:
         live, incarnation = KEEPER.finish()
         return live, incarnation, f"state followed, and {n} commits read at the takeover"
     tasks += [renewing, *await lead(startup, take)]
-    FOLLOWER = None
+    FOLLOWER = None  # serving from here on
+    await announce(startup)
     print(f"proxy: took the lead from incarnation {leader.get('incarnation')} in {time.monotonic() - t0:.2f}s "
           f"after its term lapsed", file=sys.stderr, flush=True)
 
@@ -396,7 +399,7 @@ def deposed(why: str) -> None:
 async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
     """Serve: the state read back by start() (snapshots.Keeper.start, or a standby's takeover) becomes the live state,
     the journal writer and snapshots run. Returns the tasks to cancel at the stop."""
-    global METRICS, JOURNAL, DOWNLOADS
+    global JOURNAL
     if start is not None:
         try:  # first: a run written in another protocol is refused before anything is written to it
             live, S.incarnation, how = await asyncio.to_thread(start)
@@ -406,14 +409,12 @@ async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
         POLICY.tokens = access.Tokens(startup, ARGS.token)
         await asyncio.to_thread(POLICY.tokens.load)
         POLICY.tokens.bucket = BUCKET
-        await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
+        if DOWNLOADS is None:  # (a standby prepared before it stood by)
+            await prepare(startup)
         take_over(live)
         print(f"proxy: incarnation {S.incarnation}, {how}: {S.counters['groups_accepted']} groups accepted, buffer "
               f"{len(S.book.buffer)}, {len(S.book.leases)} leases, duplicate window {len(S.book.window)}, version {S.latest}",
               file=sys.stderr)
-        METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-        DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
-        DOWNLOADS.bucket = BUCKET
         if TERM is not None:
             TERM.incarnation = S.incarnation  # the next renewal names it
     JOURNAL = journal.Writer(BUCKET, S.incarnation, ARGS.commit_depth, trailer=counters_trailer,
@@ -433,10 +434,22 @@ async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
                                                published_at=latest.get("created_at", time.time())), adopted=True)
             except HTTPException as e:
                 print(f"proxy: not adopting version {latest['version']} from adapters/latest.json: {e.detail}", file=sys.stderr)
-    if BUCKET is not None and ARGS.advertise_url:  # clients without PROXY_URL find the leader here (proxy_client.py)
+    return tasks
+
+async def prepare(startup: Bucket) -> None:
+    """What serving needs besides the state, done before a start reads it (a standby: before it stands by, so that a
+    takeover does only what it must): the run's configuration recorded, metrics, the adapter files' URLs."""
+    global METRICS, DOWNLOADS
+    await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
+    METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
+    DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
+    DOWNLOADS.bucket = BUCKET
+
+async def announce(startup: Bucket) -> None:
+    """Clients without PROXY_URL find the leader in proxy/endpoint.json (proxy_client.py): written once it serves."""
+    if ARGS.advertise_url:
         await asyncio.to_thread(write_proxy_endpoint, startup, ARGS.advertise_url, incarnation=S.incarnation,
                                 written_by=f"proxy incarnation {S.incarnation}")
-    return tasks
 
 def refusal() -> str | None:
     """Why this proxy answers nothing but /health and /metrics now (None: it serves): it stands by, or it leads but

@@ -6,13 +6,13 @@ commit again (fenced). docs/proxy.md, "A standby"."""
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 import journal
-import leadership
-from conftest import PY, SUPPORT, free_port, stop
+from conftest import PY, ROOT, SUPPORT, free_port, stop
 from ledger import Ledger
 from proxy_client import ProxyClient, endpoint_resolver, read_proxy_endpoint
 from proxyproc import Worker, spawn, wait_for, wait_port  # noqa: F401 - spawn is a fixture
@@ -191,3 +191,13 @@ def test_a_standby_started_late_catches_up_and_both_restart_at_once(pair, bucket
     assert c.http.post(f"/v1/batches/{held['batch_id']}/ack").json() == {"acked": 4}
     st = c.stats()
     assert st["buffer_size"] == 13 and st["groups_accepted"] == 17 and st["leadership"]["incarnation"] == 2
+
+
+def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
+    """--standby follows the journal in the bucket and the leader's term: without either it could never take over."""
+    bad = subprocess.run([sys.executable, str(ROOT / "proxy.py"), "--standby", "--no-use-bucket", "--term-s", "-1"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    for problem in ("--term-s -1.0: must be at least 0", "--standby: needs the bucket",
+                    "--standby: needs --term-s above 0"):
+        assert problem in bad.stderr, bad.stderr
