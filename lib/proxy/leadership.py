@@ -90,6 +90,9 @@ class Term:
         except ConflictError:
             self.since = self.since_mono = None
             return False
+        except BaseException:  # the bucket unreachable: not claimed (the caller tries again)
+            self.since = self.since_mono = None
+            raise
         return True
 
     def seize(self) -> None:
