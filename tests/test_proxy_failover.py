@@ -61,6 +61,9 @@ def test_kill_9_of_the_leader_the_standby_takes_over_nothing_lost(pair, bucket):
     refused = b.http.get("/v1/stats")  # a standby answers nothing but /health and /metrics: clients retry
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
     client = ProxyClient(a.url, a.token, patience_s=30, resolve=endpoint_resolver(bucket))
+    lost = ProxyClient(a.url, a.token, patience_s=30, resolve=endpoint_resolver(bucket))
+    lost.http.base_url = b.url  # a client holding the standby's address: its 503 sends it to the record, the leader
+    assert lost.get("/v1/stats")["leadership"]["role"] == "leader" and lost.url == a.url
     accepted = []
     for _ in range(8):
         g = group()
