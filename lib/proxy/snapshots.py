@@ -26,6 +26,7 @@ class Keeper:
         self.uncertain: list[str] = []  # commits that failed: a snapshot waits until each is known absent
         self.snapped = 0                # ledger.commits when the last snapshot was taken
         self.due = False                # a snapshot is due at once (the start read commits past its snapshot)
+        self.before = 0                 # ledger.commits of the snapshot the start (or standby) read
 
     def start(self) -> tuple[dict, int, str]:
         """Read the state back (before the server accepts requests): (Ledger.live()'s state, this start's
@@ -34,17 +35,27 @@ class Keeper:
         t0, snap, start = time.time(), journal.read_snapshot(self.bucket), "the first commit"
         if snap:
             self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits, name=snap[0]), f"snapshot {snap[0]}"
-        before = self.ledger.commits
+        self.before = self.ledger.commits
+        n = self.catch_up()
+        live, incarnation = self.finish()
+        return live, incarnation, f"state from {start} and {n} commits in {time.time() - t0:.1f}s"
+
+    def catch_up(self) -> int:
+        """Apply every commit after the ledger's (a start; a standby taking over); returns how many."""
         keys = journal.log_keys(self.bucket, after=self.ledger.covers)
         for key, blob in journal.read_objects(self.bucket, keys):
             self.ledger.apply_object(key, blob)
+        return len(keys)
+
+    def finish(self) -> tuple[dict, int]:
+        """Fence the last writer off and hand the state over: (Ledger.live()'s state, this start's incarnation)."""
         incarnation = self.fence_off()
         live = self.ledger.live(lambda keys: journal.read_objects(self.bucket, keys))
         self.ledger.forget_lines()
-        self.snapped, self.due = before, self.ledger.commits > before
+        self.snapped, self.due = self.before, self.ledger.commits > self.before
         if live["lost"]:  # only if someone deleted journal objects: a full replay could not find them either
             print(f"proxy: {len(live['lost'])} buffered or leased groups are missing from the journal", file=sys.stderr)
-        return live, incarnation, f"state from {start} and {len(keys)} commits in {time.time() - t0:.1f}s"
+        return live, incarnation
 
     def fence_off(self) -> int:
         """Stop the proxy that wrote the log last, should it still run, from writing to it again (a fence at its
