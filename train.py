@@ -143,6 +143,9 @@ class Args:
     prefetch: bool = True
     """ask for the next batch once a step's update is made, so that its lease (the wait in the proxy's line, its
     journal write, the transfer) overlaps the step's publish and registration (lib/train/batches.py)"""
+    nproc_per_node: int = 1
+    """trainer processes, one per device: above 1, train.py starts itself under torchrun (lib/train/ranks.py), one
+    rank per GPU (NCCL), or CPU ranks (gloo) on a machine without one; rank 0 talks to the proxy and the bucket"""
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
@@ -963,4 +966,9 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     import tyro
     from common import script_args  # drops the common.py that HF Jobs ships in argv
-    main(tyro.cli(Args, args=script_args()))
+    from ranks import launch
+    args = tyro.cli(Args, args=script_args())
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start it
+        launch(args.nproc_per_node, sys.argv)
+    else:
+        main(args)

@@ -1,8 +1,13 @@
 """The trainer across the devices of its job: one process per device under torchrun, rank 0 the only one that talks to
 the proxy and the bucket (train.py), the others following its orders through the process group.
 
-    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 train.py --max-steps 40   # two CPU ranks (gloo)
-    python train.py --max-steps 40                                             # rank 0 alone: no process group
+    python train.py --nproc-per-node 2 --max-steps 40   # two ranks: train.py starts itself under torchrun (launch)
+    torchrun --standalone --nproc-per-node 2 train.py --max-steps 40                  # the same, by hand
+    python train.py --max-steps 40                      # rank 0 alone: no process group
+
+One rank per GPU (NCCL) on a machine with GPUs, else CPU ranks (gloo). A job on Hugging Face Jobs runs
+`uv run train.py ... --nproc-per-node N` (hf jobs uv run runs a script, whose PEP 723 header uv reads): train.py then
+starts torchrun itself, through torch.distributed.run, the code behind the torchrun command.
 
 Layout: the base model is replicated, one full copy per rank (frozen), and so are the LoRA weights. A step's groups are
 split across the ranks (a group's completions stay together); each rank forms its share of the one-process loss (the
@@ -102,3 +107,22 @@ def join(timeout_h: float = 24.0) -> Ranks:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=timeout_h))
     return Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
+
+
+def launch(nproc: int, argv: list[str]) -> None:
+    """Run `argv` (this script and its arguments) as `nproc` ranks on this machine under torchrun (torch.distributed.run,
+    one node, a free rendezvous port); returns when every rank exited 0. A rank that fails ends the others (torchrun
+    stops them) and this process, saying which rank and how: the job ends, and its relaunch resumes from the last
+    checkpoint."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise SystemExit(f"--nproc-per-node {nproc}: this machine has {gpus} GPU(s); one rank per GPU")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    try:
+        torchrun(["--standalone", "--nproc-per-node", str(nproc), *argv])
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
+        raise SystemExit(f"trainer rank {rank} of {nproc} ended with {how}: torchrun stopped every rank (its own lines "
+                         "are above); a relaunch resumes from the last checkpoint") from None
