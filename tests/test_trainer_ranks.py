@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import OBJECTIVES
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, stop
 
 SCRIPT = str(ROOT / "tests" / "support" / "ranks_step.py")
 
@@ -48,3 +48,67 @@ def test_two_ranks_take_the_one_process_step(steps, objective):
     assert a.keys() == b.keys() and a
     for name, w in a.items():
         assert torch.allclose(b[name], w, atol=1e-6, rtol=1e-5), name
+
+
+def rank_pid(trainer, local_rank: int) -> int | None:
+    """The process of rank `local_rank` of a trainer started with --nproc-per-node (torchrun's children)."""
+    pid = trainer.proc.pid
+    for child in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        try:
+            env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(child)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model, start_proxy, run_name, tmp_path):
+    """A real run on the tiny model (proxy, worker, trainer): two ranks stopped by SIGTERM checkpoint and resume as one
+    process; one process's checkpoint resumes on two ranks; a rank killed with SIGKILL ends the trainer naming it;
+    the relaunch on two ranks resumes and finishes the run, its final version registered."""
+    import signal
+
+    from runlib import Role, steps, wait_for
+    proxy = start_proxy("--group-size", "4")
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "OMP_NUM_THREADS": "1", "TRAINER_ID": "the-trainer", "SPOOL_DIR": str(tmp_path / "spool")}
+    worker = Role("worker", [sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                             "--prompts-per-round", "2", "--max-new-tokens", "6", "--worker-id", "w1"], env, tmp_path).start()
+    trainer = Role("trainer", [sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--batch-groups", "2",
+                               "--lr", "1e-3", "--lease-wait-s", "2", "--no-skip-zero-std", "--max-steps", "8",
+                               "--checkpoint-every", "1"], env, tmp_path)
+    two = ("--nproc-per-node", "2")
+    try:
+        trainer.start(*two)
+        wait_for(lambda: len(steps(trainer)) >= 1, 300, "a first step on two ranks", trainer, (trainer, worker))
+        trainer.proc.send_signal(signal.SIGTERM)
+        assert trainer.proc.wait(timeout=300) != 0
+        first = trainer.last_run()
+        assert "SIGTERM: checkpoint at step" in first and "trainer stopped by SIGTERM" in first, first[-3000:]
+
+        trainer.start()  # one process: the two ranks' checkpoint
+        wait_for(lambda: "resumed from checkpoint" in trainer.last_run() and len(steps(trainer)) >= 2, 300,
+                 "a step on one process after two ranks", trainer, (trainer, worker))
+        trainer.proc.send_signal(signal.SIGTERM)
+        assert trainer.proc.wait(timeout=300) == 0 and "SIGTERM: checkpoint at step" in trainer.last_run()
+        done = len(steps(trainer))
+
+        trainer.start(*two)  # two ranks: one process's checkpoint; then rank 1 dies
+        wait_for(lambda: "resumed from checkpoint" in trainer.last_run() and len(steps(trainer)) > done, 300,
+                 "a step on two ranks after one process", trainer, (trainer, worker))
+        os.kill(rank_pid(trainer, 1), signal.SIGKILL)
+        assert trainer.proc.wait(timeout=300) != 0
+        assert "trainer rank 1 of 2 ended with signal SIGKILL" in trainer.last_run(), trainer.last_run()[-3000:]
+
+        trainer.start(*two)  # the relaunch finishes the run
+        assert trainer.proc.wait(timeout=600) == 0, trainer.last_run()[-3000:]
+        assert "resumed from checkpoint" in trainer.last_run() and max(steps(trainer)) == 8
+        latest = proxy.http.get("/v1/adapters/latest").json()
+        assert latest["done"] and latest["step"] == 8, latest
+    finally:
+        for role in (trainer, worker):
+            if role.alive():
+                stop(role.proc)

@@ -117,10 +117,17 @@ def launch(nproc: int, argv: list[str]) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and nproc > gpus:
         raise SystemExit(f"--nproc-per-node {nproc}: this machine has {gpus} GPU(s); one rank per GPU")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+    # on SIGTERM torchrun passes it on to every rank, then kills them after this many seconds (30 by default): rank 0
+    # needs the time to finish its step and write its checkpoint, as the one-process trainer has it
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     try:
         torchrun(["--standalone", "--nproc-per-node", str(nproc), *argv])
+    except SignalException as e:
+        raise SystemExit(f"trainer stopped by {e.sigval.name}: torchrun passed it on to every rank (rank 0 writes its "
+                         "checkpoint first: its lines are above)") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
