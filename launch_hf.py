@@ -60,7 +60,8 @@ HUB_MIN = "1.24"                # the first huggingface_hub with everything belo
 # $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h
 PRICES = {"cpu-basic": 0.01, "cpu-upgrade": 0.03, "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80,
           "l4x4": 3.80, "l40sx1": 1.80, "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00,
-          "a100-large": 2.50, "h200": 5.00}
+          "a100-large": 2.50, "h200": 5.00, "a100x4": 10.00, "a100x8": 20.00, "h200x2": 10.00, "h200x4": 20.00,
+          "h200x8": 40.00}
 EXPOSE_PRICE = 0.01
 NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it could not resolve
 
@@ -236,6 +237,13 @@ def sources(args: Args) -> dict[str, Path]:
     return {n: ours[n[:-3]] for n in sorted(names)}
 
 
+def trainer_ranks(args: Args) -> list[str]:
+    """One trainer rank per GPU of the trainer's flavor: train.py starts itself under torchrun with that many
+    (lib/train/ranks.py); none on a flavor of one GPU."""
+    n = memory.flavor_gpus(args.trainer_flavor)
+    return ["--nproc-per-node", str(n)] if n > 1 else []
+
+
 def plan(args: Args, namespace: str) -> list[JobSpec]:
     """The run's layout. No job is told the proxy's URL: a relaunched proxy has a new one, so workers
     and trainer read it from the run's proxy/endpoint.json (written once the proxy answers)."""
@@ -260,7 +268,7 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
                             dependencies=[d for d in args.rollout_with.split(",") if d.strip()]))
     # --task: the trainer re-scores and checks participants' groups against the task (docs/trust.md)
     jobs.append(JobSpec("trainer", "train.py", list(shipped("train.py")), ["--model", args.model, "--task", task,
-                                                              "--max-steps", str(args.steps),
+                                                              "--max-steps", str(args.steps), *trainer_ranks(args),
                                                               *role_options(args, "train"), *args.train_arg],
                         args.trainer_flavor, caller_secrets,
                         # a relaunch of the run (same name) takes the trainer's claim over at once and resumes

@@ -62,6 +62,7 @@ from metrics import Metrics
 from models import (LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls,
                     resolve_dtype)
 from proxy_client import ProxyClient, ProxyError
+from ranks import Ranks, join
 from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
 from runconfig import record_config
 
@@ -142,6 +143,9 @@ class Args:
     prefetch: bool = True
     """ask for the next batch once a step's update is made, so that its lease (the wait in the proxy's line, its
     journal write, the transfer) overlaps the step's publish and registration (lib/train/batches.py)"""
+    nproc_per_node: int = 1
+    """trainer processes, one per device: above 1, train.py starts itself under torchrun (lib/train/ranks.py), one
+    rank per GPU (NCCL), or CPU ranks (gloo) on a machine without one; rank 0 talks to the proxy and the bucket"""
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
@@ -222,6 +226,13 @@ class ByStaleness:
             a["logp_max"] = max(a["logp_max"], lp.max().item())
             a["clipped"] += clipped[on].sum().item()
 
+    def merge(self, acc: dict) -> None:
+        """Add another ByStaleness's sums (a rank's tokens: train_step), its maxima taken as maxima."""
+        for lag, other in acc.items():
+            a = self._at_lag(lag)
+            for k, v in other.items():
+                a[k] = max(a[k], v) if k.endswith("_max") else a[k] + v
+
     def metrics(self) -> dict:
         out = {}
         for lag, a in sorted(self.acc.items()):
@@ -246,11 +257,12 @@ def trainable(group: dict, args: Args) -> bool:
         args.skip_zero_std and args.beta == 0 and zero_std([c["reward"] for c in group["completions"]]))
 
 
-def row_temperatures_or_warn(groups: list[dict], default: float) -> list[float | None]:
-    """Each group's sampling temperature (group_temperature); None, with a warning, for one the step leaves out."""
+def row_temperatures_or_warn(groups: list[dict], default: float, warn: bool = True) -> list[float | None]:
+    """Each group's sampling temperature (group_temperature); None, with a warning (when `warn`: rank 0's), for one the
+    step leaves out."""
     temps = [group_temperature(g, default) for g in groups]
     for g, t in zip(groups, temps):
-        if t is None:
+        if t is None and warn:
             print(f"warning: group {g['group_id']} has temperature {temperature_problem(g['meta'].get('temperature'))[:120]}, "
                   "left out of this step", file=sys.stderr)
     return temps
@@ -287,37 +299,122 @@ def merged_stats(per_micro: dict[str, list[tuple[float, float]]]) -> dict[str, f
     return stats
 
 
+class StepError(RuntimeError):
+    """A rank's share of a step raised: every rank raises it (train_step), so they all leave the step together."""
+
+
+@dataclass
+class Verdicts:
+    """train_step's judge: `rule(group, onpolicy, drift)` (Auditor.judge) asked of each group before its loss is
+    formed; `failed` keeps each failing group's ("logprobs", why), by group id, over every rank once the step ends."""
+    rule: Callable[[dict, tuple | None, float], str | None]
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def __call__(self, group: dict, onpolicy: tuple | None, drift: float) -> bool:
+        if why := self.rule(group, onpolicy, drift):
+            self.failed[group["group_id"]] = ("logprobs", why)
+        return why is not None
+
+
+@dataclass
+class Tally:
+    """One rank's share of a step, as the step's statistics are merged from (merge_tallies): each micro-batch's
+    (value, share) per statistic, the on-policy ratios, the per-staleness token sums, the groups the judge left out
+    and their tokens, the judge's verdicts, on-policy deviations by group index, and the error its share raised."""
+    agg: dict[str, list] = field(default_factory=dict)
+    onpolicy: list = field(default_factory=list)
+    by_lag: dict = field(default_factory=dict)
+    judged_out: int = 0
+    judged_tokens: int = 0
+    failed: dict = field(default_factory=dict)
+    onpolicy_dev: dict = field(default_factory=dict)
+    error: str | None = None
+
+
 def train_step(model, groups: list[dict], args: Args, version: int, fresh_weights: bool,
-               onpolicy_dev: dict | None = None, judge: Callable[[dict, tuple | None, float], bool] | None = None) -> dict:
+               onpolicy_dev: dict | None = None, judge: Verdicts | None = None, ranks: Ranks = Ranks()) -> dict:
     """One step's forward/backward over `groups` (gradients accumulate in model); returns its metrics,
     per-staleness diagnostics included (staleness = `version` - the group's policy_version). With
     `onpolicy_dev` (a dict) and fresh weights: onpolicy_dev[i] = (sum, max, count) of |logprob - behaviour
     logprob| over group i's tokens that these very weights sampled (the audit's check, at no cost).
 
-    judge(group, onpolicy, drift), asked of each group once its micro-batch's forward has computed its logprobs and
-    before its loss is formed (Auditor.judge): onpolicy is that (sum, max, count), or None (no such tokens, or the
+    judge (Verdicts), asked of each group once its micro-batch's forward has computed its logprobs and before its loss
+    is formed: see Verdicts and Auditor.judge; onpolicy is that (sum, max, count), or None (no such tokens, or the
     weights moved since); drift the largest, over every token the step trains of it, of |logprob - behaviour logprob|
     per version the weights moved since the token's version (its staleness, at least 1; NaN when one is not finite).
-    True: the group is left out of the step, so it never contributes to the gradient; the others are weighted as if
-    it had never been in the batch (the gradients must be zero at the start, as forward_backward makes them)."""
-    G = len(groups[0]["completions"])
+    A group it fails is left out of the step, so it never contributes to the gradient; the others are weighted as if
+    it had never been in the batch (the gradients must be zero at the start, as forward_backward makes them).
+
+    ranks (lib/train/ranks.py): every rank is handed the whole batch and trains its share of the trainable groups;
+    the normalisers (the batch's tokens, its groups) are the whole batch's, the gradients are summed over the ranks
+    and the statistics merged from every rank's Tally, so N ranks take the one-process step."""
     rewards = [[c["reward"] for c in g["completions"]] for g in groups]
-    adv = group_advantages(rewards, scale_std=args.scale_std)                   # [B, G]
-    zero_std = zero_std_groups(rewards)                                          # [B]
-    temps = row_temperatures_or_warn(groups, args.temperature)
+    temps = row_temperatures_or_warn(groups, args.temperature, warn=ranks.leader)
     # beta = 0: a zero-std group has A = 0 on every token, so no gradient at all; skipping it only
     # saves its forward/backward and keeps it out of the token mean. beta > 0: its KL term has a
     # gradient, so it is trained.
     keep = [i for i, g in enumerate(groups) if trainable(g, args)]
     # only the tokens the policy sampled are trained on: an episode's environment tokens are context
     n_tok = sum(sampled_tokens(groups[i]) for i in keep)
+    try:
+        tally = local_pass(model, groups, ranks.share(keep), len(keep), n_tok, temps, args, version, fresh_weights,
+                           judge, onpolicy_dev is not None)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, or the others wait forever
+        if ranks.world == 1:
+            raise
+        tally, own = Tally(error=f"{type(e).__name__}: {str(e)[:500]}"), e
+    tallies = ranks.gather(tally)
+    if errors := [f"rank {r}: {t.error}" for r, t in enumerate(tallies) if t.error is not None]:
+        model.zero_grad(set_to_none=True)
+        raise StepError("; ".join(errors)) from (own if tally.error else None)
+    ranks.sum_grads([p for p in model.parameters() if p.requires_grad])
     by_lag = ByStaleness(groups, rewards, version)
-    stats: dict[str, float] = {}
-    agg_stats: dict[str, list] = {}
-    onpolicy: list[torch.Tensor] = []
-    judged_out, judged_tokens = 0, 0  # groups judge() left out, and their tokens (their shares are made good below)
-    for s in range(0, len(keep), args.micro_groups):
-        mb = keep[s:s + args.micro_groups]
+    stats = merge_tallies(tallies, by_lag, judge, onpolicy_dev)
+    judged_out, judged_tokens = stats.pop("judged_out"), stats.pop("judged_tokens")
+    if judged_out:  # the shares were of the whole batch: scale the gradient to the groups trained
+        whole, left = (n_tok, n_tok - judged_tokens) if args.loss_agg == "token" else (len(keep), len(keep) - judged_out)
+        for p in model.parameters():
+            if p.grad is not None and left > 0:
+                p.grad.mul_(whole / left)
+    stats["groups/zero_std_frac"] = zero_std_groups(rewards).float().mean().item()
+    stats["groups/trained"] = len(keep) - judged_out
+    stats["groups/bad_temperature"] = temps.count(None)
+    stats["tokens"] = n_tok - judged_tokens
+    return stats
+
+
+def merge_tallies(tallies: list[Tally], by_lag: ByStaleness, judge: Verdicts | None, onpolicy_dev: dict | None) -> dict:
+    """The step's statistics from every rank's Tally (one in one process); the judge's verdicts and the on-policy
+    deviations of every rank are put in `judge` and `onpolicy_dev`. Adds judged_out and judged_tokens, summed."""
+    agg: dict[str, list] = {}
+    for t in tallies:
+        for k, vs in t.agg.items():
+            agg.setdefault(k, []).extend(vs)
+        by_lag.merge(t.by_lag)
+        if judge is not None:
+            judge.failed.update(t.failed)
+        if onpolicy_dev is not None:
+            onpolicy_dev.update(t.onpolicy_dev)
+    stats = merged_stats(agg)
+    if (r := torch.cat([torch.zeros(0)] + [x for t in tallies for x in t.onpolicy])).numel():
+        stats["ratio/onpolicy_mean"] = r.mean().item()
+        stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
+    stats.update(by_lag.metrics())
+    stats["judged_out"] = sum(t.judged_out for t in tallies)
+    stats["judged_tokens"] = sum(t.judged_tokens for t in tallies)
+    return stats
+
+
+def local_pass(model, groups: list[dict], mine: list[int], n_groups: int, n_tok: int, temps: list, args: Args,
+               version: int, fresh_weights: bool, judge: Verdicts | None, want_dev: bool) -> Tally:
+    """The forward/backward of this rank's groups `mine` (indices into `groups`), micro-batch by micro-batch, each
+    weighted by its share of the whole batch's `n_tok` tokens (or `n_groups` groups, --loss-agg grpo): train_step."""
+    G = len(groups[0]["completions"])
+    adv = group_advantages([[c["reward"] for c in g["completions"]] for g in groups], scale_std=args.scale_std)  # [B, G]
+    tally, by_lag = Tally(), ByStaleness([], [], version)
+    onpolicy_dev = tally.onpolicy_dev if want_dev else None
+    for s in range(0, len(mine), args.micro_groups):
+        mb = mine[s:s + args.micro_groups]
         prompts = [groups[i]["prompt_ids"] for i in mb]
         ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
         row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
@@ -335,8 +432,8 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
             rate = dev / (lags + (0 if fresh_weights else 1)).clamp(min=1)
         out_now = left_out_by_judge(groups, mb, G, dev, rate, mask, lags, fresh_weights, judge, onpolicy_dev)
         if out_now:  # left out before its loss is formed: its rows are not in the loss, so no gradient reaches it
-            judged_out += len(out_now)
-            judged_tokens += sum(int(mask[j * G:(j + 1) * G].sum().item()) for j in out_now)
+            tally.judged_out += len(out_now)
+            tally.judged_tokens += sum(int(mask[j * G:(j + 1) * G].sum().item()) for j in out_now)
             rows = torch.tensor([j * G + k for j in range(len(mb)) if j not in out_now for k in range(G)],
                                 dtype=torch.long, device=logp.device)
             mb = [i for j, i in enumerate(mb) if j not in out_now]
@@ -353,11 +450,11 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
                 ref, _ = completion_logprobs(model, prompts, ids, row_t, pad=0)
         out = grpo_loss(logp, behav, a, mask, objective=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                         is_cap=args.is_cap, logp_ref=ref, beta=args.beta, agg=args.loss_agg)
-        # weight each micro-batch by its share, so accumulation equals one big batch
-        share = mask.sum().item() / n_tok if args.loss_agg == "token" else len(mb) / len(keep)
+        # weight each micro-batch by its share of the whole batch, so accumulation (and the ranks) equal one big batch
+        share = mask.sum().item() / n_tok if args.loss_agg == "token" else len(mb) / n_groups
         (out.loss * share).backward()
         for k, v in {**out.stats, "loss": out.loss.item()}.items():
-            agg_stats.setdefault(k, []).append((v, share))
+            tally.agg.setdefault(k, []).append((v, share))
         with torch.no_grad():
             for j, i in enumerate(mb):
                 rows = slice(j * G, (j + 1) * G)
@@ -365,22 +462,11 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
                 by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m], dev[rows][m])
                 # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
                 if fresh_weights:
-                    onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)])
-    if judged_out:  # the shares above were of the whole batch: scale the gradient to the groups trained
-        whole, left = (n_tok, n_tok - judged_tokens) if args.loss_agg == "token" else (len(keep), len(keep) - judged_out)
-        for p in model.parameters():
-            if p.grad is not None and left > 0:
-                p.grad.mul_(whole / left)
-    stats.update(merged_stats(agg_stats))
-    if onpolicy and (r := torch.cat(onpolicy)).numel():
-        stats["ratio/onpolicy_mean"] = r.mean().item()
-        stats["ratio/onpolicy_max_dev"] = (r - 1).abs().max().item()
-    stats.update(by_lag.metrics())
-    stats["groups/zero_std_frac"] = zero_std.float().mean().item()
-    stats["groups/trained"] = len(keep) - judged_out
-    stats["groups/bad_temperature"] = temps.count(None)
-    stats["tokens"] = n_tok - judged_tokens
-    return stats
+                    tally.onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)].float().cpu())
+    tally.by_lag = by_lag.acc
+    if judge is not None:
+        tally.failed = dict(judge.failed)
+    return tally
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,6 +643,7 @@ class Trainer:
     ahead: Future | None = None        # the next step's batch, asked for once this step's update is made
     checkpoint_s: float | None = None  # the last checkpoint's seconds, logged in the row of the step after it
     pushed: int = -1                   # the last version pushed to the Hub
+    ranks: Ranks = field(default_factory=Ranks)  # this process is rank 0 of them (lib/train/ranks.py)
 
     def audit(self, got: dict) -> tuple[list[dict], dict]:
         """A leased batch's groups to train on, and the audit's metrics (Batches.lease's `audit`): those the trainer
@@ -594,7 +681,7 @@ def open_dataset(client: ProxyClient, auditor: Auditor) -> None:
                          "the trainer's --task must be the workers'") from None
 
 
-def start(args: Args, stop: threading.Event) -> Trainer:
+def start(args: Args, stop: threading.Event, ranks: Ranks = Ranks()) -> Trainer:
     """The trainer before its first step: the proxy speaks this code's protocol, the run is ours
     (trainer/owner.json), the weights are those of the run's last checkpoint, and what it trained is acked."""
     if args.threads:
@@ -639,7 +726,7 @@ def start(args: Args, stop: threading.Event) -> Trainer:
     batches = Batches(client, owner, trained, stop, args.batch_groups, args.lease_wait_s, args.max_steps)
     vocab = min(model.get_input_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0])
     return Trainer(args, bucket, client, owner, metrics, model, params, opt, sched, auditor, vocab, trained, batches, stop,
-                   step=state["step"], version=version, since_publish=0 if version == state["version"] else 1,
+                   ranks=ranks, step=state["step"], version=version, since_publish=0 if version == state["version"] else 1,
                    checkpointed=state["step"])
 
 
@@ -652,13 +739,50 @@ class Unfit(NamedTuple):
 NO_UPDATE = {"groups/trained": 0, "tokens": 0}  # the metrics of a step that made no update
 
 
-def forward_backward(t: Trainer, groups: list[dict], fresh: bool, judge=None) -> tuple[dict, float, Unfit | None]:
+def step_on_ranks(t: Trainer, groups: list[dict], fresh: bool, judge: Verdicts | None) -> dict:
+    """train_step on every rank: the other ranks are handed the batch (follow) and train their shares with rank 0."""
+    t.ranks.broadcast({"groups": groups, "version": t.version, "fresh": fresh, "judged": judge is not None})
+    return train_step(t.model, groups, t.args, t.version, fresh, judge=judge, ranks=t.ranks)
+
+
+def same_weights(t: Trainer) -> None:
+    """The other ranks take rank 0's LoRA weights (after its update, or its checkpoint restored at start)."""
+    t.ranks.broadcast("weights")
+    t.ranks.same_weights(t.params)
+
+
+def follow(ranks: Ranks, args: Args) -> None:
+    """A rank other than 0: a replica of the model that trains its share of each batch rank 0 hands it (step_on_ranks)
+    and takes rank 0's weights after each update (same_weights), until rank 0 says stop (None). It talks to nothing
+    but the process group; its judge is the audit's rule, so it leaves out what rank 0 would (Auditor.judge)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tok = build_model(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rule = Auditor(args.audit, args.task, tok, None, None, args.micro_groups, partial(group_temperature, default=args.temperature),
+                   partial(trainable, args=args), say, dtype=resolve_dtype(args.dtype)).judge  # judges only: no bucket, no proxy
+    while (order := ranks.broadcast()) is not None:
+        if order == "weights":
+            ranks.same_weights(params)
+            continue
+        model.zero_grad(set_to_none=True)
+        try:
+            train_step(model, order["groups"], args, order["version"], order["fresh"],
+                       judge=Verdicts(rule) if order["judged"] else None, ranks=ranks)
+        except StepError:
+            pass  # rank 0 raised it too, and decides what follows (learn)
+        model.zero_grad(set_to_none=True)
+
+
+def forward_backward(t: Trainer, groups: list[dict], fresh: bool,
+                     judge: Verdicts | None = None) -> tuple[dict, float, Unfit | None]:
     """train_step over `groups` from zeroed gradients (judge: train_step's), then the gradient norm clipped: (metrics,
     norm, None), or (NO_UPDATE, norm, why) with the gradients dropped when it raised or gave a non-finite loss or norm
     (an AdamW step on those would make every LoRA weight NaN)."""
     t.opt.zero_grad(set_to_none=True)
     try:
-        st = train_step(t.model, groups, t.args, t.version, fresh, judge=judge) if groups else dict(NO_UPDATE)
+        st = step_on_ranks(t, groups, fresh, judge) if groups else dict(NO_UPDATE)
     except Exception as e:  # noqa: BLE001 - learn() finds out whether a group's values made it raise
         t.opt.zero_grad(set_to_none=True)
         return dict(NO_UPDATE), math.nan, Unfit(f"training on it raised {type(e).__name__}: {str(e)[:500]}", e)
@@ -689,13 +813,8 @@ def learn(t: Trainer, got: dict) -> tuple[dict, float]:
     found by training each group alone, logged, counted against its participant, and the step taken again without
     it; so is every group of a participant the report quarantined, if the update held one. Where no one group makes
     the step fail, an error is raised, and a non-finite update is not made."""
-    groups, fresh, failed = got["fresh"], t.since_publish == 0, {}
-
-    def judge(g: dict, onpolicy: tuple | None, drift: float) -> bool:
-        if why := t.auditor.judge(g, onpolicy, drift):
-            failed[g["group_id"]] = ("logprobs", why)
-        return why is not None
-
+    groups, fresh, judge = got["fresh"], t.since_publish == 0, Verdicts(t.auditor.judge)
+    failed = judge.failed
     st, grad_norm, unfit = forward_backward(t, groups, fresh, judge)
     unfits, judged, held, redone, t_redo = 0, 0, 0, False, 0.0
     while True:  # each turn leaves out at least one group: it ends
@@ -732,6 +851,7 @@ def learn(t: Trainer, got: dict) -> tuple[dict, float]:
         return {**st, "step/no_update": 1}, grad_norm
     t.opt.step()
     t.sched.step()
+    same_weights(t)
     return st, grad_norm
 
 
@@ -821,18 +941,34 @@ def finish(t: Trainer) -> None:
 
 
 def main(args: Args) -> None:
-    stop = threading.Event()
+    """The trainer: rank 0 (alone, or under torchrun the one that talks to the proxy and the bucket) runs the steps;
+    every other rank follows it (follow) until it says stop."""
+    stop, ranks = threading.Event(), join()
+    if not ranks.leader:
+        # torchrun passes a SIGTERM on to every rank: rank 0 checkpoints, then tells the others to stop
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        follow(ranks, args)
+        ranks.close()
+        return
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # HF Jobs cancel: checkpoint, ack, then exit
-    t = start(args, stop)
+    t = start(args, stop, ranks)
+    same_weights(t)
     bar = tqdm(range(t.step + 1, args.max_steps + 1), desc="train", dynamic_ncols=True, initial=t.step,
                total=args.max_steps)
     for step in bar:
         if not take_step(t, step, bar) or stop.is_set():
             break
     finish(t)
+    ranks.broadcast(None)  # the other ranks stop
+    ranks.close()
 
 
 if __name__ == "__main__":
     import tyro
     from common import script_args  # drops the common.py that HF Jobs ships in argv
-    main(tyro.cli(Args, args=script_args()))
+    from ranks import launch
+    args = tyro.cli(Args, args=script_args())
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start it
+        launch(args.nproc_per_node, sys.argv)
+    else:
+        main(args)

@@ -100,7 +100,7 @@ def main(a: Args) -> None:
 
     def judged_step() -> None:  # the same step with the audit's judgement of every token (train.learn's), none left out
         model.zero_grad(set_to_none=True)
-        train.train_step(model, some, args, 2, False, judge=lambda g, onpolicy, drift: bool(auditor.judge(g, onpolicy, drift)))
+        train.train_step(model, some, args, 2, False, judge=train.Verdicts(auditor.judge))
 
     def swap() -> None:
         with auditor.weights.swapped(model, auditor.weights.kept[1]):

@@ -32,14 +32,30 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 # GPU memory per flavor as the driver reports it (nvidia-smi's total: the datasheet's 16/24/48/80/141 GB
 # less what ECC and the driver keep), its compute capability (whether it computes in bf16: flavor_bf16;
-# T4: no), and $/hour (launch_hf.PRICES). Multi-GPU flavors are listed per GPU: the trainer and each
-# worker use one.
+# T4: no), and $/hour (launch_hf.PRICES), and its number of GPUs. Memory is per GPU: a worker uses one, and the
+# trainer one per rank (lib/train/ranks.py: train.py --nproc-per-node, one rank per GPU of its flavor), each rank a
+# whole replica of the model, so a rank needs what the one-process trainer needs (docs/memory.md#per-rank).
 FLAVORS = {
-    "t4-small": ("T4", 15360 / 1024, (7, 5)), "t4-medium": ("T4", 15360 / 1024, (7, 5)),
-    "l4x1": ("L4", 23034 / 1024, (8, 9)), "a10g-small": ("A10G", 23028 / 1024, (8, 6)),
-    "a10g-large": ("A10G", 23028 / 1024, (8, 6)), "l40sx1": ("L40S", 46068 / 1024, (8, 9)),
-    "a100-large": ("A100 80GB", 81920 / 1024, (8, 0)), "h200": ("H200", 143771 / 1024, (9, 0)),
+    "t4-small": ("T4", 15360 / 1024, (7, 5), 1), "t4-medium": ("T4", 15360 / 1024, (7, 5), 1),
+    "l4x1": ("L4", 23034 / 1024, (8, 9), 1), "a10g-small": ("A10G", 23028 / 1024, (8, 6), 1),
+    "a10g-large": ("A10G", 23028 / 1024, (8, 6), 1), "l40sx1": ("L40S", 46068 / 1024, (8, 9), 1),
+    "a100-large": ("A100 80GB", 81920 / 1024, (8, 0), 1), "h200": ("H200", 143771 / 1024, (9, 0), 1),
+    "l4x4": ("L4", 23034 / 1024, (8, 9), 4), "a10g-largex2": ("A10G", 23028 / 1024, (8, 6), 2),
+    "a10g-largex4": ("A10G", 23028 / 1024, (8, 6), 4), "l40sx4": ("L40S", 46068 / 1024, (8, 9), 4),
+    "l40sx8": ("L40S", 46068 / 1024, (8, 9), 8), "a100x4": ("A100 80GB", 81920 / 1024, (8, 0), 4),
+    "a100x8": ("A100 80GB", 81920 / 1024, (8, 0), 8), "h200x2": ("H200", 143771 / 1024, (9, 0), 2),
+    "h200x4": ("H200", 143771 / 1024, (9, 0), 4), "h200x8": ("H200", 143771 / 1024, (9, 0), 8),
 }
+
+
+def flavor_gpus(flavor: str) -> int:
+    """The GPUs of a Jobs flavor: the trainer's ranks on it (1 for one this table does not know)."""
+    return FLAVORS[flavor][3] if flavor in FLAVORS else 1
+
+
+def single_gpu_flavors() -> list[str]:
+    """The flavors advice suggests, smallest first: more GPUs give a rank no more memory (each holds a replica)."""
+    return sorted((f for f in FLAVORS if flavor_gpus(f) == 1), key=flavor_gib)
 
 
 def flavor_bf16(flavor: str) -> bool:
@@ -256,7 +272,7 @@ def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> 
                 (tt, ll), opts = change(tt, ll), opts + opt
             if trainer_verdict(a, tt, flavor, ll)[0]:
                 return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
-    for f in sorted(FLAVORS, key=flavor_gib):
+    for f in single_gpu_flavors():
         ft = replace(t, dtype="float32") if not flavor_bf16(f) and t.dtype == "bfloat16" else t
         if trainer_verdict(a, ft, f, lay)[0]:
             return f"--trainer-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB) fits"
@@ -269,7 +285,7 @@ def worker_advice(a: Arch, flavor: str, utilization: float, lora_r: int, lay: La
     util = "--rollout-arg=--vllm-gpu-memory-utilization --rollout-arg=0.9"
     if utilization < 0.9 and worker_verdict(a, flavor, 0.9, lora_r, lay)[0] != "no":
         return f"{util} fits on {flavor}"
-    for f in sorted(FLAVORS, key=flavor_gib):
+    for f in single_gpu_flavors():
         for u in sorted({utilization, max(utilization, 0.9)}):
             if worker_verdict(a, f, u, lora_r, lay)[0] == "fits":
                 return f"--rollout-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB)" + (f" with {util}" if u != utilization else "") + " fits"
@@ -398,7 +414,8 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
                                  lora_r)
         ok, _ = trainer_verdict(arch, trainer, flavor, lay)
         parts = trainer_memory(arch, trainer, lay)
-        line = (f"trainer: {model} needs about {parts['total'] / GiB:.1f} GiB on {flavor} "
+        ranks = f" per rank ({flavor_gpus(flavor)} ranks, each a replica)" if flavor_gpus(flavor) > 1 else ""
+        line = (f"trainer: {model} needs about {parts['total'] / GiB:.1f} GiB{ranks} on {flavor} "
                 f"({FLAVORS[flavor][0]}, {flavor_gib(flavor):.1f} GiB): "
                 + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if k != "total")
                 + f" ({dtype}{', 4-bit' if trainer.four_bit else ''}, checkpointing "

@@ -423,7 +423,8 @@ def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_path(name)
     dt = resolve_dtype(dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # the current GPU: under torchrun each rank's own (lib/train/ranks.py sets it)
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(path)
     if load_in_4bit:
         from transformers import BitsAndBytesConfig

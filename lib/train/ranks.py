@@ -1,0 +1,135 @@
+"""The trainer across the devices of its job: one process per device under torchrun, rank 0 the only one that talks to
+the proxy and the bucket (train.py), the others following its orders through the process group.
+
+    python train.py --nproc-per-node 2 --max-steps 40   # two ranks: train.py starts itself under torchrun (launch)
+    torchrun --standalone --nproc-per-node 2 train.py --max-steps 40                  # the same, by hand
+    python train.py --max-steps 40                      # rank 0 alone: no process group
+
+One rank per GPU (NCCL) on a machine with GPUs, else CPU ranks (gloo). A job on Hugging Face Jobs runs
+`uv run train.py ... --nproc-per-node N` (hf jobs uv run runs a script, whose PEP 723 header uv reads): train.py then
+starts torchrun itself, through torch.distributed.run, the code behind the torchrun command.
+
+Layout: the base model is replicated, one full copy per rank (frozen), and so are the LoRA weights. A step's groups are
+split across the ranks (a group's completions stay together); each rank forms its share of the one-process loss (the
+token mean's normaliser is the count over the whole batch, which every rank is handed), the LoRA gradients are summed
+across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
+steps AdamW (so the optimizer state, the checkpoint and the published adapter are exactly one process's) and
+broadcasts the updated LoRA weights, so the replicas cannot drift apart.
+
+Why replicated and not sharded with FSDP2 (torch.distributed.fsdp.fully_shard, which runs here on CPU under gloo as
+well as on CUDA under NCCL): a sharded model all-gathers each layer's weights in every forward, so every rank must
+run every forward in lockstep; the trainer's audit (lib/train/audit.py: a participant's group recomputed under the
+version that sampled it, on rank 0) and each rank's own number of micro-batches would then deadlock. A LoRA run's
+base fits one device whenever the one-process trainer fits (docs/memory.md), which is every preset; sharding is what
+a base too large for one device would need, and is not built (docs/DESIGN.md).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the trainer's job: rank `rank` of `world`. world 1 is the plain `python train.py`
+    trainer: no process group, and every method below is then the identity (or does nothing)."""
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that leases, publishes, checkpoints, audits and reports."""
+        return self.rank == 0
+
+    def share(self, items: list) -> list:
+        """This rank's share of `items` (round-robin, so every rank's share differs from another's by one at most)."""
+        return items[self.rank::self.world]
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (a pickled object: an order, a batch of groups)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """The gradients of `params` summed over the ranks, in place, with one all-reduce of one flat buffer. A rank that
+        trained nothing contributes zeros; where no rank did, the gradients stay None (as in one process)."""
+        if self.world == 1:
+            return
+        trained = torch.tensor([float(any(p.grad is not None for p in params))], device=params[0].device)
+        torch.distributed.all_reduce(trained)
+        if trained.item() == 0:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat)
+        for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+
+    def same_weights(self, params: list[torch.nn.Parameter]) -> None:
+        """Rank 0's values of `params` on every rank (after rank 0's update or checkpoint restore)."""
+        if self.world == 1:
+            return
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            torch.distributed.broadcast(flat, src=0)
+            for p, v in zip(params, torch.split(flat, [p.numel() for p in params])):
+                p.copy_(v.view_as(p))
+
+    def close(self) -> None:
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def join(timeout_h: float = 24.0) -> Ranks:
+    """This process's Ranks: under torchrun (WORLD_SIZE > 1) the process group joined, NCCL with one GPU per rank
+    (LOCAL_RANK's) or gloo on CPU; else rank 0 alone. The group's timeout is long: a follower waits in a broadcast
+    for as long as rank 0 waits for a batch (rollouts, an outage of the proxy); a rank that dies is caught by
+    torchrun, which ends the others."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Ranks()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=timeout_h))
+    return Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
+
+
+def launch(nproc: int, argv: list[str]) -> None:
+    """Run `argv` (this script and its arguments) as `nproc` ranks on this machine under torchrun (torch.distributed.run,
+    one node, a free rendezvous port); returns when every rank exited 0. A rank that fails ends the others (torchrun
+    stops them) and this process, saying which rank and how: the job ends, and its relaunch resumes from the last
+    checkpoint."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise SystemExit(f"--nproc-per-node {nproc}: this machine has {gpus} GPU(s); one rank per GPU")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    # on SIGTERM torchrun passes it on to every rank, then kills them after this many seconds (30 by default): rank 0
+    # needs the time to finish its step and write its checkpoint, as the one-process trainer has it
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
+    try:
+        torchrun(["--standalone", "--nproc-per-node", str(nproc), *argv])
+    except SignalException as e:
+        raise SystemExit(f"trainer stopped by {e.sigval.name}: torchrun passed it on to every rank (rank 0 writes its "
+                         "checkpoint first: its lines are above)") from None
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
+        raise SystemExit(f"trainer rank {rank} of {nproc} ended with {how}: torchrun stopped every rank (its own lines "
+                         "are above); a relaunch resumes from the last checkpoint") from None
