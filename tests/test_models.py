@@ -72,8 +72,10 @@ def test_a_long_group_gets_its_logits_in_chunks_with_the_same_numbers(tiny_model
     assert max(widths) == 3 and sum(widths) > 10  # chunks only; the backward recomputed them (checkpointed)
     assert torch.allclose(lp0, lp1, atol=1e-6, rtol=0) and torch.allclose(lp0, lp2, atol=1e-6, rtol=0)
     for n in g0:
-        scale = g0[n].abs().max()  # float32 sums in another order: ~5e-6 of the largest entry off
-        assert torch.allclose(g0[n], g1[n], atol=1e-5 * scale, rtol=0), n
+        # float32 sums in another order: 5e-6 to 1e-5 of the largest entry off, by CPU (AMD EPYC: 0.9e-5); a
+        # chunk left out or counted twice is off by a whole position's share, orders of magnitude more
+        scale = g0[n].abs().max()
+        assert torch.allclose(g0[n], g1[n], atol=1e-4 * scale, rtol=0), n
 
 
 def kept_bytes(model, checkpoint, comps=tuple([list(range(20, 60))] * 4)) -> int:
