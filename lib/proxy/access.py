@@ -54,6 +54,7 @@ class Role(IntEnum):
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no token, no body
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")  # participant names: they appear in logs, stats and the journal
 ADMIN = "admin"  # the name the run's PROXY_TOKEN goes by
+TOKEN_REFUSED = "X-Token-Refused"  # on a refusal of the token itself, whatever the route: "revoked" or "quarantined"
 
 
 def scope(role: str, large_body: bool = False, why: str | None = None) -> dict:
@@ -256,7 +257,8 @@ class Rules:
 def guard(app, policy: Policy):
     """Pure ASGI middleware, in this order: open paths take no body; 401 without a valid token (unknown
     paths too), 401 for a revoked one, 403 for a quarantined one, 403 for a role below the route's, 429 over the
-    participant's rate;
+    participant's rate. The 401 of a revoked token and the 403 of a quarantined one carry X-Token-Refused (every route
+    will refuse it: a client stops rather than retrying, proxy_client.TokenRefused);
     413 for a body over the route's cap (declared, or counted while reading). Only then does the app see the request, with its body read and the
     caller in scope["principal"]. Nothing of a refused request's body is read. (A body that does not arrive
     in time is serving.py's to cut off.)"""
@@ -282,10 +284,10 @@ def guard(app, policy: Policy):
                 refuse = refusal(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)", has_body,
                                  {"WWW-Authenticate": "Bearer"})
             elif who.revoked_at is not None:
-                refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body)
+                refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body,
+                                 {TOKEN_REFUSED: "revoked"})
             elif (why := policy.suspended(who.name)) is not None:
-                refuse = refusal(403, f"participant {who.name!r} is quarantined: {why}. The run's owner can reinstate "
-                                      f"it (bash launch_jobs.sh --token-reinstate {who.name})", has_body)
+                refuse = refusal(403, quarantined(who.name, why), has_body, {TOKEN_REFUSED: "quarantined"})
             elif who.role < role:
                 refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
                                       f"{scope['path']}: it needs a {role.name} token" + (f" ({why_role})" if why_role else ""),
@@ -317,6 +319,13 @@ def guard(app, policy: Policy):
         finally:
             policy.observe(scope, time.perf_counter() - t0)
     return asgi
+
+
+def quarantined(name: str, why: str) -> str:
+    """What a quarantined participant's every request is told (quarantine.py): why, and how it ends."""
+    return (f"participant {name!r} is quarantined: {why}. Its token is refused on every route until the run's owner "
+            f"reinstates it: ask them to run `bash launch_jobs.sh --token-reinstate {name}` (or POST "
+            f"/v1/participants/{name}/reinstate with the admin token)")
 
 
 def protocol_mismatch(spoken: str | None) -> str:
