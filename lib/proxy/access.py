@@ -78,12 +78,15 @@ class Participant:
     max_rps: float = 0.0
     """requests per second across all routes (0: no limit); bursts up to twice that"""
     revoked_at: float | None = None
+    workers: int = 1
+    """the most live workers its share of each batch counts (shares.py): worker ids are its own labels, so the
+    number of workers it runs is the owner's to grant, not the participant's to claim"""
     allowance: float = field(default=0.0, repr=False)   # the token bucket of the rate limit
     last: float = field(default=0.0, repr=False)
 
     def public(self) -> dict:
-        return {"name": self.name, "role": self.role.name, "max_rps": self.max_rps, "created_at": self.created_at,
-                "revoked_at": self.revoked_at}
+        return {"name": self.name, "role": self.role.name, "max_rps": self.max_rps, "workers": self.workers,
+                "created_at": self.created_at, "revoked_at": self.revoked_at}
 
     def stored(self) -> dict:
         d = asdict(self)
@@ -121,7 +124,7 @@ class Tokens:
             self.etag = got[1]
             for name, d in json.loads(got[0])["tokens"].items():
                 self._add(Participant(name, Role[d["role"]], d["sha256"], d["created_at"], d.get("max_rps", 0.0),
-                                      d.get("revoked_at")))
+                                      d.get("revoked_at"), workers=d.get("workers", 1)))
 
     def _add(self, p: Participant) -> None:
         self.by_name[p.name] = p
@@ -154,7 +157,7 @@ class Tokens:
         return (1.0 - p.allowance) / p.max_rps
 
     # --- changes (admin only): written to the bucket, then applied -----------------------------------
-    async def create(self, name: str, role: Role, max_rps: float) -> tuple[Participant, str]:
+    async def create(self, name: str, role: Role, max_rps: float, workers: int = 1) -> tuple[Participant, str]:
         if name == ADMIN or not NAME.match(name):
             raise TokenError(422, f"name {name!r}: 1-40 of a-z, 0-9, '-', '_', starting with a letter or digit; "
                                   f"not {ADMIN!r}")
@@ -162,12 +165,13 @@ class Tokens:
             if name in self.by_name:  # names are never reused: the journal's records stay unambiguous
                 raise TokenError(409, f"participant {name!r} already exists (revoked or not); pick another name")
             token = "agrpo_" + secrets.token_urlsafe(32)
-            p = Participant(name, role, token_hash(token), round(time.time(), 3), max_rps)
+            p = Participant(name, role, token_hash(token), round(time.time(), 3), max_rps, workers=workers)
             await self._save({**self.by_name, name: p})
             self._add(p)
             return p, token
 
-    async def update(self, name: str, max_rps: float | None = None, revoke: bool = False) -> Participant:
+    async def update(self, name: str, max_rps: float | None = None, revoke: bool = False,
+                     workers: int | None = None) -> Participant:
         async with self.lock:
             old = self.by_name.get(name)
             if old is None:
@@ -178,7 +182,8 @@ class Tokens:
                 raise TokenError(409, f"participant {name!r} was revoked")
             new = Participant(old.name, old.role, old.sha256, old.created_at,
                               old.max_rps if max_rps is None else max_rps,
-                              round(time.time(), 3) if revoke else None, old.allowance, old.last)
+                              round(time.time(), 3) if revoke else None, old.workers if workers is None else workers,
+                              old.allowance, old.last)
             await self._save({**self.by_name, name: new})
             self._add(new)
             return new
@@ -361,11 +366,14 @@ class TokenRequest(BaseModel):
     role: Literal["inference", "worker", "trainer", "admin"] = "worker"
     max_rps: float = Field(default=0.0, ge=0.0, le=10_000.0)
     """requests per second across all routes (0: no limit)"""
+    workers: int = Field(default=1, ge=1, le=4096)
+    """the most live workers its share of each batch counts (docs/trust.md#a-participants-share-of-each-batch)"""
 
 
 class LimitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    max_rps: float = Field(ge=0.0, le=10_000.0)
+    max_rps: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    workers: int | None = Field(default=None, ge=1, le=4096)
 
 
 NamePath = Annotated[str, Path(min_length=1, max_length=40, pattern=NAME.pattern)]
@@ -378,7 +386,7 @@ def _answer(e: TokenError) -> HTTPException:
 async def create_token(req: TokenRequest) -> dict:
     """A new participant and its token (shown in this answer only; the bucket keeps its sha256)."""
     try:
-        p, token = await POLICY.tokens.create(req.name, Role[req.role], req.max_rps)
+        p, token = await POLICY.tokens.create(req.name, Role[req.role], req.max_rps, req.workers)
     except TokenError as e:
         raise _answer(e) from None
     return {**p.public(), "token": token}
@@ -389,9 +397,10 @@ async def list_tokens() -> dict:
 
 
 async def limit_token(name: NamePath, req: LimitRequest) -> dict:
-    """Change a participant's rate limit; it applies to its next request."""
+    """Change a participant's rate limit (from its next request) or the live workers its share counts at most (from the
+    next batch); what is left out stays as it was."""
     try:
-        return (await POLICY.tokens.update(name, max_rps=req.max_rps)).public()
+        return (await POLICY.tokens.update(name, max_rps=req.max_rps, workers=req.workers)).public()
     except TokenError as e:
         raise _answer(e) from None
 
