@@ -367,10 +367,9 @@ class Worker:
 
     def over(self) -> bool:
         """SIGTERM; or the run is over (its final version handled, nothing left to swap in: a round now would never
-        be trained); or --max-rounds done."""
-        if self.sync.token_refused is not None:  # (the sync thread met it: main says why)
-            raise self.sync.token_refused
+        be trained); or the proxy refused our token; or --max-rounds done."""
         return (self.stop.is_set() or (self.sync.done and self.sync.ready is None) or self.gave_up()
+                or self.sync.token_refused is not None  # the sync thread's poll was refused: work() raises it
                 or bool(self.args.max_rounds and self.rounds >= self.args.max_rounds))
 
     def gave_up(self) -> bool:
@@ -676,6 +675,8 @@ def work(worker: Worker) -> None:
             continue                # (waiting: a round now would be wasted)
         if lease := worker.ask_for_prompts():
             worker.run_round(lease)
+    if worker.sync.token_refused is not None:
+        raise worker.sync.token_refused
 
 
 def refused(worker: Worker | None, e: TokenRefused) -> int:
