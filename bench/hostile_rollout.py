@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,56 +36,63 @@ def first_sampled(c: dict) -> int:
     return sampled_mask(c).index(1)
 
 
-def hostile_rows() -> list[tuple[str, callable]]:
-    """(row, what it does to a group the worker made), in the order they are sent."""
-    def meta(key, value):
-        def edit(g):
-            g["meta"][key] = value
-        return edit
+def set_meta(key: str, value, g: dict) -> None:
+    g["meta"][key] = value
 
-    def logprob(value):
-        def edit(g):
-            c = g["completions"][0]
-            c["logprobs"][first_sampled(c)] = value
-        return edit
 
-    def token(g):
-        c = g["completions"][0]
-        c["token_ids"][first_sampled(c)] = VOCAB
-    return [("1a meta.timings 'x'", meta("timings", "x")), ("1b meta.reward_components [1]", meta("reward_components", [1])),
-            ("2 meta.temperature 1e-300", meta("temperature", 1e-300)),
-            ("3 meta.temperature 1e-39", meta("temperature", 1e-39)),
-            ("4 a behaviour logprob -100", logprob(-100.0)), ("4b a behaviour logprob -45", logprob(-45.0)),
-            ("5 a token id past the vocabulary (49152)", token)]
+def set_logprob(value: float, g: dict) -> None:
+    c = g["completions"][0]
+    c["logprobs"][first_sampled(c)] = value
+
+
+def set_token(value: int, g: dict) -> None:
+    c = g["completions"][0]
+    c["token_ids"][first_sampled(c)] = value
+
+
+ROWS = [("1a meta.timings 'x'", partial(set_meta, "timings", "x")),
+        ("1b meta.reward_components [1]", partial(set_meta, "reward_components", [1])),
+        ("2 meta.temperature 1e-300", partial(set_meta, "temperature", 1e-300)),
+        ("3 meta.temperature 1e-39", partial(set_meta, "temperature", 1e-39)),
+        ("4 a behaviour logprob -100", partial(set_logprob, -100.0)),
+        ("4b a behaviour logprob -45", partial(set_logprob, -45.0)),
+        ("5 a token id past the vocabulary (49152)", partial(set_token, VOCAB))]
+"""(row, what it does to a group the worker made), in the order they are sent"""
 
 
 class Hostile:
-    """Wraps the worker's group_record: each new group gets the next hostile row and is posted here first (raw: only a
-    429 is waited out and sent again), so that the log holds the proxy's own answer; the worker then sends it as it sends any group (the
-    proxy answers `duplicate` to what it took, and the worker's spool sets aside what it refused)."""
+    """The worker's group_record, wrapped: each new group gets the next hostile row and is posted here first (raw: only
+    a 429 is waited out and sent again), so that the log holds the proxy's own answer; the worker then sends it as it
+    sends any group (the proxy answers `duplicate` to what it took, and the worker's spool sets aside what it refused)."""
 
-    def __init__(self, url: str, token: str, log_path: str):
+    def __init__(self, url: str, token: str, log_path: str, honest_record):
         import httpx
         from common import PROTOCOL
         self.http = httpx.Client(base_url=url, headers={"X-Proxy-Token": token, "X-Protocol": str(PROTOCOL)}, timeout=60)
-        self.rows, self.log_path, self.lock = hostile_rows(), log_path, threading.Lock()
+        self.rows, self.log_path, self.lock, self.honest_record = list(ROWS), log_path, threading.Lock(), honest_record
 
     def write(self, record: dict) -> None:
         with self.lock, open(self.log_path, "a") as f:
             f.write(json.dumps({"at": round(time.time(), 3), **record}) + "\n")
 
-    def record(self, honest_record):
-        def made(*a, **k) -> dict:
-            g = honest_record(*a, **k)
-            if self.rows:
-                row, edit = self.rows.pop(0)
-                edit(g)
-                while (r := self.http.post("/v1/groups", json=g)).status_code == 429:  # buffer full: as ProxyClient
-                    time.sleep(float(r.headers.get("Retry-After", "1")))
-                self.write({"row": row, "group_id": g["group_id"], "policy_version": g["policy_version"],
-                            "status": r.status_code, "answer": r.text[:400]})
-            return g
-        return made
+    def __call__(self, *a, **k) -> dict:
+        g = self.honest_record(*a, **k)
+        if self.rows:
+            row, edit = self.rows.pop(0)
+            edit(g)
+            while (r := self.http.post("/v1/groups", json=g)).status_code == 429:  # buffer full: as ProxyClient
+                time.sleep(float(r.headers.get("Retry-After", "1")))
+            self.write({"row": row, "group_id": g["group_id"], "policy_version": g["policy_version"],
+                        "status": r.status_code, "answer": r.text[:400]})
+        return g
+
+
+def lease_once(http, log: Hostile, row: str, name: str, n: int, write: bool = True) -> int:
+    """One prompt lease of dataset `name` at size n, its answer logged under `row` (write); its status."""
+    r = http.post("/v1/prompts/lease", json={"dataset": name, "size": n, "n": 4})
+    if write:
+        log.write({"row": row, "status": r.status_code, "answer": r.text[:400]})
+    return r.status_code
 
 
 def lease_attacks(dataset: str, size: int, log: Hostile) -> None:
@@ -92,11 +100,7 @@ def lease_attacks(dataset: str, size: int, log: Hostile) -> None:
     the trainer opened it and once it is open, and 64 made-up dataset names."""
     http = log.http
 
-    def lease(row: str, name: str, n: int, write: bool = True) -> int:
-        r = http.post("/v1/prompts/lease", json={"dataset": name, "size": n, "n": 4})
-        if write:
-            log.write({"row": row, "status": r.status_code, "answer": r.text[:400]})
-        return r.status_code
+    lease = partial(lease_once, http, log)
     lease("6 wrong size, before the trainer opened the dataset", dataset, size + 1)
     codes = [lease("7", f"made-up-{k}", 100, write=False) for k in range(64)]
     log.write({"row": "7 64 made-up dataset names", "status": sorted(set(codes)), "answer":
@@ -121,8 +125,7 @@ if __name__ == "__main__":  # rollout.py's own __main__, the hostile values in p
     log_path = argv[where + 1]
     del argv[where:where + 2]
     args = tyro.cli(rollout.Args, args=argv)
-    log = Hostile(args.proxy_url, args.proxy_token, log_path)
-    rollout.group_record = log.record(rollout.group_record)
+    rollout.group_record = log = Hostile(args.proxy_url, args.proxy_token, log_path, rollout.group_record)
     task = load_task(args.task)
     threading.Thread(target=lease_attacks, args=(task.name, len(task.prompts), log), daemon=True).start()
     rollout.main(args)

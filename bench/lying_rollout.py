@@ -24,19 +24,22 @@ from common import sampled_mask  # noqa: E402
 LIES = ("rewards", "logprobs", "temperature")
 
 
-def lying(honest_record, lie: str, claimed_temperature: float):
-    """group_record with `lie` in place (module docstring)."""
-    def record(*a, **k) -> dict:
-        g = honest_record(*a, **k)
+class Lying:
+    """The worker's group_record with `lie` in place (module docstring)."""
+
+    def __init__(self, honest_record, lie: str, claimed_temperature: float):
+        self.honest_record, self.lie, self.claimed = honest_record, lie, claimed_temperature
+
+    def __call__(self, *a, **k) -> dict:
+        g = self.honest_record(*a, **k)
         for c in g["completions"]:
-            if lie == "rewards":
+            if self.lie == "rewards":
                 c["reward"] = 1.0  # what the task scored is replaced by the best reward
-            elif lie == "logprobs":
+            elif self.lie == "logprobs":
                 c["logprobs"] = [lp / 2 if m else lp for lp, m in zip(c["logprobs"], sampled_mask(c))]
-        if lie == "temperature":
-            g["meta"]["temperature"] = claimed_temperature  # sampled at half of it (main)
+        if self.lie == "temperature":
+            g["meta"]["temperature"] = self.claimed  # sampled at half of it (main)
         return g
-    return record
 
 
 def take(argv: list[str], flag: str, default: str) -> str:
@@ -64,7 +67,7 @@ if __name__ == "__main__":  # rollout.py's own __main__, with the lie in place
     if lie == "temperature":
         from dataclasses import replace
         args = replace(args, temperature=claimed / 2)
-    rollout.group_record = lying(rollout.group_record, lie, claimed)
+    rollout.group_record = Lying(rollout.group_record, lie, claimed)
     rollout.main(args)
     atexit._run_exitfuncs()
     logging.shutdown()
