@@ -1023,7 +1023,7 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
 async def get_stats() -> dict:
     tokens, trust = POLICY.tokens, S.book.quarantine
     roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None,
-                 **({"checks": trust.public(n)} if n != ADMIN else {})}
+                 **({"checks": trust.public(n), "workers": p.workers} if n != ADMIN else {})}
              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": max_buffer(), **S.counters,

@@ -294,4 +294,5 @@ def test_worker_ids_a_participant_makes_up_do_not_raise_its_share(bucket, spawn)
           f"{BATCH}: {per_batch}; the flood's answers {dict((k, v) for k, v in said.items() if k != 'said')}")
     assert stats["live_workers"]["mallory"] >= 10 and stats["live_workers"]["guest"] == 2, stats["live_workers"]
     assert stats["shares"] == {"guest": round(2 / 3, 4), "mallory": round(1 / 3, 4)}, stats["shares"]
+    assert stats["participants"]["guest"]["workers"] == 2 and stats["participants"]["mallory"]["workers"] == 1
     assert max(per_batch) <= math.ceil(BATCH / 3) and min(honest_in) >= BATCH - math.ceil(BATCH / 3), (per_batch, honest_in)
