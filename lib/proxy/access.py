@@ -39,7 +39,7 @@ from typing import Annotated, Literal
 
 from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common import PROTOCOL, Bucket, ConflictError
 
@@ -374,6 +374,12 @@ class LimitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     max_rps: float | None = Field(default=None, ge=0.0, le=10_000.0)
     workers: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _something(self) -> "LimitRequest":
+        if self.max_rps is None and self.workers is None:
+            raise ValueError("nothing to change: give max_rps, workers or both")
+        return self
 
 
 NamePath = Annotated[str, Path(min_length=1, max_length=40, pattern=NAME.pattern)]
