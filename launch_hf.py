@@ -129,7 +129,7 @@ class Args:
     token_revoke: str | None = None
     """NAME: revoke a participant's token (its next request gets 401)"""
     token_limit: str | None = None
-    """NAME: set a participant's rate limit to --max-rps"""
+    """NAME: set a participant's rate limit to --max-rps, and/or the workers its share counts to --token-workers"""
     token_list: bool = False
     """list the run's participants"""
     token_reinstate: str | None = None
@@ -137,8 +137,11 @@ class Args:
     role: Literal["inference", "worker", "trainer", "admin"] = "worker"
     """with --token-create: inference (ask the policy only), worker (prompts, groups, adapters), trainer (also
     batches, registrations), admin"""
-    max_rps: float = 0.0
-    """with --token-create / --token-limit: requests per second for that participant (0: no limit)"""
+    max_rps: float | None = None
+    """with --token-create / --token-limit: requests per second for that participant (0, or unset at creation: no limit)"""
+    token_workers: int | None = None
+    """with --token-create / --token-limit: the most live workers the participant's share of each batch counts (unset at
+    creation: 1); give a participant that runs N workers N (docs/trust.md#a-participants-share-of-each-batch)"""
     proxy_url: str | None = field(default_factory=lambda: os.environ.get("PROXY_URL"))
     """the proxy for the token commands (env PROXY_URL; default: the exposed URL of --run's proxy job)"""
     list_presets: bool = False
@@ -631,12 +634,15 @@ def tokens(args: Args) -> None:
     if ".hf.jobs" in url:  # the --expose gateway checks an HF token in Authorization; the proxy, X-Proxy-Token
         hf_token = hf_token or local_token()
     headers = {"X-Proxy-Token": admin, "Authorization": f"Bearer {hf_token or admin}"}
+    given = {k: v for k, v in (("max_rps", args.max_rps), ("workers", args.token_workers)) if v is not None}
     if args.token_create:
-        method, path, body = "POST", "/v1/tokens", {"name": args.token_create, "role": args.role, "max_rps": args.max_rps}
+        method, path, body = "POST", "/v1/tokens", {"name": args.token_create, "role": args.role, **given}
     elif args.token_revoke:
         method, path, body = "DELETE", f"/v1/tokens/{args.token_revoke}", None
     elif args.token_limit:
-        method, path, body = "PATCH", f"/v1/tokens/{args.token_limit}", {"max_rps": args.max_rps}
+        if not given:
+            raise SystemExit(f"--token-limit {args.token_limit}: say what to change, --max-rps R and/or --token-workers N")
+        method, path, body = "PATCH", f"/v1/tokens/{args.token_limit}", given
     elif args.token_reinstate:
         method, path, body = "POST", f"/v1/participants/{args.token_reinstate}/reinstate", None
     else:
@@ -648,7 +654,7 @@ def tokens(args: Args) -> None:
     if r.status_code != 200:
         raise SystemExit(f"{method} {path} -> {r.status_code}: {r.text[:500]}")
     got = r.json()
-    limit = lambda p: f"{p['max_rps']:g} requests/s" if p["max_rps"] else "no rate limit"  # noqa: E731
+    limit = lambda p: (f"{p['max_rps']:g} requests/s" if p["max_rps"] else "no rate limit") + f", {p['workers']} worker(s)"  # noqa: E731
     if args.token_create:
         print(f"participant {got['name']} ({got['role']}, {limit(got)}) on {url}\n"
               f"token (shown once; the proxy keeps only its sha256):\n  {got['token']}\n"
@@ -664,7 +670,7 @@ def tokens(args: Args) -> None:
         for p in got["tokens"]:
             state = ("revoked" if p["revoked_at"] else f"quarantined: {p['quarantined']}" if p.get("quarantined")
                      else "active")
-            print(f"{p['name']:20s} {p['role']:8s} {limit(p):22s} {state}")
+            print(f"{p['name']:20s} {p['role']:8s} {limit(p):36s} {state}")
 
 
 def print_command(args: Args) -> None:

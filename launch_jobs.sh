@@ -41,7 +41,8 @@ without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N roll
          bash launch_jobs.sh --watch RUN [--detach]          (supervise: relaunch every job that ends early)
 participants (PROXY_TOKEN set; --proxy-url URL, or --run RUN to find the run's proxy job):
          bash launch_jobs.sh --token-create NAME [--role inference|worker|trainer|admin] [--max-rps R]
-         bash launch_jobs.sh --token-revoke NAME | --token-limit NAME --max-rps R | --token-list
+                                                      [--token-workers N]  (the workers its share counts; 1)
+         bash launch_jobs.sh --token-revoke NAME | --token-limit NAME [--max-rps R] [--token-workers N] | --token-list
          bash launch_jobs.sh --token-reinstate NAME   (lift a quarantine: docs/trust.md)
 EOF
 }

@@ -62,6 +62,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Literal, NoReturn
@@ -171,9 +172,9 @@ class Args:
     """inference routing (POST /v1/chat/completions answered by serving workers, routing.py)"""
     max_participant_share: float = 1.0
     """the most of each batch one participant's groups may take, as a share: each takes at most its share of the live
-    workers (shares.py: those polling for versions with their worker_id), and at most this; beyond it its groups wait
-    in the buffer (and past that share of --max-buffer get 429). 1: its share of the live workers alone. Worker ids are
-    a participant's own labels: lower this to bound one that polls under many. The run's own groups are never held back"""
+    workers (shares.py: those polling for versions with their worker_id, counted up to the workers its token allows,
+    `--token-workers`), and at most this; beyond it its groups wait in the buffer (and past that share of --max-buffer
+    get 429). 1: its share of the live workers alone. The run's own groups are never held back"""
     quarantine_after: int = 3
     """a participant whose groups failed this many checks (here, or in the trainer's audit) is suspended until
     the run's owner reinstates it (docs/trust.md)"""
@@ -565,7 +566,7 @@ def share_room(key: str, version: int) -> int | None:
     pacer, now = S.book.pacing, time.monotonic()
     n = pacer.batch or 8
     buffered = Counter(it.who for it in S.book.buffer.values())
-    quota = shares.quotas(shares.shares(LIVE.workers(now), {*buffered, who}, ARGS.max_participant_share), n)[who]
+    quota = shares.quotas(party_shares(now, {*buffered, who}), n)[who]
     batches = ARGS.max_staleness - pacer.base(S.latest, S.pending_version) + version + 1
     mine = buffered[who] + sum(g.left for k, g in pacer.grants.items() if k != key and shares.party(k) == who)
     slots = quota * max(0, batches)
@@ -704,12 +705,13 @@ def past_share(participant: str) -> str | None:
     """Why a participant's group that no grant covers finds no room in the buffer (None: it does): the participant
     holds its share of --max-buffer already (shares.py)."""
     buffered = Counter(it.who for it in S.book.buffer.values())
-    share = shares.shares(LIVE.workers(time.monotonic()), {*buffered, participant}, ARGS.max_participant_share)[participant]
+    share = party_shares(time.monotonic(), {*buffered, participant})[participant]
     cap = max(1, math.ceil(share * max_buffer() - 1e-9))
     if (held := buffered[participant] + S.pending_by[participant]) < cap:
         return None
     return (f"participant {participant!r} holds {held} groups of the buffer, its share of it ({cap} of {max_buffer()}: "
-            f"{share:.0%}, its live workers' share, at most --max-participant-share {ARGS.max_participant_share:g}); "
+            f"{share:.0%}, its live workers' share (at most {allowed_workers(participant)} counted: its token's), at most "
+            f"--max-participant-share {ARGS.max_participant_share:g}); "
             "a batch takes at most its share of them: send again later (Retry-After)")
 
 QUARANTINED = "this participant is now quarantined (its token refused, its groups held out) until the run's owner reinstates it"
@@ -912,11 +914,17 @@ def expire_leases(now: float) -> None:
     for bid in [b for b, deadline in S.deadlines.items() if deadline <= now]:
         end_lease(bid)
 
-def party_shares(now: float, buffered: Counter | None = None) -> dict:
-    """Each party's share of a batch now (shares.py): None, the run's own workers; else a participant."""
+def party_shares(now: float, buffered: Iterable | None = None) -> dict:
+    """Each party's share of a batch now (shares.py): None, the run's own workers; else a participant, whose live
+    workers count up to what its token allows (access.Participant.workers)."""
     if buffered is None:
         buffered = Counter(it.who for it in S.book.buffer.values())
-    return shares.shares(LIVE.workers(now), buffered, ARGS.max_participant_share)
+    return shares.shares(LIVE.workers(now), buffered, ARGS.max_participant_share, allowed_workers)
+
+def allowed_workers(name: str) -> int:
+    """The most live workers participant `name`'s share counts: its token's (created with --token-workers N)."""
+    p = POLICY.tokens.by_name.get(name)
+    return 1 if p is None else p.workers
 
 def expected(now: float, version: int) -> dict:
     """The parties with a round on its way -> whether a batch trained from `version` is the last that can train it: an
@@ -956,7 +964,7 @@ def batch_of(n: int, version: int) -> tuple[list[Entry], dict] | None:
         return None
     if not any(p is not None for p in (*buffered, *live)):  # the run's own groups only
         return fresh[:n], {}
-    quota, owed = shares.quotas(shares.shares(live, buffered, ARGS.max_participant_share), n), book.receipts.owed
+    quota, owed = shares.quotas(party_shares(now, buffered), n), book.receipts.owed
     urgent = lambda it: it.paced and book.too_stale(it.version, version + 1)  # noqa: E731 - its last batch
     if (got := shares.select(fresh, n, quota, owed, waits := expected(now, version), urgent)) is not None or not waits:
         STALL["since"] = None if got is None else STALL["since"]
@@ -1131,7 +1139,7 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
 async def get_stats() -> dict:
     tokens, trust = POLICY.tokens, S.book.quarantine
     roles = {n: {"role": p.role.name, "max_rps": p.max_rps, "revoked": p.revoked_at is not None,
-                 **({"checks": trust.public(n)} if n != ADMIN else {})}
+                 **({"checks": trust.public(n), "workers": p.workers} if n != ADMIN else {})}
              for n, p in [(ADMIN, tokens.admin), *tokens.by_name.items()]}
     return {"buffer_size": len(S.book.buffer), "latest_version": S.latest, "done": S.book.done, "open_leases": len(S.book.leases),
             "max_staleness": ARGS.max_staleness, "group_size": ARGS.group_size, "max_buffer": max_buffer(), **S.counters,

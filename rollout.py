@@ -31,7 +31,9 @@ The loop (main, a Worker's steps): swap in the newest verified adapter; wait, an
 round would be wasted (its version too stale, --sync's next version not there yet, or the proxy said nothing
 generated with it can be trained); ask the proxy for prompts (a grant of pacing, lib/proxy/pacing.py: once the
 round can still be trained; a worker that cannot load the newest version names the one it holds, and why);
-generate, score, spool and send one group per prompt.
+generate, score, spool and send one group per prompt. A worker whose token the proxy refuses on every route (its
+participant quarantined for failed checks, or the token revoked: docs/trust.md#quarantine) stops with one line
+saying why and who can lift it, exit status 3, its spooled groups kept.
 
 Between rounds the worker also answers a few inference requests routed through the proxy
 (`POST /v1/chat/completions` on the proxy, see routing.py) with the adapter it serves; rollouts keep
@@ -66,7 +68,7 @@ from environments import is_environment, load_environment
 from episodes import Budget, Renderer, group_of, run_in_waves
 from metrics import Metrics
 from models import LOCAL_MODEL, encode_prompt, model_path
-from proxy_client import ProxyClient, ProxyError, proxy_adapter_meta
+from proxy_client import ProxyClient, ProxyError, TokenRefused, proxy_adapter_meta
 from runconfig import record_config
 from spool import LocalMetrics, Spool
 from tasks import load_task, token_budget
@@ -75,6 +77,7 @@ log = logging.getLogger("rollout")
 GRANT_POLL_S = 5.0      # a paced prompt lease waits this long on the proxy for a grant, then we ask again
 ADAPTER_WAIT_S = 60.0   # a grant counted at a version we do not hold yet: how long we wait for that version
 SAY_EVERY_S = 60.0      # the proxy's reason for granting nothing, said again at most this often
+EXIT_REFUSED = 3        # the exit status when the proxy refuses this worker's token (quarantined, revoked)
 
 
 @dataclass
@@ -228,6 +231,8 @@ class RoutedServing:
         try:
             got = self.client.post("/v1/inference/lease", {"worker_id": self.worker_id, "max_requests": self.per_round,
                                                             "wait_s": wait_s})["requests"]
+        except TokenRefused:  # refused on every route: the worker stops (main)
+            raise
         except ProxyError as e:  # refused (this token may not serve, say): it will not change, stop asking
             self.log(f"not serving routed requests: {e}")
             self.enabled = False
@@ -245,6 +250,8 @@ class RoutedServing:
         if answers:
             try:
                 self.client.post("/v1/inference/answers", {"worker_id": self.worker_id, "answers": answers})
+            except TokenRefused:
+                raise
             except (ProxyError, httpx.HTTPError) as e:
                 self.log(f"could not deliver {len(answers)} routed answer(s): {e}")
         return len(got)
@@ -360,8 +367,9 @@ class Worker:
 
     def over(self) -> bool:
         """SIGTERM; or the run is over (its final version handled, nothing left to swap in: a round now would never
-        be trained); or --max-rounds done."""
+        be trained); or the proxy refused our token; or --max-rounds done."""
         return (self.stop.is_set() or (self.sync.done and self.sync.ready is None) or self.gave_up()
+                or self.sync.token_refused is not None  # the sync thread's poll was refused: work() raises it
                 or bool(self.args.max_rounds and self.rounds >= self.args.max_rounds))
 
     def gave_up(self) -> bool:
@@ -587,15 +595,16 @@ class Worker:
                  + (f", {row['serve/requests']} routed request(s) answered" if row["serve/requests"] else ""))
         self.row = {}
 
-    def close(self) -> None:
-        """After the loop: stop what this worker started, send or drop what is spooled, flush the metrics."""
+    def close(self, send: bool = True) -> None:
+        """After the loop: stop what this worker started, send or drop what is spooled (send False: keep it, the proxy
+        refuses our token), flush the metrics."""
         if self.env:
             self.env.close()  # stops an environment server this worker started
         if isinstance(self.engine, ServerSampler):
             self.engine.close()  # stops a server this worker started (a --server-url one is left running)
-        if self.sync.done:  # the final version is registered: nothing sent from now on would ever be trained
+        if self.sync.done and send:  # the final version is registered: nothing sent from now on would ever be trained
             self.spool.drop_all("the run is over")
-        else:  # SIGTERM or --max-rounds: whatever is still spooled goes now, or stays on disk for a restart
+        elif send:  # SIGTERM or --max-rounds: whatever is still spooled goes now, or stays on disk for a restart
             self.sync.done = True
             self.spool.flush(self.client)
         self.metrics.flush()
@@ -652,18 +661,9 @@ def resolved(args: Args) -> Args:
     return args if args.max_new_tokens is not None else replace(args, max_new_tokens=token_budget(args.task))
 
 
-def main(args: Args) -> None:
-    args = resolved(args)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(worker_seed(args.seed, args.worker_id))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
-    # every line on stderr, prefixed with the worker id (several workers may share a terminal); other
-    # libraries' loggers only from warnings up (httpx would log every request)
-    logging.basicConfig(format=f"[{args.worker_id}] %(message)s", level=logging.WARNING, stream=sys.stderr)
-    log.setLevel(logging.INFO)
-    worker = start_worker(args, stop)
-    client, spool, task = worker.client, worker.spool, worker.task
+def work(worker: Worker) -> None:
+    """The loop: rounds until SIGTERM, the run's end, or --max-rounds."""
+    client, spool, task, args = worker.client, worker.spool, worker.task, worker.args
     if spool.pending():
         log.info(f"resubmitting {len(spool.pending())} spooled group(s) from before a restart")
         spool.flush(client)
@@ -675,6 +675,39 @@ def main(args: Args) -> None:
             continue                # (waiting: a round now would be wasted)
         if lease := worker.ask_for_prompts():
             worker.run_round(lease)
+    if worker.sync.token_refused is not None:
+        raise worker.sync.token_refused
+
+
+def refused(worker: Worker | None, e: TokenRefused) -> int:
+    """The proxy refuses this worker's token on every route (its participant quarantined, or the token revoked): stop
+    what the worker started, keep its spooled groups on disk (unjudged: a worker started again once the owner lets the
+    token back in sends them), and say so in one line. Returns EXIT_REFUSED."""
+    kept = ""
+    if worker is not None:
+        worker.close(send=False)
+        kept = (f"; {len(worker.spool.pending())} group(s) stay spooled in {worker.spool.dir}, sent by the next worker "
+                f"started there" + (f" ({len(worker.spool.held)} held in memory are lost)" if worker.spool.held else ""))
+    log.error(f"stopping: the proxy refuses this worker's token: {e.detail}{kept}")
+    return EXIT_REFUSED
+
+
+def main(args: Args) -> None:
+    args = resolved(args)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(worker_seed(args.seed, args.worker_id))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # finish the round, post it, exit
+    # every line on stderr, prefixed with the worker id (several workers may share a terminal); other
+    # libraries' loggers only from warnings up (httpx would log every request)
+    logging.basicConfig(format=f"[{args.worker_id}] %(message)s", level=logging.WARNING, stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    worker = None
+    try:
+        worker = start_worker(args, stop)
+        work(worker)
+    except TokenRefused as e:  # quarantined or revoked: nothing this worker sends is taken until the owner acts
+        sys.exit(refused(worker, e))
     worker.close()
     if worker.gave_up():  # every group of the last rounds failed: the run would wait on this worker forever
         log.error(f"stopping: {worker.failed_rounds} rounds in a row sent nothing (--max-failed-rounds); the first "

@@ -1,18 +1,22 @@
 """A local run with two participants (issue #44's acceptance): the real proxy (moto for S3), the real trainer on
---task, participant `guest` running the real rollout.py and participant `mallory` running bench/lying_rollout.py
-(the real worker, every group's rewards inflated to 1.0), both on their own scoped worker tokens (POST /v1/tokens,
-no bucket keys). The proxy quarantines at its default --quarantine-after 3.
+--task, participant `guest` running the real rollout.py and participant `mallory` running the real worker with a lie
+(--mallory: bench/lying_rollout.py's rewards inflated to 1.0, behaviour logprobs made up, or a claimed temperature
+other than the one sampled at) or with issue #44's hostile groups and leases (bench/hostile_rollout.py), both on their
+own scoped worker tokens (POST /v1/tokens, no bucket keys). The proxy quarantines at its default --quarantine-after 3.
 
     .venv/bin/python bench/participants_run.py --task calculator --steps 10
     .venv-envs/bin/python bench/participants_run.py --task reasoning-gym:syllogism --steps 10   # reasoning_gym
     .venv/bin/python bench/participants_run.py --task calculator --no-liar                     # guest alone
+    .venv/bin/python bench/participants_run.py --task addition --mallory hostile --steps 6     # the issue's table
+    .venv/bin/python bench/participants_run.py --task addition --mallory logprobs --steps 6
 
 Every role runs with the Python that runs this script (for reasoning-gym: .venv-envs, which has the package, so
 that the trainer re-scores its episodes). Prints and writes to --out (JSON; each role's log beside it, in a folder
 of its name): per participant the groups the proxy counts as checked and the failed checks by kind, who is
 quarantined and after which failure, the honest participant's groups refused by the proxy (its worker's spool
-`refused/`) or left out by the trainer, the trainer's exit status, and whether every adapter the trainer published
-has only finite tensors.
+`refused/`), dropped stale or left out by the trainer, whether its worker was still running at the end, the trainer's
+exit status, whether every adapter the trainer published has only finite tensors, and (--mallory hostile) the proxy's
+answer to each hostile send.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
@@ -45,6 +50,9 @@ class Args:
     """trainer steps"""
     liar: bool = True
     """start mallory's lying worker beside guest's honest one"""
+    mallory: Literal["rewards", "logprobs", "temperature", "hostile"] = "rewards"
+    """what mallory's worker does: one of bench/lying_rollout.py's --lie, or bench/hostile_rollout.py (issue #44's
+    table: each hostile group once, then honest groups; the lease attacks beside them)"""
     seed: int = 1
     """the honest worker's --seed (the liar's is seed + 1; the trainer's is 0)"""
     no_serve: bool = True
@@ -77,9 +85,23 @@ def count(path: Path, *needles: str) -> int:
     return sum(1 for line in text.splitlines() if all(n in line for n in needles))
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def local_rows(spool: Path) -> list[dict]:
+    """A participant's worker's own metrics (no bucket keys: metrics.jsonl beside its spool)."""
+    return [r for f in spool.glob("*/*/metrics.jsonl") for r in read_jsonl(f)]
+
+
+def last_line(path: Path) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return lines[-1][:600] if lines else ""
+
+
 def main(a: Args) -> None:
     tag = a.task.replace(":", "-").replace("/", "-")
-    out = Path(a.out or f"runs/participants-{tag}.json")
+    out = Path(a.out or f"runs/participants-{tag}-{a.mallory if a.liar else 'alone'}.json")
     run = f"participants-{tag}-{uuid.uuid4().hex[:6]}"
     logs = out.with_suffix("") / run
     logs.mkdir(parents=True, exist_ok=True)
@@ -102,8 +124,10 @@ def main(a: Args) -> None:
             wenv = {k: v for k, v in env.items()
                     if k not in ("BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RUN_NAME")}
             wenv.update(PROXY_TOKEN=tokens[n], PROXY_URL=url, SPOOL_DIR=str(logs / f"spool-{n}"))
-            script = "rollout.py" if n == "guest" else "bench/lying_rollout.py"
-            workers[n] = start([PY, script, "--backend", "hf", "--task", a.task, "--worker-id", f"{n}-1",
+            script = (["rollout.py"] if n == "guest" else
+                      ["bench/hostile_rollout.py", "--hostile-log", str(logs / "hostile.jsonl")] if a.mallory == "hostile"
+                      else ["bench/lying_rollout.py", "--lie", a.mallory])
+            workers[n] = start([PY, *script, "--backend", "hf", "--task", a.task, "--worker-id", f"{n}-1",
                                 "--seed", str(a.seed + (n != "guest")), *(["--no-serve"] if a.no_serve else []),
                                 *a.worker_args], wenv, logs / f"rollout-{n}.log")
             procs.append(workers[n])
@@ -142,7 +166,10 @@ def main(a: Args) -> None:
         "guest_refused_by_proxy": len(list((logs / "spool-guest" / "refused").glob("*.json")))
         if (logs / "spool-guest" / "refused").exists() else 0,
         "guest_left_out_lines": count(logs / "train.log", "left out", "guest"),
+        "guest_stale": sum(r.get("rollout/groups_stale", 0) for r in local_rows(logs / "spool-guest")),
         "worker_exit_at_end": said,
+        "mallory_said": last_line(logs / "rollout-mallory.log") if a.liar else None,
+        "hostile": read_jsonl(logs / "hostile.jsonl"),
         "adapters_finite": adapters, "all_adapters_finite": bool(adapters) and all(adapters.values()),
     }
     out.write_text(json.dumps(result, indent=1))

@@ -35,10 +35,12 @@ def open_dataset(p, dataset: str = "prompts", size: int = 1000) -> None:
     assert r.status_code == 200, r.text
 
 
-def create(p, name: str, role: str = "worker", max_rps: float = 0.0) -> str:
-    """A participant's token, in a run whose owner opened the tests' dataset ("prompts", 1000 prompts: `leased`'s)."""
+def create(p, name: str, role: str = "worker", max_rps: float = 0.0, workers: int | None = None) -> str:
+    """A participant's token, in a run whose owner opened the tests' dataset ("prompts", 1000 prompts: `leased`'s);
+    workers: the live workers its share counts at most (the proxy's default when None)."""
     open_dataset(p)
-    r = p.http.post("/v1/tokens", json={"name": name, "role": role, "max_rps": max_rps})
+    r = p.http.post("/v1/tokens", json={"name": name, "role": role, "max_rps": max_rps,
+                                        **({"workers": workers} if workers is not None else {})})
     assert r.status_code == 200, r.text
     return r.json()["token"]
 
@@ -196,13 +198,18 @@ def test_launcher_creates_limits_lists_and_revokes_tokens(spawn):
     out = run("--token-create", "carol", "--role", "worker", "--max-rps", "50")
     assert out.returncode == 0, out.stderr
     token = next(line.strip() for line in out.stdout.splitlines() if line.strip().startswith("agrpo_"))
-    assert "carol (worker, 50 requests/s)" in out.stdout
+    assert "carol (worker, 50 requests/s, 1 worker(s))" in out.stdout
     carol = as_(p, token)
     open_dataset(p)  # (the run's trainer opens its task's dataset; `own_group` leases a prompt of it)
     assert carol.post("/v1/groups", json=own_group(carol)).json()["status"] == "accepted"
     assert run("--token-limit", "carol", "--max-rps", "0").returncode == 0
+    out = run("--token-limit", "carol", "--token-workers", "3")  # the rate limit left as it is
+    assert out.returncode == 0 and "carol: no rate limit, 3 worker(s)" in out.stdout, out.stdout + out.stderr
+    assert p.http.get("/v1/tokens").json()["tokens"][0]["workers"] == 3
+    out = run("--token-limit", "carol")
+    assert out.returncode != 0 and "--max-rps R and/or --token-workers N" in out.stderr, out.stderr
     listed = run("--token-list")
-    assert "carol" in listed.stdout and "no rate limit" in listed.stdout and "active" in listed.stdout
+    assert "carol" in listed.stdout and "no rate limit, 3 worker(s)" in listed.stdout and "active" in listed.stdout
     assert run("--token-revoke", "carol").returncode == 0
     assert carol.post("/v1/groups", json=group()).status_code == 401
     bad = run("--token-create", "Not A Name")

@@ -117,7 +117,10 @@ CASES = [
     ("a negative rate limit", "POST", "/v1/tokens", {"json": {"name": "x", "max_rps": -1}}, 422, "max_rps"),
     ("revoke of nobody", "DELETE", "/v1/tokens/nobody", {}, 404, "no participant"),
     ("limit of nobody", "PATCH", "/v1/tokens/nobody", {"json": {"max_rps": 1}}, 404, "no participant"),
-    ("limit without a rate", "PATCH", "/v1/tokens/nobody", {"json": {}}, 422, "max_rps"),
+    ("limit without a rate", "PATCH", "/v1/tokens/nobody", {"json": {}}, 422, "max_rps, workers or both"),
+    ("a token of no workers", "POST", "/v1/tokens", {"json": {"name": "x", "workers": 0}}, 422, "workers"),
+    ("a token of workers as a string", "POST", "/v1/tokens", {"json": {"name": "x", "workers": "4"}}, 422, "workers"),
+    ("a limit of too many workers", "PATCH", "/v1/tokens/nobody", {"json": {"workers": 10**6}}, 422, "workers"),
     # adapter files
     ("files of an unregistered version", "GET", "/v1/adapters/7/files", {}, 404, "not registered"),
     ("a file that is not an adapter's", "GET", "/v1/adapters/1/files/secrets.txt", {}, 422, "name"),

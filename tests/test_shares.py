@@ -3,6 +3,8 @@ with equal rewards or of true ones, sent as fast as it can and never waiting, ta
 beside an honest worker, whose groups are all trained; prompts it leased and never answered count against its share,
 across a restart. The rules by hand first, then the real proxy with a paced honest worker and a trainer."""
 import collections
+import itertools
+import math
 import os
 import signal
 import threading
@@ -33,6 +35,12 @@ def test_each_partys_share_is_its_live_workers_share_and_the_ceiling_goes_to_the
     # a ceiling of 0.5: mallory's 100 worker ids take half, what the ceiling leaves goes to guest
     assert shares.shares(collections.Counter({"mallory": 100, "guest": 1}), (), 0.5) == {"mallory": 0.5, "guest": 0.5}
     assert shares.shares(collections.Counter({"a": 1, "b": 1, "c": 2}), (), 0.25) == {"a": 0.25, "b": 0.25, "c": 0.25}
+    # a participant's live workers count up to what its token allows; the run's own are not capped
+    allowed = {"guest": 2, "mallory": 1}.get
+    assert shares.shares(collections.Counter({None: 3, "guest": 2, "mallory": 100}), (), 1.0, allowed) == {
+        None: 0.5, "guest": 1 / 3, "mallory": 1 / 6}
+    assert shares.shares(collections.Counter({"guest": 1, "mallory": 0}), {"mallory"}, 1.0, allowed) == {
+        "guest": 0.5, "mallory": 0.5}  # buffered, none live: one, as before
     assert shares.quotas({None: 0.5, "guest": 0.25, "mallory": 0.25}, 8) == {"guest": 2, "mallory": 2}
     assert shares.quotas({"guest": 1 / 3, "mallory": 2 / 3}, 8) == {"guest": 3, "mallory": 6}
     assert shares.quotas({"guest": 0.01}, 8) == {"guest": 1}
@@ -71,8 +79,8 @@ class Honest:
     """A participant's worker as rollout.py is one: a version long-poll open with its worker_id all along (its sign of
     life), a paced prompt lease for each round, the round's groups sent (429: after Retry-After, as ProxyClient does)."""
 
-    def __init__(self, p, token: str, stop: threading.Event):
-        self.p, self.token, self.stop = p, token, stop
+    def __init__(self, p, token: str, stop: threading.Event, wid: str = "g1"):
+        self.p, self.token, self.stop, self.wid = p, token, stop, wid
         self.sent: dict[str, float] = {}  # accepted group id -> when
         self.refused: list[str] = []
 
@@ -80,19 +88,20 @@ class Honest:
         with as_(self.p, self.token) as c:
             after = -1
             while not self.stop.is_set():
-                r = c.get("/v1/adapters/latest", params={"after": after, "wait_s": 1.0, "worker_id": "g1"})
+                r = c.get("/v1/adapters/latest", params={"after": after, "wait_s": 1.0, "worker_id": self.wid})
                 after = r.json()["version"]
 
     def rounds(self) -> None:
         with as_(self.p, self.token) as c:
             while not self.stop.is_set():
                 grant = c.post("/v1/prompts/lease", json={"dataset": "prompts", "size": 1000, "n": BATCH,
-                                                           "worker_id": "g1", "wait_s": 1.0}).json()
+                                                           "worker_id": self.wid, "wait_s": 1.0}).json()
                 if not grant["indices"]:
                     continue
                 time.sleep(ROUND_S)  # "generating"
                 for i in grant["indices"]:
-                    g = own(group(version=grant["version"], G=G, worker="g1", lease_id=grant["lease_id"], prompt_index=i))
+                    g = own(group(version=grant["version"], G=G, worker=self.wid, lease_id=grant["lease_id"],
+                                  prompt_index=i))
                     while (r := c.post("/v1/groups", json=g)).status_code == 429:
                         self.refused.append(r.json()["detail"])
                         time.sleep(float(r.headers["Retry-After"]))
@@ -225,3 +234,65 @@ def test_prompts_leased_and_never_answered_count_against_the_share_across_a_rest
     got = q.http.post("/v1/batches/lease", json={"num_groups": 8}).json()  # only hers are left: nobody else waits
     # (her share is all of it now: her quota of 8 pays 8 more)
     assert [g["participant"] for g in got["groups"]] == ["mallory"] * 8 and q.stats()["prompts_owed"] == {"mallory": 67}
+
+
+def made_up_workers(p, token: str, stop: threading.Event, ids: list[str]) -> None:
+    """Worker ids a participant makes up to raise its share: a version long-poll held open under each (as a live
+    worker does), then one under a new id each time (rotating), and a paced prompt lease under yet more (pacing's sign
+    of life too). Nothing generates."""
+    def hold(wid: str) -> None:
+        with as_(p, token) as c:
+            while not stop.is_set():
+                c.get("/v1/adapters/latest", params={"after": 10**6, "wait_s": 2.0, "worker_id": wid})
+    held = [Worker(hold, wid) for wid in ids]
+    for t in held:
+        t.start()
+    with as_(p, token) as c:
+        for k in itertools.count():
+            if stop.is_set():
+                break
+            c.get("/v1/adapters/latest", params={"after": 10**6, "wait_s": 0.05, "worker_id": f"rot{k}"})
+            c.post("/v1/prompts/lease", json={"dataset": "prompts", "size": 1000, "n": 1, "worker_id": f"pace{k}",
+                                             "wait_s": 0.05})
+            time.sleep(0.2)
+    for t in held:
+        t.join(30)
+
+
+@pytest.mark.timeout(600)
+def test_worker_ids_a_participant_makes_up_do_not_raise_its_share(bucket, spawn):
+    """The attack: mallory holds version long-polls open under 7 worker ids she made up, rotates more, and opens paced
+    prompt leases under yet others, beside her flood; guest runs two honest workers on one token, which the run's owner
+    created for 2 workers. A participant's share counts at most the workers its token allows (1 unless the owner said
+    more), whatever ids it shows: mallory's share is 1/3, guest's 2/3, in every batch."""
+    p = spawn()
+    guest, mallory = create(p, "guest", workers=2), create(p, "mallory")
+    stop, mine = threading.Event(), threading.Event()
+    honest = [Honest(p, guest, stop, wid) for wid in ("g1", "g2")]
+    threads = [Worker(h.poll) for h in honest] + [Worker(h.rounds) for h in honest]
+    for t in threads:
+        t.start()
+    trainer, said = Trainer(p, bucket), {}
+    fakes = [Worker(flood, p, mallory, mine, True, said), Worker(made_up_workers, p, mallory, mine,
+                                                                 [f"m{k}" for k in range(7)])]
+    try:
+        trainer.run(2)
+        for t in fakes:
+            t.start()
+        wait_for(lambda: p.stats()["live_workers"].get("mallory", 0) >= 10, 60, msg="mallory's made-up workers")
+        trainer.run(2)  # the batches the flood was already in
+        batches = trainer.run(8)
+        stats = p.stats()
+    finally:
+        mine.set()
+        stop.set()
+        for t in threads + fakes:
+            t.join(60)
+    per_batch = [sum(who == "mallory" for _, who in b) for _, b in batches]
+    honest_in = [sum(who == "guest" for _, who in b) for _, b in batches]
+    print(f"\nguest's groups per batch {honest_in}; mallory's live worker ids {stats['live_workers']}; shares {stats['shares']}; her groups per batch of "
+          f"{BATCH}: {per_batch}; the flood's answers {dict((k, v) for k, v in said.items() if k != 'said')}")
+    assert stats["live_workers"]["mallory"] >= 10 and stats["live_workers"]["guest"] == 2, stats["live_workers"]
+    assert stats["shares"] == {"guest": round(2 / 3, 4), "mallory": round(1 / 3, 4)}, stats["shares"]
+    assert stats["participants"]["guest"]["workers"] == 2 and stats["participants"]["mallory"]["workers"] == 1
+    assert max(per_batch) <= math.ceil(BATCH / 3) and min(honest_in) >= BATCH - math.ceil(BATCH / 3), (per_batch, honest_in)

@@ -439,3 +439,41 @@ def test_the_logprob_limits_follow_the_dtype_the_trainer_computes_in():
     auditor = Auditor(Options(), "addition", None, None, None, 2, lambda g: 1.0, lambda g: True, say=lambda s: None,
                       dtype=torch.bfloat16)
     assert (auditor.opts.max_dev_mean, auditor.opts.max_dev_token) == (2.5e-2, 0.1)
+
+
+@pytest.mark.timeout(600)
+def test_a_quarantined_rollout_worker_stops_with_one_line_naming_the_quarantine(tiny_model, spawn, bucket, tmp_path):
+    """A real rollout.py on participant guest's token, quarantined while it runs (a lie sent under its name: the
+    proxy's --quarantine-after 1): it stops with one line that names the quarantine, its reason and how the run's
+    owner lifts it, and a non-zero exit status; no traceback; what it had spooled stays on its disk."""
+    p = spawn("--quarantine-after", "1")
+    guest = create(p, "guest")
+    addition = load_task("addition")
+    open_dataset(p, addition.name, len(addition.prompts))  # as the trainer does at its start
+    env = {k: v for k, v in os.environ.items()  # a participant's machine: no bucket, no keys
+           if k not in ("BUCKET", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RUN_NAME")}
+    env.update(PROXY_TOKEN=guest, OMP_NUM_THREADS="1", SPOOL_DIR=str(tmp_path / "spool"))
+    log = tmp_path / "rollout.log"
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--proxy-url", p.url, "--model", tiny_model,
+                               "--group-size", "4", "--prompts-per-round", "2", "--max-new-tokens", "6",
+                               "--worker-id", "laptop"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: p.stats()["participants"].get("guest", {}).get("groups", 0) >= 2 or worker.poll() is not None,
+                 300, msg="the worker's first round")
+        assert worker.poll() is None, log.read_text()[-3000:]
+        code, why = answer(as_(p, guest), own(group(lease_id=uuid.uuid4().hex, prompt_index=0)))
+        assert code == 409 and "now quarantined" in why, why
+        worker.wait(timeout=120)
+    finally:
+        stop(worker)
+    text = log.read_text()
+    assert worker.returncode == 3 and "Traceback" not in text, text[-3000:]  # rollout.EXIT_REFUSED
+    said = [line for line in text.splitlines() if "quarantined" in line]
+    assert len(said) == 1, text[-3000:]
+    assert ("participant 'guest' is quarantined: 1 failed checks (limit 1); the last: unleased:" in said[0]
+            and "bash launch_jobs.sh --token-reinstate guest" in said[0]
+            and "POST /v1/participants/guest/reinstate" in said[0]), said[0]
+    # the groups the proxy refused with the token (not judged) stay spooled, none set aside as refused
+    spool = next((tmp_path / "spool").iterdir()) / "laptop"
+    kept = sorted(spool.glob("*.json"))
+    assert f"{len(kept)} group(s) stay spooled in {spool}" in said[0] and not list((spool / "refused").iterdir()), said[0]

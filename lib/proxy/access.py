@@ -39,7 +39,7 @@ from typing import Annotated, Literal
 
 from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common import PROTOCOL, Bucket, ConflictError
 
@@ -54,6 +54,7 @@ class Role(IntEnum):
 OPEN_PATHS = ("/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")  # no token, no body
 NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")  # participant names: they appear in logs, stats and the journal
 ADMIN = "admin"  # the name the run's PROXY_TOKEN goes by
+TOKEN_REFUSED = "X-Token-Refused"  # on a refusal of the token itself, whatever the route: "revoked" or "quarantined"
 
 
 def scope(role: str, large_body: bool = False, why: str | None = None) -> dict:
@@ -77,12 +78,15 @@ class Participant:
     max_rps: float = 0.0
     """requests per second across all routes (0: no limit); bursts up to twice that"""
     revoked_at: float | None = None
+    workers: int = 1
+    """the most live workers its share of each batch counts (shares.py): worker ids are its own labels, so the
+    number of workers it runs is the owner's to grant, not the participant's to claim"""
     allowance: float = field(default=0.0, repr=False)   # the token bucket of the rate limit
     last: float = field(default=0.0, repr=False)
 
     def public(self) -> dict:
-        return {"name": self.name, "role": self.role.name, "max_rps": self.max_rps, "created_at": self.created_at,
-                "revoked_at": self.revoked_at}
+        return {"name": self.name, "role": self.role.name, "max_rps": self.max_rps, "workers": self.workers,
+                "created_at": self.created_at, "revoked_at": self.revoked_at}
 
     def stored(self) -> dict:
         d = asdict(self)
@@ -120,7 +124,7 @@ class Tokens:
             self.etag = got[1]
             for name, d in json.loads(got[0])["tokens"].items():
                 self._add(Participant(name, Role[d["role"]], d["sha256"], d["created_at"], d.get("max_rps", 0.0),
-                                      d.get("revoked_at")))
+                                      d.get("revoked_at"), workers=d.get("workers", 1)))
 
     def _add(self, p: Participant) -> None:
         self.by_name[p.name] = p
@@ -153,7 +157,7 @@ class Tokens:
         return (1.0 - p.allowance) / p.max_rps
 
     # --- changes (admin only): written to the bucket, then applied -----------------------------------
-    async def create(self, name: str, role: Role, max_rps: float) -> tuple[Participant, str]:
+    async def create(self, name: str, role: Role, max_rps: float, workers: int = 1) -> tuple[Participant, str]:
         if name == ADMIN or not NAME.match(name):
             raise TokenError(422, f"name {name!r}: 1-40 of a-z, 0-9, '-', '_', starting with a letter or digit; "
                                   f"not {ADMIN!r}")
@@ -161,12 +165,13 @@ class Tokens:
             if name in self.by_name:  # names are never reused: the journal's records stay unambiguous
                 raise TokenError(409, f"participant {name!r} already exists (revoked or not); pick another name")
             token = "agrpo_" + secrets.token_urlsafe(32)
-            p = Participant(name, role, token_hash(token), round(time.time(), 3), max_rps)
+            p = Participant(name, role, token_hash(token), round(time.time(), 3), max_rps, workers=workers)
             await self._save({**self.by_name, name: p})
             self._add(p)
             return p, token
 
-    async def update(self, name: str, max_rps: float | None = None, revoke: bool = False) -> Participant:
+    async def update(self, name: str, max_rps: float | None = None, revoke: bool = False,
+                     workers: int | None = None) -> Participant:
         async with self.lock:
             old = self.by_name.get(name)
             if old is None:
@@ -177,7 +182,8 @@ class Tokens:
                 raise TokenError(409, f"participant {name!r} was revoked")
             new = Participant(old.name, old.role, old.sha256, old.created_at,
                               old.max_rps if max_rps is None else max_rps,
-                              round(time.time(), 3) if revoke else None, old.allowance, old.last)
+                              round(time.time(), 3) if revoke else None, old.workers if workers is None else workers,
+                              old.allowance, old.last)
             await self._save({**self.by_name, name: new})
             self._add(new)
             return new
@@ -256,7 +262,8 @@ class Rules:
 def guard(app, policy: Policy):
     """Pure ASGI middleware, in this order: open paths take no body; 401 without a valid token (unknown
     paths too), 401 for a revoked one, 403 for a quarantined one, 403 for a role below the route's, 429 over the
-    participant's rate;
+    participant's rate. The 401 of a revoked token and the 403 of a quarantined one carry X-Token-Refused (every route
+    will refuse it: a client stops rather than retrying, proxy_client.TokenRefused);
     413 for a body over the route's cap (declared, or counted while reading). Only then does the app see the request, with its body read and the
     caller in scope["principal"]. Nothing of a refused request's body is read. (A body that does not arrive
     in time is serving.py's to cut off.)"""
@@ -282,10 +289,10 @@ def guard(app, policy: Policy):
                 refuse = refusal(401, "missing or wrong proxy token (X-Proxy-Token or Authorization: Bearer)", has_body,
                                  {"WWW-Authenticate": "Bearer"})
             elif who.revoked_at is not None:
-                refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body)
+                refuse = refusal(401, f"the token of participant {who.name!r} was revoked", has_body,
+                                 {TOKEN_REFUSED: "revoked"})
             elif (why := policy.suspended(who.name)) is not None:
-                refuse = refusal(403, f"participant {who.name!r} is quarantined: {why}. The run's owner can reinstate "
-                                      f"it (bash launch_jobs.sh --token-reinstate {who.name})", has_body)
+                refuse = refusal(403, quarantined(who.name, why), has_body, {TOKEN_REFUSED: "quarantined"})
             elif who.role < role:
                 refuse = refusal(403, f"participant {who.name!r} ({who.role.name}) may not call {scope['method']} "
                                       f"{scope['path']}: it needs a {role.name} token" + (f" ({why_role})" if why_role else ""),
@@ -317,6 +324,13 @@ def guard(app, policy: Policy):
         finally:
             policy.observe(scope, time.perf_counter() - t0)
     return asgi
+
+
+def quarantined(name: str, why: str) -> str:
+    """What a quarantined participant's every request is told (quarantine.py): why, and how it ends."""
+    return (f"participant {name!r} is quarantined: {why}. Its token is refused on every route until the run's owner "
+            f"reinstates it: ask them to run `bash launch_jobs.sh --token-reinstate {name}` (or POST "
+            f"/v1/participants/{name}/reinstate with the admin token)")
 
 
 def protocol_mismatch(spoken: str | None) -> str:
@@ -352,11 +366,20 @@ class TokenRequest(BaseModel):
     role: Literal["inference", "worker", "trainer", "admin"] = "worker"
     max_rps: float = Field(default=0.0, ge=0.0, le=10_000.0)
     """requests per second across all routes (0: no limit)"""
+    workers: int = Field(default=1, ge=1, le=4096)
+    """the most live workers its share of each batch counts (docs/trust.md#a-participants-share-of-each-batch)"""
 
 
 class LimitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    max_rps: float = Field(ge=0.0, le=10_000.0)
+    max_rps: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    workers: int | None = Field(default=None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _something(self) -> "LimitRequest":
+        if self.max_rps is None and self.workers is None:
+            raise ValueError("nothing to change: give max_rps, workers or both")
+        return self
 
 
 NamePath = Annotated[str, Path(min_length=1, max_length=40, pattern=NAME.pattern)]
@@ -369,7 +392,7 @@ def _answer(e: TokenError) -> HTTPException:
 async def create_token(req: TokenRequest) -> dict:
     """A new participant and its token (shown in this answer only; the bucket keeps its sha256)."""
     try:
-        p, token = await POLICY.tokens.create(req.name, Role[req.role], req.max_rps)
+        p, token = await POLICY.tokens.create(req.name, Role[req.role], req.max_rps, req.workers)
     except TokenError as e:
         raise _answer(e) from None
     return {**p.public(), "token": token}
@@ -380,9 +403,10 @@ async def list_tokens() -> dict:
 
 
 async def limit_token(name: NamePath, req: LimitRequest) -> dict:
-    """Change a participant's rate limit; it applies to its next request."""
+    """Change a participant's rate limit (from its next request) or the live workers its share counts at most (from the
+    next batch); what is left out stays as it was."""
     try:
-        return (await POLICY.tokens.update(name, max_rps=req.max_rps)).public()
+        return (await POLICY.tokens.update(name, max_rps=req.max_rps, workers=req.workers)).public()
     except TokenError as e:
         raise _answer(e) from None
 

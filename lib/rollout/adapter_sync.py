@@ -19,7 +19,7 @@ import time
 import httpx
 
 from common import MAX_STALENESS, AdapterError, Bucket, BucketError, KnownFiles, fetch_adapter
-from proxy_client import ProxyClient, ProxyError, fetch_adapter_via_proxy
+from proxy_client import ProxyClient, ProxyError, TokenRefused, fetch_adapter_via_proxy
 
 log = logging.getLogger("rollout")  # rollout.py's: its lines are the worker's
 
@@ -40,6 +40,7 @@ class AdapterSync(threading.Thread):
         self.final = False  # the proxy said the run is over (its final version is `latest`)
         self.ready: dict | None = None  # the newest verified version, waiting to be swapped in
         self.done = False  # the final version is handled (or the main loop says the run is over)
+        self.token_refused: TokenRefused | None = None  # the proxy refuses our token on every route: polls stopped
         self.max_staleness = MAX_STALENESS  # the proxy's, from its first answer on
         self.lock = threading.Condition()
         self.workdir = tempfile.mkdtemp(prefix="adapters-")
@@ -52,6 +53,9 @@ class AdapterSync(threading.Thread):
             try:
                 r = self.client.get("/v1/adapters/latest", after=self.latest, wait_s=self.poll_s,
                                     worker_id=self.worker_id)
+            except TokenRefused as e:  # every later poll would be refused too: the main loop stops (rollout.py)
+                self.token_refused = e
+                return
             except Exception as e:  # proxy down: keep serving what we have, try again
                 log.info(f"adapter poll failed: {e}")
                 time.sleep(2.0)
@@ -88,6 +92,9 @@ class AdapterSync(threading.Thread):
                     self.ready = {"version": v, "dir": d, "meta": meta, "tensors": tensors,
                                   "published": published, "ready": time.monotonic()}
                 self.seen = v
+            except TokenRefused as e:
+                self.token_refused = e
+                return
             except (AdapterError, BucketError, ProxyError, httpx.HTTPError, OSError) as e:
                 if self.done:  # the worker is stopping and has removed the folder this download was writing to
                     return

@@ -16,7 +16,7 @@ import httpx
 
 from common import WAIT_LOG_S, log
 from metrics import Metrics
-from proxy_client import ProxyClient, ProxyError
+from proxy_client import ProxyClient, ProxyError, TokenRefused
 
 
 
@@ -91,9 +91,12 @@ class Spool:
 
     def _send(self, client: ProxyClient, group: dict, name: str | None) -> str | None:
         """Post one group; its status, "refused" (4xx: kept in refused/), or None (proxy unreachable
-        and we are stopping)."""
+        and we are stopping). TokenRefused (this token is refused on every route) is raised, the group kept where
+        it is: it was not judged, and the run's owner may yet let the token back in."""
         try:
             status = client.post("/v1/groups", group)["status"]
+        except TokenRefused:
+            raise
         except ProxyError as e:  # 4xx: resending cannot help; keep it aside for inspection
             dest = os.path.join(self.dir, "refused", f"{group['group_id']}.json")
             try:

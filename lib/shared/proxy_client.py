@@ -3,7 +3,8 @@ the record in the run's prefix that says where the proxy answers now, and adapte
 worker without bucket keys (the URLs the proxy hands out, each file checked against meta.json).
 
 A call waits out an unreachable proxy or a 5xx for as long as its patience says (common.patiently),
-honours 429 + Retry-After (backpressure, counted), and raises ProxyError at once on any other 4xx.
+honours 429 + Retry-After (backpressure, counted), and raises ProxyError at once on any other 4xx (TokenRefused
+where the token itself is refused: revoked or quarantined).
 """
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ class ProxyError(RuntimeError):
             self.detail = str(json.loads(text).get("detail", ""))
         except (ValueError, AttributeError):
             self.detail = text[:500]
+
+
+class TokenRefused(ProxyError):
+    """The proxy refuses this client's token on every route: revoked, or its participant quarantined (the answer's
+    X-Token-Refused header; `detail` says why and who can lift it). No request will succeed until the run's owner
+    acts: a role stops, saying `detail`, rather than retrying or setting its work aside as refused."""
 
 
 class ProxyBusy(httpx.HTTPError):
@@ -186,7 +193,8 @@ class ProxyClient:
             self._count_wait(wait)
             time.sleep(wait)
         if 400 <= r.status_code < 500:
-            raise ProxyError(method, f"{self.url}{path}", r.status_code, r.text)
+            refused = TokenRefused if r.headers.get("x-token-refused") else ProxyError
+            raise refused(method, f"{self.url}{path}", r.status_code, r.text)
         if r.status_code >= 500:  # with the proxy's words (a 503 says when its bucket is down)
             raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:300]}", request=r.request, response=r)
         return r.json()
