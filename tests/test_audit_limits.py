@@ -35,15 +35,10 @@ def judged_by_the_step(model, groups: list[dict], args, version: int, auditor, d
                        fresh: bool = True) -> dict:
     """train.train_step with the audit's judge, as train.learn asks it: {group_id: why} of the groups its forward
     leaves out."""
-    out = {}
-
-    def judge(g: dict, onpolicy, drift: float) -> bool:
-        if why := auditor.judge(g, onpolicy, drift):
-            out[g["group_id"]] = why
-        return why is not None
+    verdicts = train.Verdicts(auditor.judge)
     model.zero_grad(set_to_none=True)
-    train.train_step(model, groups, args, version, fresh, devs, judge)
-    return out
+    train.train_step(model, groups, args, version, fresh, devs, verdicts)
+    return {gid: why for gid, (_, why) in verdicts.failed.items()}
 
 
 @pytest.fixture(scope="module", params=DTYPES)
