@@ -37,6 +37,8 @@ class Args:
     rounds: int = 6
     prompts: int = 4
     """prompts per round"""
+    first: int = 0
+    """the first prompt index (round r runs the next --prompts after the previous round's)"""
     group_size: int = 4
     temperature: float = 0.7
     max_new_tokens: int = 6
@@ -60,7 +62,7 @@ def main(args: Args) -> None:
     t0 = time.time()
     try:
         for r in range(args.rounds):
-            idx = list(range(r * args.prompts, (r + 1) * args.prompts))
+            idx = list(range(args.first + r * args.prompts, args.first + (r + 1) * args.prompts))
             _, eps = env.run(idx, args.group_size, 0)
             for j in range(len(idx)):
                 g = eps[j * args.group_size:(j + 1) * args.group_size]
