@@ -65,7 +65,7 @@ from hf_engine import HFSampler
 from server_engine import ServerDown, ServerSampler
 from vllm_engine import VLLMSampler
 from environments import is_environment, load_environment
-from episodes import Budget, Renderer, group_of, run_in_waves
+from episodes import Budget, Renderer, group_of, group_sampling, run_in_waves
 from metrics import Metrics
 from models import LOCAL_MODEL, encode_prompt, model_path
 from proxy_client import ProxyClient, ProxyError, TokenRefused, proxy_adapter_meta
@@ -326,14 +326,17 @@ def waits_for_next_version(version: int, last_round_version: int, seen: int, rea
 
 
 def group_record(args: Args, task, version: int, lease_id: str, index: int, prompt: list[int], comps: list[dict],
-                 parts: list[dict], timings: dict) -> dict:
+                 parts: list[dict], timings: dict, sampling: dict | None = None) -> dict:
     """The trajectory group of one prompt (common.TrajectoryGroup): it names the prompt lease it answers, which
-    is how the proxy takes a participant's groups (docs/trust.md)."""
+    is how the proxy takes a participant's groups (docs/trust.md). `sampling`: what an environment library's own loop
+    sampled it with (episodes.group_sampling: its temperature, over --temperature, and each episode's); a reward
+    component some episodes lack (a metric recorded only sometimes) is the mean over those that have it."""
+    names = list(dict.fromkeys(k for d in parts for k in d))
+    mean = {k: sum(d[k] for d in parts if k in d) / sum(k in d for d in parts) for k in names}
     return {"group_id": new_group_id(), "worker_id": args.worker_id, "policy_version": version,
             "lease_id": lease_id, "prompt_index": index, "prompt_ids": prompt, "completions": comps,
             "meta": {"task": task.name, "prompt_index": index, "temperature": args.temperature, "backend": args.backend,
-                     "reward_components": {k: sum(d[k] for d in parts) / len(parts) for k in parts[0]},
-                     "timings": timings}}
+                     "reward_components": mean, "timings": timings, **(sampling or {})}}
 
 # ---------------------------------------------------------------------------------------------
 # the worker
@@ -515,14 +518,15 @@ class Worker:
 
     def generate(self, idx: list[int]) -> tuple[list[list[int]], list[tuple], int, float]:
         """G completions (single-turn) or episodes per prompt, scored: (prompt ids, per prompt (completions, reward
-        components, drift), the version of the round's first tokens (its groups' policy_version), seconds)."""
+        components, drift, the sampling an environment library used: episodes.group_sampling), the version of the
+        round's first tokens (its groups' policy_version), seconds)."""
         if self.vf:  # verifiers' own loop renders them (its first calls' shared prompts; the loopback endpoint
             return self.generate_from(idx, [])  # refuses one longer than the model's context)
         prompts = [self.renderer.ids(self.env.prompts[i]) if self.env else encode_prompt(self.engine.tok, self.task.prompts[i])
                    for i in idx]
         over = {j: why for j, p in enumerate(prompts) if (why := too_long(len(p), self.max_prompt, self.max_prompt_why))}
         run = [j for j in range(len(idx)) if j not in over]
-        out = {j: ([], [], why) for j, why in over.items()}  # not generated: not sent, said (run_round)
+        out = {j: ([], [], why, {}) for j, why in over.items()}  # not generated: not sent, said (run_round)
         version, gen_s = self.version, 0.0
         if run:
             _, scored, version, gen_s = self.generate_from([idx[j] for j in run], [prompts[j] for j in run])
@@ -544,12 +548,13 @@ class Worker:
                                    self.renderer, self.version,
                                    swap=self.swap_between_turns if args.mid_round_swap else None)
             self.row.update(episode_metrics(eps))
-            return prompts, [group_of(eps[j * G:(j + 1) * G]) for j in range(len(idx))], round_version, time.time() - t0
+            groups = [eps[j * G:(j + 1) * G] for j in range(len(idx))]
+            return prompts, [(*group_of(g), group_sampling(g)) for g in groups], round_version, time.time() - t0
         mid_round = {"swap": self.swap_at_token} if args.mid_round_swap and isinstance(self.engine, HFSampler) else {}
         samples = self.engine.sample(prompts, G, args.max_new_tokens, args.temperature, **mid_round)
         while self.swaps and self.swaps[0][0] == 0:  # swapped in during the prefill: it sampled every token
             round_version = self.swaps.pop(0)[1]
-        scored = [single_turn(self.task, self.engine.tok, i, samples[j * G:(j + 1) * G], round_version, self.swaps)
+        scored = [(*single_turn(self.task, self.engine.tok, i, samples[j * G:(j + 1) * G], round_version, self.swaps), {})
                   for j, i in enumerate(idx)]
         # the share cut at --max-new-tokens, as episodes report it: the run's summary names it when nothing trains
         self.row["rollout/finish_length"] = sum(fin == "length" for _, _, fin in samples) / max(1, len(samples))
@@ -566,7 +571,7 @@ class Worker:
         row, bp0, rewards, ntok, kept, dropped = self.row, self.client.backpressure_s, [], 0, 0, []
         timings = {"gen_s": gen_s, "backpressure_s": self.bp_prev,
                    **{k: row[k] for k in ("perf/weight_sync_s", "rollout/version_lag_s") if k in row}}
-        for i, p, (comps, parts, drift) in zip(idx, prompts, scored):
+        for i, p, (comps, parts, drift, sampling) in zip(idx, prompts, scored):
             rewards += [c["reward"] for c in comps]
             ntok += sum(sum(sampled_mask(c)) for c in comps)
             if drift:  # drifted, failed or too long: not trained, said and counted
@@ -574,7 +579,8 @@ class Worker:
                 dropped.append(f"group of prompt {i} not sent: {drift}")
                 continue
             kept += 1
-            self.spool.add(group_record(self.args, self.task, version, lease["lease_id"], i, p, comps, parts, timings))
+            self.spool.add(group_record(self.args, self.task, version, lease["lease_id"], i, p, comps, parts, timings,
+                                        sampling))
         self.count_failures(kept, dropped)
         sent = dict(self.spool.flush(self.client))  # this round's groups, and any left from before
         statuses = list(sent.values())
@@ -587,7 +593,7 @@ class Worker:
                     "rollout/backpressure_s": self.client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),
                     "rollout/groups_stale": statuses.count("stale"), "group_status": sent,
-                    **({"rollout/groups_dropped_drift": sum(d is not None for _, _, d in scored)} if self.env else {})})
+                    **({"rollout/groups_dropped_drift": sum(d is not None for _, _, d, _ in scored)} if self.env else {})})
         self.metrics.log(row)
         self.rounds, self.bp_prev, self.last_round_version = self.rounds + 1, row["rollout/backpressure_s"], version
         log.info(f"round {self.rounds} v{version}{''.join(f'->v{v}@{i}' for i, v in self.swaps)}: "

@@ -11,6 +11,7 @@ real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.p
     verifiers:vf_sum               a single-turn verifiers (v1) taskset run by verifiers' own loop, and
     verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
                                    /inference/v1/generate
+    verifiers:vf_flaky             vf_guess where the first episodes fail before their first turn (no training run)
 
 They need the libraries (requirements-envs.txt), so they run in the envs lane, `bash tests/envs_lane.sh`, in
 its own venv .venv-envs; in the main suite (.venv) they skip, unless ENVS_LANE=1 says they must run."""
@@ -110,30 +111,74 @@ def test_a_single_turn_verifiers_environment_trains_end_to_end_with_the_default_
                                                                                      tmp_path):
     need("verifiers")
     # vf_sum: one model call per episode through the loopback endpoint, scored by the taskset's own exact-match
-    # reward; no --model, as a user runs it: verifiers' renderer gets the local model's directory, not the name
-    # `local:SmolLM2-135M-Instruct` (which it refuses as a repository id, failing every episode)
+    # reward, its @vf.metric reported beside it; no --model, as a user runs it: verifiers' renderer gets the local
+    # model's directory, not the name `local:SmolLM2-135M-Instruct` (which it refuses as a repository id, failing
+    # every episode)
     rows, roll, log = run_task("verifiers:vf_sum", start_proxy, bucket, run_name, None, tmp_path,
                                G=2, tokens=64, steps=1, groups=1)
     assert "did not complete" not in log, log[-3000:]
     assert roll and all(r["rollout/turns_mean"] == 1.0 and r["rollout/groups_dropped_drift"] == 0 for r in roll), log[-3000:]
     assert sum(r["rollout/groups_accepted"] for r in roll) >= 1 and rows[0]["groups/trained"] == 1, log[-3000:]
-    assert "reward/diag_exact_match" in rows[0], sorted(rows[0])
+    assert "reward/diag_exact_match" in rows[0] and "reward/diag_reply_chars" in rows[0], sorted(rows[0])
 
 
 @pytest.mark.timeout(600)
 def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucket, run_name, tiny_model, tmp_path):
     need("verifiers")
-    # the real SmolLM2-135M: verifiers' default renderer re-renders the history from text (it has no bridge for
-    # SmolLM2's template), so an episode whose sampled ids are not the text's own tokenisation drifts; a random
-    # tiny model's ids almost never are, the real model's mostly are
+    # the real SmolLM2-135M, whose sampled ids are not always their text's own tokenisation: verifiers' default
+    # renderer would render each later turn's history from text, and such an episode would drift; the client gets
+    # vf_renderer's, which extends the sampled ids. The env samples at its own temperature (0.7, the worker at its
+    # default 1.0): its groups say so, and the trainer scores them at it
     import models
-    rows, roll, log = run_task("verifiers:vf_guess", start_proxy, bucket, run_name, str(models.local_smollm2()),
-                               tmp_path, extra=("--temperature", "0.7"), G=2, tokens=160, steps=1, groups=1)
+    rows, roll, log = run_task("verifiers:vf_guess?player.sampling.temperature=0.7", start_proxy, bucket, run_name,
+                               str(models.local_smollm2()), tmp_path, G=2, tokens=160, steps=1, groups=1)
     # the episodes were rebuilt from the loopback endpoint's record: several model calls per episode (the game's
-    # answers between them as environment tokens), drifted ones counted and not sent, the others trained
+    # answers between them as environment tokens), none drifted, trained
     assert roll and max(r["rollout/turns_mean"] for r in roll) > 1.0, log[-3000:]
     assert sum(r["rollout/groups_accepted"] for r in roll) >= 1, log[-3000:]
-    assert all(r["rollout/groups_dropped_drift"] <= 2 for r in roll)
+    assert all(r["rollout/drift_episodes"] == 0 and r["rollout/groups_dropped_drift"] == 0 for r in roll), log[-3000:]
+    assert "the agent 'player' samples at temperature 0.7 (its env's own sampling), not --temperature 1.0" in log
+    # on policy (version 0 sampled, version 0 scores): the ratio is 1 only at the temperature it was sampled at
+    assert rows[0]["groups/trained"] == 1 and rows[0]["ratio/onpolicy_max_dev"] < 1e-3, rows[0]
+
+
+@pytest.mark.timeout(600)
+def test_verifiers_episodes_keep_their_own_calls_and_sampling_and_stray_calls_are_dropped(tiny_model, caplog):
+    """A group whose first episodes failed before their first turn (no trace: tests/support/vf_flaky) builds each
+    other episode from its own trace's calls, not a neighbour's; each records what it was sampled with (here the
+    env's own temperature, over the worker's), and the group says it (episodes.group_sampling); a model call no
+    episode is built from (a stray session's) is dropped once the round is over, said, rather than kept for ever."""
+    need("verifiers")
+    import logging
+    import threading
+
+    import httpx
+    from episodes import group_sampling
+    from hf_engine import HFSampler
+    from verifiers_env import VerifiersEnvironment
+    engine = HFSampler(tiny_model, "float32")
+    caplog.set_level(logging.INFO, logger="rollout.verifiers")
+    env = VerifiersEnvironment("vf_flaky?fail_first=2&player.sampling.temperature=0.5", tiny_model,
+                               engine.generate_ids, 512, 1.0, 4, 0, 256)
+    try:
+        assert "the agent 'player' samples at temperature 0.5 (its env's own sampling), not --temperature 1.0" in caplog.text
+        url = f"http://127.0.0.1:{env.server.uvicorn.config.port}"
+        stray = threading.Thread(target=httpx.post, args=(f"{url}/inference/v1/generate",), daemon=True, kwargs=dict(
+            headers={"authorization": f"Bearer {env.server.key}", "x-session-id": "stray"}, timeout=120,
+            json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 1.0}}))
+        stray.start()  # queued now, answered by the round's engine loop below
+        _, eps = env.run([0], 3, 0)
+        stray.join(60)
+    finally:
+        env.close()
+    failed = sorted(e.failed or "" for e in eps)
+    assert failed[0] == "" and all("could not be provisioned" in f for f in failed[1:]), failed
+    (ok,) = [e for e in eps if e.failed is None]
+    assert ok.turns >= 1 and ok.mask.count(1) >= 1 and ok.drift is None
+    assert ok.sampling == {"temperature": 0.5, "top_p": 1.0}
+    assert group_sampling(eps) == {"temperature": 0.5, "sampling": [e.sampling for e in eps]}
+    assert env.server.calls.by_session == {}
+    assert "verifiers: 1 model call(s) of 1 trace(s) no episode is built from" in caplog.text, caplog.text[-2000:]
 
 
 def test_a_reasoning_gym_task_is_seeded_offline_and_scored_by_its_own_scorer():
@@ -185,6 +230,15 @@ def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
                                            512, 1.0, 8, 0, 64),
               "verifiers:vf_sum?renderer=qwen3&renderer.enable_thinking=maybe: renderer {'name': 'qwen3', "
               "'enable_thinking': 'maybe'}: Input should be a valid boolean"),
+             (lambda: VerifiersEnvironment("vf_guess?player.sampling.top_p=0.9", tiny_model, None, 512, 1.0, 8, 0, 64),
+              "verifiers:vf_guess?player.sampling.top_p=0.9: the agent 'player' cannot sample as its env configures it "
+              "(player.sampling, over --temperature): top_p=0.9: the worker samples from the model's whole distribution "
+              "at the temperature only (the behaviour logprob must be of the distribution sampled from); leave it unset"),
+             (lambda: VerifiersEnvironment("vf_guess?player.sampling.temperature=0", tiny_model, None, 512, 1.0, 8, 0,
+                                           64),
+              "verifiers:vf_guess?player.sampling.temperature=0: the agent 'player' cannot sample as its env configures "
+              "it (player.sampling, over --temperature): temperature 0.0 is not a number in [0.05, 10.0] "
+              "(common.MIN_TEMPERATURE): the trainer scores a group at the temperature it was sampled at"),
              (lambda: VerifiersEnvironment("vf_summ", tiny_model, None, 512, 1.0, 8, 0, 64),
               "verifiers:vf_summ: taskset 'vf_summ' not found (tried to import 'vf_summ').")]
     for make, want in cases:
@@ -192,11 +246,18 @@ def test_a_misnamed_environment_says_what_is_wrong_in_one_line(tiny_model):
             make()
         assert str(e.value).startswith(want) and "\n" not in str(e.value), str(e.value)
         assert e.value.__cause__ is None  # (raised from None: no chained traceback above the message)
-    from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
+    from renderers.configs import CustomRendererConfig, DefaultRendererConfig, Qwen3RendererConfig
     from verifiers_env import renderer_config
-    assert renderer_config("x", {"tool_parser": "qwen3"}) == DefaultRendererConfig(tool_parser="qwen3")
-    assert renderer_config("x", {"name": "qwen3", "enable_thinking": "false"}) == Qwen3RendererConfig(enable_thinking=False)
-    assert renderer_config("x", {}) is None  # verifiers picks by the model
+    # a model verifiers has no renderer for (the local one): the default renderer's template, later turns extending
+    # the sampled ids (vf_renderer); a model it has one for: its own; `renderer=default`: verifiers' own default
+    bridge = CustomRendererConfig(import_path="vf_renderer.TokenBridgeRenderer")
+    assert renderer_config("x", {}, tiny_model) == bridge
+    assert renderer_config("x", {}, "Qwen/Qwen3-0.6B") is None
+    assert renderer_config("x", {"tool_parser": "qwen3"}, tiny_model) == CustomRendererConfig(
+        import_path="vf_renderer.TokenBridgeRenderer", tool_parser="qwen3")
+    assert renderer_config("x", {"name": "default"}, tiny_model) == DefaultRendererConfig()
+    assert renderer_config("x", {"name": "qwen3", "enable_thinking": "false"}, tiny_model) == Qwen3RendererConfig(
+        enable_thinking=False)
     assert str(e.value).endswith("Install its package (pip install, or prime env install OWNER/vf_summ), or put it "
                                  "on PYTHONPATH.")
 

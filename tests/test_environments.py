@@ -328,8 +328,10 @@ def test_the_calculator_runs_end_to_end_through_proxy_and_trainer(start_proxy, b
 
 def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_episodes_with_the_drift_check(tiny, seed):
     """POST /inference/v1/generate on loopback: the worker's key only; what it answers is what the engine sampled
-    (recorded by X-Session-ID); an episode is rebuilt from the calls: each later prompt's extension is the
-    environment's (mask 0), and a later prompt that re-renders an earlier turn differently is drift."""
+    (recorded by X-Session-ID, with the temperature); an episode is rebuilt from the calls: each later prompt's
+    extension is the environment's (mask 0), and a later prompt that re-renders an earlier turn differently is drift.
+    Sampling the engine does not do (top_p, a temperature the trainer cannot score at) is refused with a 400 that says
+    why, nothing recorded; what no episode took is dropped at the round's end (Calls.drop_all), not kept for ever."""
     import threading
     import httpx
     from hf_engine import hf_generate
@@ -365,6 +367,20 @@ def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_epis
         call(bent)
         tokens, mask, _, _, drift = episode_of([calls[0], srv.calls.take("ep1")[0]], prompt)
         assert drift and "does not extend" in drift and tokens == first
+        assert [c.temperature for c in calls] == [1.0, 1.0]
+        for sp, said in [({"temperature": 1.0, "top_p": 0.9}, "cannot sample as asked: top_p=0.9: the worker samples "
+                          "from the model's whole distribution at the temperature only (the behaviour logprob must be "
+                          "of the distribution sampled from); leave it unset"),
+                         ({"temperature": 0}, "cannot sample as asked: temperature 0 is not a number in [0.05, 10.0]")]:
+            r = httpx.post(f"{url}/inference/v1/generate", headers=auth, timeout=60,
+                           json={"token_ids": prompt, "sampling_params": {"max_tokens": 5, **sp}})
+            assert r.status_code == 400 and r.json()["detail"].startswith(said), r.text
+        assert srv.calls.by_session == {}
+        # calls of sessions no episode takes (another agent's trace, a stray one) go at the round's end
+        call(prompt)
+        httpx.post(f"{url}/inference/v1/generate", timeout=60, headers={"authorization": f"Bearer {srv.key}"},
+                   json={"token_ids": prompt, "sampling_params": {"max_tokens": 2}})  # no X-Session-ID
+        assert srv.calls.drop_all() == (2, 2) and srv.calls.by_session == {}
     finally:
         done.set()
         srv.stop()

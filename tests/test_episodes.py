@@ -71,6 +71,30 @@ def journaled(bucket) -> int:
     return sum(blob.count(b'{"group_id"') for _, blob in journal.read_objects(bucket, journal.log_keys(bucket)))
 
 
+def test_a_group_says_the_sampling_its_library_used_and_averages_components_over_the_episodes_that_have_them():
+    """An environment library's own loop (verifiers) may sample at another temperature than --temperature: the group
+    says the one its episodes were sampled at (the trainer scores it at it) and each episode's sampling; a reward
+    component some episodes lack (a metric recorded only sometimes) is the mean over those that have it. The proxy's
+    schema takes the result."""
+    import rollout
+    from env_types import Session
+    from episodes import Episode, group_sampling
+    from tasks import load_task
+    eps = [Episode(5, Session(), tokens=c["token_ids"], mask=c["mask"], logprobs=c["logprobs"], finish="stop",
+                   sampling={"temperature": 0.7, "top_p": 1.0}) for c in (episode(), episode())]
+    parts = [{"correct": 1.0, "diag_guesses": 3.0}, {"correct": 0.0}]
+    comps = [e.completion(r) for e, r in zip(eps, (1.0, 0.0))]
+    g = rollout.group_record(rollout.Args(temperature=1.0), load_task("addition"), 0, "lease-0001", 5, [1, 2, 3],
+                             comps, parts, {}, group_sampling(eps))
+    meta = parse(g).meta
+    assert meta["temperature"] == 0.7 and meta["sampling"] == [{"temperature": 0.7, "top_p": 1.0}] * 2
+    assert meta["reward_components"] == {"correct": 0.5, "diag_guesses": 3.0}
+    assert group_sampling([Episode(5, Session())]) == {}  # the worker's own runner: --temperature, said as before
+    g = rollout.group_record(rollout.Args(temperature=1.0), load_task("addition"), 0, "lease-0001", 5, [1, 2, 3],
+                             comps, parts, {})
+    assert parse(g).meta["temperature"] == 1.0 and "sampling" not in g["meta"]
+
+
 def test_the_proxy_refuses_bad_episodes_and_keeps_good_ones_as_sent(start_proxy, bucket):
     p = start_proxy("--group-size", "4", "--max-completion-tokens", "16")
     publish(bucket, p, 1)

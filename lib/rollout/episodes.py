@@ -52,6 +52,7 @@ class Episode:
     texts: list[str] = field(default_factory=list)  # the model's turns, decoded (for the log and evaluate.py)
     reward: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # the reward's components (environments.Session.score)
+    sampling: dict = field(default_factory=dict)  # what a library's own loop sampled it with (verifiers); {}: --temperature
 
     def add_sampled(self, ids: list[int], lps: list[float], version: int) -> None:
         if ids and (not self.versions or self.versions[-1][1] != version):
@@ -176,6 +177,16 @@ def run_episodes(turns, env: Environment, indices: list[int], prompts: list[list
         for e in eps:
             e.session.close()
     return eps
+
+
+def group_sampling(eps: list[Episode]) -> dict:
+    """The group's meta from its episodes' own sampling (verifiers: what the loopback endpoint generated its calls
+    with): the temperature they were sampled at (the trainer scores the group at it) and each episode's sampling,
+    in completion order; {} where the worker's --temperature sampled them."""
+    if not any(e.sampling for e in eps):
+        return {}
+    return {"temperature": next(e.sampling["temperature"] for e in eps if e.sampling),
+            "sampling": [e.sampling for e in eps]}
 
 
 def group_of(eps: list[Episode]) -> tuple[list[dict], list[dict], str | None]:

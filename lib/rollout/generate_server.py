@@ -6,10 +6,14 @@ sampled. Every backend answers it through its engine's `generate_ids` (`server`:
 as its episodes' later turns are).
 
 Every call is recorded by the caller's `X-Session-ID` (verifiers sends its trace id): prompt ids, sampled
-ids, behaviour logprobs, finish reason and the adapter version, in order, so an episode is rebuilt from
-what the engine did, not from what the library says it did (`episode_of`). Requests that arrive
-together are generated together (one batch of the engine); the server binds 127.0.0.1 and wants a random
-key (Bearer), so no other process on the machine can drive the engine.
+ids, behaviour logprobs, finish reason, the adapter version and the temperature, in order, so an episode is
+rebuilt from what the engine did, not from what the library says it did (`episode_of`); the caller takes its
+sessions' calls and drops the rest once its episodes are over (`Calls.drop_all`). The engine samples from the
+model's whole distribution at the temperature, which is what the behaviour logprob is of: a call asking for
+anything else (top_p, top_k, penalties, a temperature the trainer cannot score at) is refused with a 400 that
+says so (`sampling_problem`). Requests that arrive together are generated together (one batch of the engine);
+the server binds 127.0.0.1 and wants a random key (Bearer), so no other process on the machine can drive the
+engine.
 
     GET  /v1/models                 {"data": [{"id": MODEL, "max_model_len": N}]}
     POST /inference/v1/generate     {"model", "token_ids": [...], "sampling_params": {"max_tokens",
@@ -29,7 +33,35 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, HTTPException, Request  # at module level: the routes' annotations are resolved by name
 
+from common import temperature_problem
+
 NO_SESSION = "-"
+# sampling parameters that change the distribution sampled from (or what is sampled), and the values that leave it
+# as the engine samples it: the model's whole distribution at the temperature, no other stop than stop_token_ids
+NEUTRAL = {"top_p": (1, None), "top_k": (-1, 0, None), "min_p": (0, None), "repetition_penalty": (1, None),
+           "presence_penalty": (0, None), "frequency_penalty": (0, None), "n": (1, None), "best_of": (1, None),
+           "min_tokens": (0, None), "ignore_eos": (False, None), "logit_bias": ({}, None), "stop": ([], "", None),
+           "bad_words": ([], None), "allowed_token_ids": ([], None), "use_beam_search": (False, None)}
+
+
+def neutral(v, values: tuple) -> bool:
+    """v is one of `values` (None and booleans by identity: True is no top_k of 1)."""
+    return any(v is o if o is None or isinstance(o, bool) else not isinstance(v, bool) and v == o for o in values)
+
+
+def sampling_problem(sp: dict) -> str | None:
+    """Why the engine cannot sample as `sp` (vLLM's sampling_params) asks (None: it can): a temperature the trainer
+    cannot score a group at, or a parameter other than its neutral value, which the engine would not apply, so the
+    tokens would come from another distribution than the one asked for (and their behaviour logprobs too)."""
+    t = sp.get("temperature", 1.0)
+    if why := temperature_problem(t):
+        return f"temperature {why}: the trainer scores a group at the temperature it was sampled at"
+    bad = [f"{k}={sp[k]!r}" for k, ok in NEUTRAL.items() if k in sp and not neutral(sp[k], ok)]
+    if bad:
+        return (f"{', '.join(bad)}: the worker samples from the model's whole distribution at the temperature only "
+                f"(the behaviour logprob must be of the distribution sampled from); leave {'them' if len(bad) > 1 else 'it'} "
+                f"unset")
+    return None
 
 
 @dataclass
@@ -39,6 +71,7 @@ class Call:
     logprobs: list[float]
     finish: str
     version: int
+    temperature: float = 1.0
 
 
 @dataclass
@@ -54,6 +87,14 @@ class Calls:
     def take(self, session: str) -> list[Call]:
         with self.lock:
             return self.by_session.pop(session, [])
+
+    def drop_all(self) -> tuple[int, int]:
+        """Forget every session not taken (a trace the caller does not train: another agent's, one made outside an
+        episode, a late call of one that is over), so the record holds one round's calls at most; (sessions, calls)
+        dropped."""
+        with self.lock:
+            dropped, self.by_session = self.by_session, {}
+        return len(dropped), sum(map(len, dropped.values()))
 
 
 def episode_of(calls: list[Call], prompt: list[int]) -> tuple[list[int], list[int], list[float | None], list[list[int]], str | None]:
@@ -152,6 +193,9 @@ class GenerateServer:
             max_tokens = sp.get("max_tokens") or room
             if room < 1 or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise HTTPException(400, f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            if why := sampling_problem(sp):
+                self.errors += 1
+                raise HTTPException(400, f"cannot sample as asked: {why}")
             req = {"token_ids": ids, "max_tokens": min(max_tokens, room), "temperature": float(sp.get("temperature", 1.0)),
                    "stop": set(sp.get("stop_token_ids") or [])}
             session = request.headers.get("x-session-id") or NO_SESSION
@@ -160,7 +204,7 @@ class GenerateServer:
                 self.errors += 1
                 raise HTTPException(500, f"generation failed: {type(got).__name__}: {got}")
             out, lps, fin = got
-            self.calls.add(session, Call(list(ids), list(out), list(lps), fin, self.version()))
+            self.calls.add(session, Call(list(ids), list(out), list(lps), fin, self.version(), req["temperature"]))
             return {"request_id": body.get("request_id") or uuid.uuid4().hex, "model": self.model,
                     "prompt_token_ids": ids, "output_mode": "tokens",
                     "choices": [{"index": 0, "token_ids": out, "finish_reason": fin,

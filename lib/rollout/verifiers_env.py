@@ -10,8 +10,12 @@ endpoint (generate_server.py): the client renders the conversation to token ids 
 `renderers` and asks `/inference/v1/generate`, which the worker's engine answers from the main thread,
 batching the calls that arrive together. The episode is rebuilt from the endpoint's record of the trace's
 calls (generate_server.episode_of): the first call's prompt is the group's shared prompt, each later call must
-extend what came before (else: drift, not trained), and what it adds is the environment's (mask 0). The reward
-is the trace's (the sum of its rewards); an episode that failed (a harness or provider error) is not trained.
+extend what came before (else: drift, not trained), and what it adds is the environment's (mask 0). For a model
+verifiers has no renderer of its own for (SmolLM2, any fine-tune) the client gets vf_renderer's, which extends the
+sampled token ids turn by turn rather than re-render the history from text. The reward is the trace's (the sum of
+its rewards; its `@vf.metric`s are reported beside them); an episode that failed (a harness or provider error) is
+not trained. The sampling each episode had is the endpoint's record of its calls (an env's own `sampling` merges
+over the worker's --temperature), and what the engine cannot honour is refused (generate_server.sampling_problem).
 Agents run with the `null` harness (verifiers' own chat program, run by `uv`) in a local subprocess runtime,
 unless the spec says otherwise.
 """
@@ -26,7 +30,7 @@ from urllib.parse import parse_qsl
 
 from env_types import Session, Step, require
 from episodes import Episode
-from generate_server import GenerateServer, episode_of
+from generate_server import GenerateServer, episode_of, sampling_problem
 
 log = logging.getLogger("rollout.verifiers")
 
@@ -66,17 +70,21 @@ def episode_error(ep) -> str:
 RENDERER_HINT = "verifiers:ID?renderer.tool_parser=qwen3, or ?renderer=NAME (docs/environments.md#the-libraries)"
 
 
-def renderer_config(spec: str, given: dict[str, str]):
+def renderer_config(spec: str, given: dict[str, str], model: str):
     """The renderer of verifiers' train client (TrainClientConfig.renderer, renderers' RendererConfig) from the spec's
-    `renderer=NAME` and `renderer.FIELD=VALUE`; None when none is given (verifiers picks one by the model, and for a
-    model it does not know, SmolLM2 included, that is its default renderer, which renders no tools). `tool_parser`
-    alone means the default renderer with that parser (the local model's own chat template, tool calls parsed)."""
+    `renderer=NAME` and `renderer.FIELD=VALUE`. No name given: the renderer verifiers would pick by the model, except
+    that for a model it has none of its own for (SmolLM2, any fine-tune: its default renderer, the model's chat template,
+    which renders no tools) it is vf_renderer's, which renders later turns from the sampled tokens; `tool_parser` alone
+    means that one with the parser (tool calls parsed). `renderer=default` is verifiers' own default renderer, which
+    renders each turn's history from text (and drifts where sampled ids are not their text's tokenisation)."""
+    from renderers.base import MODEL_RENDERER_MAP
+    from vf_renderer import bridge_config
     if not given:
-        return None
+        return None if model in MODEL_RENDERER_MAP else bridge_config()
     from typing import get_args
 
     from pydantic import TypeAdapter, ValidationError
-    from renderers.configs import RendererConfig
+    from renderers.configs import DefaultRendererConfig, RendererConfig
     from renderers.parsers import TOOL_PARSERS
     names = [c.model_fields["name"].default for c in get_args(get_args(RendererConfig)[0])]
     cfg = {"name": "default", **given}
@@ -85,10 +93,55 @@ def renderer_config(spec: str, given: dict[str, str]):
     if cfg.get("tool_parser") not in (None, *TOOL_PARSERS):
         raise SystemExit(f"verifiers:{spec}: no tool parser {cfg['tool_parser']!r}; tool parsers: {', '.join(TOOL_PARSERS)}")
     try:
-        return TypeAdapter(RendererConfig).validate_python(cfg)
+        config = TypeAdapter(RendererConfig).validate_python(cfg)
     except ValidationError as e:
         raise SystemExit(f"verifiers:{spec}: renderer {cfg}: {e.errors()[0]['msg']} "
                          f"({'.'.join(map(str, e.errors()[0]['loc'][1:])) or 'name'})") from None
+    return bridge_config(config) if "name" not in given and isinstance(config, DefaultRendererConfig) else config
+
+
+def check_sampling(spec: str, env, run_sampling, temperature: float) -> None:
+    """Refuse at start an agent whose sampling (its env config's, merged over the worker's as verifiers merges it)
+    the loopback endpoint would refuse on every call; say where an agent samples at another temperature than
+    --temperature (its groups are sent, and trained, at the temperature they were sampled at)."""
+    from verifiers.v1.configs.agent import agent_config_fields, resolve_agent
+    for role, agent in agent_config_fields(env.config).items():
+        if agent.client is not None or agent.model is not None:
+            continue  # not the policy: it does not generate through the worker
+        sp = resolve_agent(agent, sampling=run_sampling).sampling.model_dump(exclude_none=True)
+        if why := sampling_problem(sp):
+            raise SystemExit(f"verifiers:{spec}: the agent {role!r} cannot sample as its env configures it "
+                             f"({role}.sampling, over --temperature): {why}")
+        if sp.get("temperature", 1.0) != temperature:
+            log.info(f"verifiers: the agent {role!r} samples at temperature {sp.get('temperature', 1.0)} (its env's own "
+                     f"sampling), not --temperature {temperature}; its groups are sent and trained at that temperature")
+
+
+def one_temperature(eps: list[Episode]) -> None:
+    """The trainer scores a group at one temperature: an episode sampled at another than its group's first
+    (an env whose sampling differs by episode) fails, and its group is not sent."""
+    temps = [e.sampling["temperature"] for e in eps if e.sampling]
+    for e in eps:
+        if e.sampling and e.sampling["temperature"] != temps[0] and not e.failed:
+            e.failed = (f"it was sampled at temperature {e.sampling['temperature']}, its group's first episode at "
+                        f"{temps[0]}: a group is trained at one temperature")
+
+
+def trace_parts(trace) -> dict[str, float]:
+    """A trace's reward components and metrics (`@vf.reward`, `@vf.metric`, record_reward/record_metric), as the
+    group's reward components: `diag_NAME` each (a metric named like a reward: `diag_metric_NAME`); one that did not
+    run (None) is left out."""
+    parts = {f"diag_{k}": float(r.value) for k, r in trace.rewards.items() if r is not None}
+    for k, v in trace.metrics.items():
+        if v is not None:
+            parts[f"diag_metric_{k}" if f"diag_{k}" in parts else f"diag_{k}"] = float(v)
+    return parts
+
+
+def group_calls(group: list, calls) -> list[list]:
+    """Each episode's model calls (generate_server.Calls, taken): its first trace's; none for an episode that has
+    no trace (it failed before its first turn), so that each of its group-mates still gets its own."""
+    return [calls.take(ep.traces[0].id) if ep.traces else [] for ep in group]
 
 
 class VerifiersEnvironment:
@@ -119,7 +172,8 @@ class VerifiersEnvironment:
                              **({"max_turns": max_turns} if max_turns else {})}
         pairs = parse_qsl(query)
         renderer = renderer_config(spec, {("name" if k == "renderer" else k[len("renderer."):]): v
-                                          for k, v in pairs if k == "renderer" or k.startswith("renderer.")})
+                                          for k, v in pairs if k == "renderer" or k.startswith("renderer.")},
+                                   renderer_model)
         for k, v in pairs:
             if not (k == "renderer" or k.startswith("renderer.")):
                 set_path(raw, k, v)
@@ -137,6 +191,7 @@ class VerifiersEnvironment:
             base_url=url + "/v1", api_key_var="ASYNC_GRPO_LOOPBACK_KEY", renderer_model_name=renderer_model,
             renderer=renderer),
             sampling=vf.SamplingConfig(temperature=temperature, max_tokens=max_new_tokens))
+        check_sampling(spec, self.env, self.ctx.sampling, temperature)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.serving = self.env.serving()  # verifiers' shared servers (interception) for the worker's life
@@ -154,24 +209,33 @@ class VerifiersEnvironment:
         prompts, eps = [], []
         for j, i in enumerate(idx):
             group = runs[j * G:(j + 1) * G]
-            calls = [self.server.calls.take(t.id) for ep in group for t in ep.traces[:1]]
+            calls = group_calls(group, self.server.calls)
             firsts = [c[0].prompt_ids for c in calls if c]
             shared = max(set(map(tuple, firsts)), key=firsts.count) if firsts else ()
             prompts.append(list(shared))
-            for ep, cs in zip(group, calls + [[]] * (len(group) - len(calls))):
-                eps.append(self._episode(i, ep, cs, list(shared)))
+            built = [self._episode(i, ep, cs, list(shared)) for ep, cs in zip(group, calls)]
+            one_temperature(built)
+            eps += built
+        sessions, n = self.server.calls.drop_all()  # every episode of the round is over: what is left, none trains
+        if sessions:
+            log.info(f"verifiers: {n} model call(s) of {sessions} trace(s) no episode is built from (another agent's, "
+                     f"or made outside an episode) dropped")
         return prompts, eps
 
     def _episode(self, i: int, ep, calls, shared: list[int]) -> Episode:
         trace = ep.traces[0] if ep.traces else None
         reward = float(trace.reward) if trace is not None else 0.0
-        parts = {k: float(r.value) for k, r in (trace.rewards.items() if trace else ()) if r is not None}
+        parts = trace_parts(trace) if trace is not None else {}
         e = Episode(i, Recorded(reward, parts))
         if calls:
             e.tokens, e.mask, e.logprobs, e.versions, e.drift = episode_of(calls, shared)
+            temps = sorted({c.temperature for c in calls})
+            e.sampling = {"temperature": temps[0], "top_p": 1.0}
+            if len(temps) > 1:
+                e.failed = f"its model calls were sampled at temperatures {temps}: a group is trained at one temperature"
         e.turns, e.tool_turns = len(calls), max(0, len(calls) - 1)
         e.finish = "length" if calls and calls[-1].finish == "length" else "stop"
-        e.reward, e.parts = reward, {"correct": reward, **{f"diag_{k}": v for k, v in parts.items()}}
+        e.reward, e.parts = reward, {"correct": reward, **parts}
         if len(ep.traces) > 1:
             e.failed = f"the episode has {len(ep.traces)} traces; only single-agent episodes are trained"
         if len(e.tokens) > self.max_tokens:  # the proxy would refuse the group: say so here

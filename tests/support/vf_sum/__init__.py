@@ -1,4 +1,5 @@
-"""A single-turn verifiers (v1) taskset for the tests: what is a + b, scored by an exact match of the reply."""
+"""A single-turn verifiers (v1) taskset for the tests: what is a + b, scored by an exact match of the reply, and a
+metric (the reply's length) beside the reward."""
 import verifiers.v1 as vf
 
 
@@ -10,6 +11,10 @@ class SumTask(vf.Task[SumData]):
     @vf.reward
     async def exact_match(self, trace: vf.Trace) -> float:
         return float((trace.last_reply or "").strip() == str(self.data.answer))
+
+    @vf.metric
+    async def reply_chars(self, trace: vf.Trace) -> float:  # recorded, not part of the reward
+        return float(len(trace.last_reply or ""))
 
 
 class SumConfig(vf.TasksetConfig):
