@@ -88,11 +88,14 @@ def third_party_imports(path, module_level_only: bool) -> set[str]:
 
 
 def local_modules(script: str) -> set[str]:
-    """The repository's modules a script imports, directly or through another of them."""
+    """The repository's modules a script imports (anywhere in it), and those they import when they are imported
+    (module level): a module that another imports only inside a function is that function's optional path, as a
+    third-party import there is (vf_renderer: imported by verifiers' renderer pool, on a verifiers task only)."""
     local = hf_jobs.modules()
     found, todo = set(), [ROOT / script]
     while todo:
-        for m in imports(todo.pop(), module_level_only=False) & set(local):
+        path = todo.pop()
+        for m in imports(path, module_level_only=path != ROOT / script) & set(local):
             if m not in found and m != script[:-3]:
                 found.add(m)
                 todo.append(local[m])
