@@ -721,18 +721,21 @@ def main(args: Args) -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
+def leave() -> None:
+    """Stopped cleanly, everything sent or spooled: run the exit handlers (the metrics' last upload), then leave
+    without the interpreter's finalization, where a thread still running (the adapter sync's long poll is a daemon)
+    that takes the GIL again can abort the process, "terminate called without an active exception"
+    (pytorch/pytorch#38228): the vLLM lane saw exit status -6 once, right after "stopped after 8 rounds"."""
     import atexit
-
-    import tyro
-    from common import script_args  # drops the common.py that HF Jobs ships in argv
-    main(tyro.cli(Args, args=script_args()))
-    # Stopped cleanly, everything sent or spooled: run the exit handlers (the metrics' last upload), then leave
-    # without the interpreter's finalization, where a thread still running (the adapter sync's long poll is a
-    # daemon) that takes the GIL again can abort the process, "terminate called without an active exception"
-    # (pytorch/pytorch#38228): the vLLM lane saw exit status -6 once, right after "stopped after 8 rounds".
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    import tyro
+    from common import script_args  # drops the common.py that HF Jobs ships in argv
+    main(tyro.cli(Args, args=script_args()))
+    leave()

@@ -114,9 +114,6 @@ def lease_attacks(dataset: str, size: int, log: Hostile) -> None:
 
 
 if __name__ == "__main__":  # rollout.py's own __main__, the hostile values in place
-    import atexit
-    import logging
-
     import tyro
     from common import script_args
     from tasks import load_task
@@ -129,8 +126,4 @@ if __name__ == "__main__":  # rollout.py's own __main__, the hostile values in p
     task = load_task(args.task)
     threading.Thread(target=lease_attacks, args=(task.name, len(task.prompts), log), daemon=True).start()
     rollout.main(args)
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    rollout.leave()

@@ -53,10 +53,6 @@ def take(argv: list[str], flag: str, default: str) -> str:
 
 
 if __name__ == "__main__":  # rollout.py's own __main__, with the lie in place
-    import atexit
-    import logging
-    import os
-
     import tyro
     from common import script_args
     argv = script_args()
@@ -69,8 +65,4 @@ if __name__ == "__main__":  # rollout.py's own __main__, with the lie in place
         args = replace(args, temperature=claimed / 2)
     rollout.group_record = Lying(rollout.group_record, lie, claimed)
     rollout.main(args)
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    rollout.leave()
