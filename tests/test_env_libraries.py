@@ -17,6 +17,7 @@ They need the libraries (requirements-envs.txt), so they run in the envs lane, `
 its own venv .venv-envs; in the main suite (.venv) they skip, unless ENVS_LANE=1 says they must run."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -147,7 +148,8 @@ def test_verifiers_episodes_keep_their_own_calls_and_sampling_and_stray_calls_ar
     """A group whose first episodes failed before their first turn (no trace: tests/support/vf_flaky) builds each
     other episode from its own trace's calls, not a neighbour's; each records what it was sampled with (here the
     env's own temperature, over the worker's), and the group says it (episodes.group_sampling); a model call no
-    episode is built from (a stray session's) is dropped once the round is over, said, rather than kept for ever."""
+    episode is built from (a stray session's) is dropped once the round is over, said, rather than kept for ever. A
+    seed in the env's sampling is served but said at start not to be honoured (generate_server.not_honoured)."""
     need("verifiers")
     import logging
     import threading
@@ -158,10 +160,12 @@ def test_verifiers_episodes_keep_their_own_calls_and_sampling_and_stray_calls_ar
     from verifiers_env import VerifiersEnvironment
     engine = HFSampler(tiny_model, "float32")
     caplog.set_level(logging.INFO, logger="rollout.verifiers")
-    env = VerifiersEnvironment("vf_flaky?fail_first=2&player.sampling.temperature=0.5", tiny_model,
+    env = VerifiersEnvironment("vf_flaky?fail_first=2&player.sampling.temperature=0.5&player.sampling.seed=3", tiny_model,
                                engine.generate_ids, 512, 1.0, 4, 0, 256)
     try:
         assert "the agent 'player' samples at temperature 0.5 (its env's own sampling), not --temperature 1.0" in caplog.text
+        assert re.search(r"the agent 'player' \(player.sampling\): seed='?3'? is not honoured: the worker samples each "
+                         r"batch of calls from one random stream", caplog.text), caplog.text
         url = f"http://127.0.0.1:{env.server.uvicorn.config.port}"
         stray = threading.Thread(target=httpx.post, args=(f"{url}/inference/v1/generate",), daemon=True, kwargs=dict(
             headers={"authorization": f"Bearer {env.server.key}", "x-session-id": "stray"}, timeout=120,

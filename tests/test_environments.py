@@ -326,12 +326,14 @@ def test_the_calculator_runs_end_to_end_through_proxy_and_trainer(start_proxy, b
 
 # ---- the loopback generate endpoint (what verifiers' train client calls) ----------------------------
 
-def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_episodes_with_the_drift_check(tiny, seed):
+def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_episodes_with_the_drift_check(tiny, seed,
+                                                                                                           caplog):
     """POST /inference/v1/generate on loopback: the worker's key only; what it answers is what the engine sampled
     (recorded by X-Session-ID, with the temperature); an episode is rebuilt from the calls: each later prompt's
     extension is the environment's (mask 0), and a later prompt that re-renders an earlier turn differently is drift.
     Sampling the engine does not do (top_p, a temperature the trainer cannot score at) is refused with a 400 that says
-    why, nothing recorded; what no episode took is dropped at the round's end (Calls.drop_all), not kept for ever."""
+    why, nothing recorded; a seed is served but the log says once that it is not honoured; what no episode took is
+    dropped at the round's end (Calls.drop_all), not kept for ever."""
     import threading
     import httpx
     from hf_engine import hf_generate
@@ -376,6 +378,15 @@ def test_the_loopback_endpoint_serves_the_engine_records_calls_and_rebuilds_epis
                            json={"token_ids": prompt, "sampling_params": {"max_tokens": 5, **sp}})
             assert r.status_code == 400 and r.json()["detail"].startswith(said), r.text
         assert srv.calls.by_session == {}
+        for s in (7, 8):  # served, recorded; said once, whatever the seed
+            r = httpx.post(f"{url}/inference/v1/generate", headers=auth, timeout=60,
+                           json={"token_ids": prompt, "sampling_params": {"max_tokens": 2, "seed": s}})
+            assert r.status_code == 200, r.text
+        said = [r.getMessage() for r in caplog.records if "not honoured" in r.getMessage()]
+        assert said == ["loopback generate: seed=7 is not honoured: the worker samples each batch of calls from one "
+                        "random stream, so a call's seed does not make its sample reproducible (the distribution and "
+                        "the behaviour logprobs are unchanged)"], said
+        assert len(srv.calls.take("ep1")) == 2
         # calls of sessions no episode takes (another agent's trace, a stray one) go at the round's end
         call(prompt)
         httpx.post(f"{url}/inference/v1/generate", timeout=60, headers={"authorization": f"Bearer {srv.key}"},

@@ -11,7 +11,8 @@ rebuilt from what the engine did, not from what the library says it did (`episod
 sessions' calls and drops the rest once its episodes are over (`Calls.drop_all`). The engine samples from the
 model's whole distribution at the temperature, which is what the behaviour logprob is of: a call asking for
 anything else (top_p, top_k, penalties, a temperature the trainer cannot score at) is refused with a 400 that
-says so (`sampling_problem`). Requests that arrive together are generated together (one batch of the engine);
+says so (`sampling_problem`); a seed, which leaves the distribution as it is, is served but not honoured, and the
+worker's log says so once (`not_honoured`). Requests that arrive together are generated together (one batch of the engine);
 the server binds 127.0.0.1 and wants a random key (Bearer), so no other process on the machine can drive the
 engine.
 
@@ -23,6 +24,7 @@ engine.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import threading
@@ -35,6 +37,7 @@ from fastapi import FastAPI, HTTPException, Request  # at module level: the rout
 
 from common import temperature_problem
 
+log = logging.getLogger("rollout")  # the worker's log
 NO_SESSION = "-"
 # sampling parameters that change the distribution sampled from (or what is sampled), and the values that leave it
 # as the engine samples it: the model's whole distribution at the temperature, no other stop than stop_token_ids
@@ -62,6 +65,17 @@ def sampling_problem(sp: dict) -> str | None:
                 f"(the behaviour logprob must be of the distribution sampled from); leave {'them' if len(bad) > 1 else 'it'} "
                 f"unset")
     return None
+
+
+def not_honoured(sp: dict) -> str | None:
+    """What in `sp` the engine leaves undone without changing the distribution sampled from (None: nothing): a seed.
+    The call is served (its tokens and behaviour logprobs are still of the distribution asked for); the caller is told
+    once, since an environment that sets a seed expects samples it can reproduce."""
+    if sp.get("seed") is None:
+        return None
+    return (f"seed={sp['seed']!r} is not honoured: the worker samples each batch of calls from one random stream, so a "
+            f"call's seed does not make its sample reproducible (the distribution and the behaviour logprobs are "
+            f"unchanged)")
 
 
 @dataclass
@@ -129,6 +143,7 @@ class GenerateServer:
         self.cv = threading.Condition()
         self.batch_wait_s = batch_wait_s
         self.errors = 0
+        self.told = False  # not_honoured said once: a seed per call would say it on every call
 
     # -- the engine's side: one thread takes what is queued and generates it as one batch --------------
 
@@ -196,6 +211,9 @@ class GenerateServer:
             if why := sampling_problem(sp):
                 self.errors += 1
                 raise HTTPException(400, f"cannot sample as asked: {why}")
+            if not self.told and (said := not_honoured(sp)):
+                self.told = True
+                log.warning(f"loopback generate: {said}")
             req = {"token_ids": ids, "max_tokens": min(max_tokens, room), "temperature": float(sp.get("temperature", 1.0)),
                    "stop": set(sp.get("stop_token_ids") or [])}
             session = request.headers.get("x-session-id") or NO_SESSION

@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl
 
 from env_types import Session, Step, require
 from episodes import Episode
-from generate_server import GenerateServer, episode_of, sampling_problem
+from generate_server import GenerateServer, episode_of, not_honoured, sampling_problem
 
 log = logging.getLogger("rollout.verifiers")
 
@@ -102,8 +102,8 @@ def renderer_config(spec: str, given: dict[str, str], model: str):
 
 def check_sampling(spec: str, env, run_sampling, temperature: float) -> None:
     """Refuse at start an agent whose sampling (its env config's, merged over the worker's as verifiers merges it)
-    the loopback endpoint would refuse on every call; say where an agent samples at another temperature than
-    --temperature (its groups are sent, and trained, at the temperature they were sampled at)."""
+    the loopback endpoint would refuse on every call; say where an agent asks for what is served but not honoured
+    (a seed: generate_server.not_honoured) and where it samples at another temperature than --temperature (its groups are sent, and trained, at the temperature they were sampled at)."""
     from verifiers.v1.configs.agent import agent_config_fields, resolve_agent
     for role, agent in agent_config_fields(env.config).items():
         if agent.client is not None or agent.model is not None:
@@ -112,6 +112,8 @@ def check_sampling(spec: str, env, run_sampling, temperature: float) -> None:
         if why := sampling_problem(sp):
             raise SystemExit(f"verifiers:{spec}: the agent {role!r} cannot sample as its env configures it "
                              f"({role}.sampling, over --temperature): {why}")
+        if said := not_honoured(sp):
+            log.warning(f"verifiers:{spec}: the agent {role!r} ({role}.sampling): {said}")
         if sp.get("temperature", 1.0) != temperature:
             log.info(f"verifiers: the agent {role!r} samples at temperature {sp.get('temperature', 1.0)} (its env's own "
                      f"sampling), not --temperature {temperature}; its groups are sent and trained at that temperature")
