@@ -9,9 +9,13 @@ group whose rewards differ: a run that trained none says so, and the share of an
 the first 5 vs last 5 steps, reward per policy version, steps per minute, the trainer's idle share,
 tokens generated / leased / trained, staleness mean/max and a per-staleness table (groups, reward,
 |ratio - 1|, clip fraction), groups dropped, medians of the wait/sync timings, peak memory per role;
+where every generated token went (one outcome each, per adapter version and participant, replayed from the proxy's
+journal and cross-checked: token_outcomes.py) and what each job cost (seconds, GPU-seconds, dollars at its flavor's
+price: costs.py), with $ per trained token and $ to reach the level (docs/metrics.md#where-the-tokens-and-the-dollars-went);
 then the configuration every role recorded at start (config/ in the bucket: command, package
 versions, sha256 of the files, host), which is what it takes to run it again. Writes
-OUT/reward_curve.png, OUT/summary.json, OUT/configs.json and OUT/metrics/*.jsonl (the rows it read).
+OUT/reward_curve.png, OUT/token_outcomes.png, OUT/summary.json, OUT/accounting.json (the outcomes, for --from-dir),
+OUT/configs.json and OUT/metrics/*.jsonl (the rows it read).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
@@ -29,6 +33,7 @@ import costs
 from tasks import FORMAT_WEIGHT
 import token_outcomes
 from hf_jobs import PLAN
+from metrics import TrackioSink
 
 
 @dataclass
@@ -40,6 +45,10 @@ class Args:
     adapters: Literal["last", "all", "none"] = "last"
     """copy the run's adapters (the last version, all, or none) to OUT/adapters/, where `evaluate.py --run-dir OUT`
     reads them: a local run's bucket stops with the run"""
+    report_to: Literal["none", "trackio"] = field(
+        default_factory=lambda: os.environ.get("REPORT_TO") or "none")  # type: ignore[assignment]
+    """also log the token outcomes and the dollars to trackio (ledger_rows), as the run RUN-ledger of the project the
+    roles log to (env REPORT_TO, TRACKIO_PROJECT, TRACKIO_SPACE_ID, as every role reads them)"""
     level: float | None = None
     """the reward level of "first reaches" (5-step mean); default 0.8 where every step's mean reward is in
     [0, 1.1] (a right answer and its format), else none: a reward of another scale is told in its own terms"""
@@ -261,6 +270,32 @@ def print_accounting(acc: dict, spent: dict[str, dict]) -> None:
         print(f"  {job:22s} {c['flavor']:12s} {c['seconds']:>9,.0f} s  {c['gpu_seconds']:>9,.0f} GPU-s  ${c['usd']:.4f}")
 
 
+MONEY = ("usd_total", "gpu_seconds", "usd_per_trained_token")
+
+
+def ledger_rows(s: dict) -> list[dict]:
+    """What trackio gets of the token outcomes: a row per adapter version (its step: the version), its tokens by
+    outcome (tokens/<outcome>); then, one step after the last version, the run's totals (total/<outcome>), each
+    participant's (participant/<name>/<outcome>, where not 0) and the dollars, under the summary's names."""
+    acc = s["token_outcomes"]
+    rows = [{"step": int(v), **{f"tokens/{k}": n for k, n in row.items()}} for v, row in acc["by_version"].items()]
+    money_keys = [*MONEY, *(k for k in s if k.startswith("usd_to_reach_"))]
+    return rows + [{"step": rows[-1]["step"] + 1 if rows else 0, "tokens/generated": acc["generated"],
+                    **{f"total/{k}": n for k, n in acc["tokens"].items()},
+                    **{f"participant/{p.strip('()')}/{k}": n for p, row in acc["by_participant"].items()
+                       for k, n in row.items() if n},
+                    **{k: s[k] for k in money_keys if s.get(k) is not None}}]
+
+
+def to_trackio(rows: list[dict], run: str) -> None:
+    """The rows to trackio, as the run `run`-ledger (metrics.TrackioSink: a failure is said once, never raised)."""
+    sink = TrackioSink(os.environ.get("TRACKIO_PROJECT") or "async-grpo", f"{run}-ledger", run,
+                       os.environ.get("TRACKIO_SPACE_ID"), None)
+    for row in rows:
+        sink.log(row)
+    sink.finish()
+
+
 def plot_outcomes(acc: dict, path: str) -> None:
     """The tokens of each adapter version, stacked by outcome."""
     import matplotlib
@@ -434,6 +469,9 @@ def main(args: Args) -> None:
         print_accounting(s["token_outcomes"], spent)
         plot_outcomes(s["token_outcomes"], os.path.join(out, "token_outcomes.png"))
         print(f"  token outcomes plot      {os.path.join(out, 'token_outcomes.png')}")
+        if args.report_to == "trackio":
+            to_trackio(ledger_rows(s), name)
+            print(f"  trackio                  the token outcomes and dollars as the run {name}-ledger")
     if not args.from_dir and saved:
         task = next((c["args"]["task"] for c in configs if "task" in c.get("args", {})), "TASK")
         print(f"  adapters saved           v{', v'.join(map(str, saved))} in {os.path.join(out, 'adapters')}/: "

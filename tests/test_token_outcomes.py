@@ -2,14 +2,23 @@
 outcomes replayed from the proxy's journal add up to the tokens the worker counted, and each is checked against a
 counter the proxy or the trainer kept on its own; report.py prints the table and the run's dollars."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 import costs
 import report
-from conftest import stop
+from conftest import ROOT, stop
 from runlib import tiny_loop
 import token_outcomes
+
+READ = """
+import json, sys
+from trackio.sqlite_storage import SQLiteStorage
+print(json.dumps({name: SQLiteStorage.get_logs("grpo-test", name) for name in sys.argv[1:]}, default=str))
+"""
 
 
 def test_the_ledger_adds_up_on_a_real_run(tiny_model, start_proxy, bucket, run_name, tmp_path, monkeypatch, capsys):
@@ -42,10 +51,22 @@ def test_the_ledger_adds_up_on_a_real_run(tiny_model, start_proxy, bucket, run_n
     assert s["usd_total"] == 0 and s["usd_per_trained_token"] in (0, None)
     assert "where the" in printed and "generated tokens went" in printed
     assert (tmp_path / "out" / "token_outcomes.png").stat().st_size > 0
-    # offline, from the saved copy: the same table
-    report.main(report.Args(from_dir=str(tmp_path / "out")))
+    # offline, from the saved copy, as a user runs it: the same table, and to trackio the same rows (offline)
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "grpo-test", "HF_HUB_OFFLINE": "1",
+           "HF_ENDPOINT": "http://127.0.0.1:9"}   # nothing listens there: trackio must not need the network
+    p = subprocess.run([sys.executable, str(ROOT / "report.py"), "--from-dir", str(tmp_path / "out"), "--report-to",
+                        "trackio"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "trackio disabled" not in p.stderr, p.stdout + p.stderr
     again = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert again["token_outcomes"] == acc
+    p = subprocess.run([sys.executable, "-c", READ, "out-ledger"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    logged = json.loads(p.stdout.strip().splitlines()[-1])["out-ledger"]
+    assert [r["step"] for r in logged[:-1]] == [int(v) for v in acc["by_version"]]
+    for row, (v, want) in zip(logged, acc["by_version"].items()):
+        assert {k: row[f"tokens/{k}"] for k in token_outcomes.OUTCOMES} == want, v
+    assert {k: logged[-1][f"total/{k}"] for k in token_outcomes.OUTCOMES} == tok
+    assert logged[-1]["tokens/generated"] == acc["generated"] and logged[-1]["usd_total"] == 0
 
 
 def test_job_costs_price_each_flavor_over_its_span():
