@@ -6,12 +6,17 @@ import os
 import subprocess
 import sys
 
+import uuid
+
 import pytest
 
 import costs
 import report
 from conftest import ROOT, stop
+from proxyproc import spawn  # noqa: F401 - a fixture
 from runlib import tiny_loop
+from test_proxy import group, publish
+from test_proxy_access import as_, create, leased, own
 import token_outcomes
 
 READ = """
@@ -84,3 +89,57 @@ def test_job_costs_price_each_flavor_over_its_span():
                      {"role": "rollout-1", "flavor": "l4x1", "args": ["--worker-id", "run-w1", "--seed", "1"]},
                      {"role": "supervisor", "flavor": "cpu-basic", "args": []}]}
     assert costs.plan_flavors(plan) == {"train": "a10g-small", "rollout-run-w1": "l4x1"}
+
+
+def completions(n: int, equal: bool = False) -> list[dict]:
+    """Four completions of n sampled tokens each (so a group's size tells it apart): rewards 0, 1, 0, 1, or all 1."""
+    return [{"token_ids": [5 + j for j in range(n)], "logprobs": [-0.5 - i * 1e-3] * n,
+             "reward": 1.0 if equal else float(i % 2), "finish_reason": "stop"} for i in range(4)]
+
+
+def test_every_outcome_a_group_can_have_is_told_from_the_journal(bucket, spawn):
+    """A real proxy, driven as participants, the run's own worker and a trainer would: one group meets each fate the
+    journal can tell, of a size of its own (4 completions of n tokens), and the replay gives each its outcome, per
+    version and per participant; the proxy's own counters agree on the groups dropped stale and held out."""
+    p = spawn("--quarantine-after", "1", "--max-staleness", "1")
+    publish(bucket, p, 1)
+    alice, bob = as_(p, create(p, "alice")), as_(p, create(p, "bob"))
+    trainer = as_(p, create(p, "lab", "trainer"))
+    size = {"A1": 1, "A2": 2, "B1": 3, "B2": 4, "R1": 5, "L1": 6, "N2": 7, "S1": 8}  # tokens per completion
+    gid = {k: uuid.uuid4().hex for k in size}
+
+    def send(client, k, version, participant=True, equal=False):
+        g = group(version=version, gid=gid[k], completions=completions(size[k], equal))
+        g = own({**g, **leased(client)[0]}) if participant else g
+        r = client.post("/v1/groups", json=g)
+        assert r.status_code == 200, r.text
+        return r.json()["status"]
+    for client, k, equal in ((alice, "A1", False), (alice, "A2", True), (bob, "B1", False), (bob, "B2", False)):
+        assert send(client, k, 1, equal=equal) == "accepted"
+    got = trainer.post("/v1/batches/lease", json={"num_groups": 3}).json()
+    assert [g["group_id"] for g in got["groups"]] == [gid["A1"], gid["A2"], gid["B1"]]
+    r = trainer.post(f"/v1/batches/{got['batch_id']}/audit", json={  # B1 fails: bob is suspended, B2 held out
+        "checked": [gid["A1"], gid["A2"], gid["B1"]], "failures": [{"group_id": gid["B1"], "check": "reward", "detail": "x"}]})
+    assert r.json()["participants"]["bob"]["quarantined"], r.text
+    assert p.http.post(f"/v1/batches/{got['batch_id']}/ack").status_code == 200
+    assert send(p.http, "R1", 1, participant=False) == send(p.http, "L1", 1, participant=False) == "accepted"
+    assert [g["group_id"] for g in trainer.post("/v1/batches/lease", json={"num_groups": 1}).json()["groups"]] == [gid["R1"]]
+    publish(bucket, p, 2)
+    assert send(p.http, "N2", 2, participant=False) == "accepted"
+    publish(bucket, p, 3)                                                # L1 (version 1) is now too stale: dropped
+    assert send(p.http, "S1", 1, participant=False) == "stale"           # and S1 is refused on arrival
+
+    led = token_outcomes.replay(bucket, max_staleness=1)
+    acc = token_outcomes.tally(led, skip_zero_std=True, generated_by_workers=None)
+    want = {"trained": ["A1"], "skipped_zero_std": ["A2"], "left_out_by_audit": ["B1"], "quarantined": ["B2"],
+            "leased_not_acked": ["R1"], "dropped_stale": ["L1", "S1"], "never_leased": ["N2"]}
+    assert acc["tokens"] == {k: 4 * sum(size[g] for g in want.get(k, [])) for k in token_outcomes.OUTCOMES}
+    assert acc["groups"] == {k: len(want.get(k, [])) for k in token_outcomes.OUTCOMES}
+    assert acc["generated"] == acc["journal_tokens"] == 4 * sum(size.values()) and acc["refused_without_size"] == 0
+    assert acc["by_version"][2] == {**dict.fromkeys(token_outcomes.OUTCOMES, 0), "never_leased": 4 * size["N2"]}
+    assert {p_: {k: n for k, n in row.items() if n} for p_, row in acc["by_participant"].items()} == {
+        "alice": {"trained": 4, "skipped_zero_std": 8}, "bob": {"left_out_by_audit": 12, "quarantined": 16},
+        token_outcomes.RUN: {"leased_not_acked": 20, "dropped_stale": 24 + 32, "never_leased": 28}}
+    s = p.stats()
+    assert (s["groups_dropped_stale"], s["groups_held_out"]) == (2, 1) == (acc["groups"]["dropped_stale"],
+                                                                          led.counts["groups_held_out"])
