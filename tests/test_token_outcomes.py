@@ -140,6 +140,10 @@ def test_every_outcome_a_group_can_have_is_told_from_the_journal(bucket, spawn):
     assert {p_: {k: n for k, n in row.items() if n} for p_, row in acc["by_participant"].items()} == {
         "alice": {"trained": 4, "skipped_zero_std": 8}, "bob": {"left_out_by_audit": 12, "quarantined": 16},
         token_outcomes.RUN: {"leased_not_acked": 20, "dropped_stale": 24 + 32, "never_leased": 28}}
-    s = p.stats()
-    assert (s["groups_dropped_stale"], s["groups_held_out"]) == (2, 1) == (acc["groups"]["dropped_stale"],
-                                                                          led.counts["groups_held_out"])
+    s = p.stats()  # the live proxy's own counters, as its metrics row logs them
+    assert (s["groups_dropped_stale"], s["groups_held_out"], s["groups_acked"]) == (2, 1, 3)
+    checks = token_outcomes.cross_checks(acc, led, [], [{f"proxy/{k}": s[k] for k in (
+        "groups_dropped_stale", "groups_acked", "groups_held_out")}])
+    assert [c["what"] for c in checks[-3:] if c["ok"]] == [
+        "groups dropped stale = proxy's groups_dropped_stale", "groups in acked batches = proxy's groups_acked",
+        "groups held out = proxy's groups_held_out"], checks

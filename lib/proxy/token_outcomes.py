@@ -57,7 +57,8 @@ def group_of(g: dict) -> Group:
 
 class Outcomes(Ledger):
     """A Ledger that notes each group's fate as the journal moves it: `fate` maps a group id to 'buffer', 'stale',
-    'quarantined', ('leased', batch) or ('acked', batch); an acked group's fate is final (the trainer holds it)."""
+    'quarantined', ('leased', batch) or ('acked', batch, its participant suspended then); an acked group's fate is
+    final (the trainer holds it: a lease of it later is passed over as already trained)."""
 
     def __init__(self, max_staleness: int, lease_s: float):
         super().__init__(max_staleness, lease_s, keep_raw=False)
@@ -66,7 +67,7 @@ class Outcomes(Ledger):
         self.batch_ids: dict[str, list[str]] = {}  # every lease's group ids, by batch
         self.failed_ids: set[str] = set()
         self.acked_batches: set[str] = set()       # every acked batch (the Book remembers only the last BATCHES)
-        self.refused: Counter = Counter()          # tokens of groups refused stale on arrival whose size is unknown
+        self.refused_without_size = 0              # groups refused stale on arrival by a proxy that did not say their size
 
     def is_acked(self, gid: str) -> bool:
         return isinstance(self.fate.get(gid), tuple) and self.fate[gid][0] == "acked"
@@ -83,8 +84,9 @@ class Outcomes(Ledger):
         super().group_line(key, line)
 
     def accept(self, item) -> bool:
-        ok = super().accept(item)
-        self.note([item.gid], "buffer" if ok else "quarantined" if self.quarantine.held(item.who) else "stale")
+        stale = self.counts["groups_dropped_stale"]
+        ok = super().accept(item)  # refused: the Book counted why (stale first, else its sender is suspended)
+        self.note([item.gid], "buffer" if ok else "stale" if self.counts["groups_dropped_stale"] > stale else "quarantined")
         return ok
 
     def drop_stale(self) -> int:
@@ -125,8 +127,7 @@ class Outcomes(Ledger):
             self.groups[e["group_id"]] = Group(Counter({int(v): n for v, n in e.get("tokens", {}).items()}),
                                                e.get("participant") or RUN, False)
             self.fate[e["group_id"]] = "stale"
-            if "tokens" not in e:  # journaled before refusals said their size: counted, tokens unknown
-                self.refused["groups_without_size"] += 1
+            self.refused_without_size += "tokens" not in e  # its tokens unknown: in not_sent, the remainder
         super().event(e)
 
 
@@ -184,26 +185,28 @@ def tally(led: Outcomes, skip_zero_std: bool, generated_by_workers: int | None) 
         out["tokens"]["not_sent"] = generated_by_workers - journal
     out["generated"] = journal if generated_by_workers is None else generated_by_workers
     out["journal_tokens"] = journal
-    out["refused_without_size"] = led.refused["groups_without_size"]
+    out["refused_without_size"] = led.refused_without_size
     return out
 
 
 def cross_checks(out: dict, led: Outcomes, train: list[dict], proxy: list[dict]) -> list[dict]:
-    """Each outcome against a counter another role kept on its own: (what, from the journal, the counter, ok). The
-    trainer's `tokens` (trained) and `tokens/leased` (leased and not trained before: trained or zero-std); the proxy's
-    own metrics row (groups dropped stale, acked, held out); the journal's tokens against the workers' count (never
-    more: the outcomes add up to what the workers generated through not_sent, the rest)."""
+    """Each outcome against a counter another role kept on its own: what, ours (from the journal), theirs, ok. The
+    trainer's `tokens` (= trained) and `tokens/leased` (= trained + skipped zero-std: the groups its steps took, not
+    trained before and passed by the audit's screen; a group its step's own forward then fails is in it too, so on a
+    run where that happened the two differ by that group); the proxy's last metrics row (groups dropped stale, in
+    acked batches, held out as a suspended participant's); the journal's tokens never more than the workers' count
+    (the outcomes add up to that count through not_sent, the rest)."""
     tok, grp, last = out["tokens"], out["groups"], (proxy[-1] if proxy else {})
     acked = sum(len(led.batch_ids.get(b, [])) for b in led.acked_batches)
-    checks = [("tokens trained = trainer's tokens", tok["trained"], sum(r.get("tokens", 0) for r in train)),
+    held = sum(f == "quarantined" for g, f in led.fate.items() if g in led.groups)
+    checks = [("tokens trained = trainer's tokens", tok["trained"], sum(r.get("tokens", 0) for r in train), True),
               ("tokens trained + skipped zero-std = trainer's tokens/leased",
-               tok["trained"] + tok["skipped_zero_std"], sum(r.get("tokens/leased", 0) for r in train)),
-              # not_sent is the workers' count less the journal's, so the journal must not hold more than they made
-              ("tokens in the journal <= the workers' tokens generated", out["journal_tokens"], out["generated"])]
+               tok["trained"] + tok["skipped_zero_std"], sum(r.get("tokens/leased", 0) for r in train), True),
+              ("tokens in the journal <= the workers' tokens generated", out["journal_tokens"], out["generated"], False)]
     if last:  # the proxy's counters as it last logged them (its metrics row, every second while it runs)
         checks += [("groups dropped stale = proxy's groups_dropped_stale", grp["dropped_stale"],
-                    last.get("proxy/groups_dropped_stale")),
-                   ("groups in acked batches = proxy's groups_acked", acked, last.get("proxy/groups_acked")),
-                   ("groups held out = proxy's groups_held_out", led.counts["groups_held_out"],
-                    last.get("proxy/groups_held_out"))]
-    return [{"what": w, "ours": a, "theirs": b, "ok": a <= b if "<=" in w else a == b} for w, a, b in checks]
+                    last.get("proxy/groups_dropped_stale"), True),
+                   ("groups in acked batches = proxy's groups_acked", acked, last.get("proxy/groups_acked"), True),
+                   ("groups held out = proxy's groups_held_out", held, last.get("proxy/groups_held_out"), True)]
+    return [{"what": w, "ours": a, "theirs": b, "ok": a == b if exact else b is not None and a <= b}
+            for w, a, b, exact in checks]
