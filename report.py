@@ -210,11 +210,14 @@ def last_args(configs: list[dict], role: str) -> dict:
 
 
 def token_accounting(bucket: Bucket, configs: list[dict], train: list[dict], rollouts: dict[str, list[dict]],
-                     proxy: list[dict]) -> dict:
+                     proxy: list[dict]) -> dict | None:
     """Every generated token's outcome, replayed from the run's journal under the proxy's and the trainer's recorded
-    settings (max staleness; --skip-zero-std with beta 0), and each outcome's cross-check (token_outcomes.py)."""
+    settings (max staleness; --skip-zero-std with beta 0), and each outcome's cross-check (token_outcomes.py); None
+    when the bucket holds no journal."""
     pa, ta = last_args(configs, "proxy"), last_args(configs, "train")
     led = token_outcomes.replay(bucket, pa.get("max_staleness", MAX_STALENESS), pa.get("lease_s", 300.0))
+    if led.commits == 0:  # a proxy run without the bucket (--no-use-bucket) keeps no journal: nothing to replay
+        return None
     skip = ta.get("skip_zero_std", True) and ta.get("beta", 0.0) == 0
     out = token_outcomes.tally(led, skip, generated_tokens(rollouts) if rollouts else None)
     return {**out, "checks": token_outcomes.cross_checks(out, led, train, proxy)}
@@ -435,8 +438,11 @@ def main(args: Args) -> None:
         configs = read_configs(bucket)
         save_dir(out, train, rollouts, proxy)
         saved = save_adapters(bucket, out, args.adapters)
-        accounts = {"token_outcomes": token_accounting(bucket, configs, train, rollouts, proxy),
-                    "plan_flavors": costs.plan_flavors(bucket.get_json(PLAN))}
+        accounts = {"plan_flavors": costs.plan_flavors(bucket.get_json(PLAN))}
+        if (acc := token_accounting(bucket, configs, train, rollouts, proxy)) is not None:
+            accounts["token_outcomes"] = acc
+        else:
+            print("report: the bucket holds no proxy journal (rollouts/): no token outcomes", file=sys.stderr)
         with open(os.path.join(out, "accounting.json"), "w") as f:
             json.dump(accounts, f, indent=1)
     s = summarize(train, rollouts, proxy, args.level)
