@@ -609,6 +609,16 @@ def sampled_tokens(group: dict) -> int:
     return sum(sum(sampled_mask(c)) for c in group["completions"])
 
 
+def sampled_by_version(group: dict) -> dict[int, int]:
+    """sampled_tokens split by the adapter version that sampled each token (token_versions): version -> tokens."""
+    out: dict[int, int] = {}
+    for c in group["completions"]:
+        for m, v in zip(sampled_mask(c), token_versions(c, group["policy_version"])):
+            if m:
+                out[v] = out.get(v, 0) + 1
+    return out
+
+
 def zero_std(rewards: list[float]) -> bool:
     """A group whose G rewards are all equal: no signal (its advantages are exactly 0). Decided on the rewards as
     given (max == min), not on a rounded std compared with 0: eight rewards of 0.1 have a float32 std of 7.45e-9."""

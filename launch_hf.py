@@ -47,6 +47,7 @@ import tyro
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import script_args
 import memory
+from costs import EXPOSE_PRICE, PRICES
 import presets
 from tasks import token_budget
 from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
@@ -57,13 +58,6 @@ from supervisor import Policy, Supervisor
 ROOT = Path(__file__).resolve().parent
 POLL_S = 5.0                    # seconds between looks at the proxy job while it starts
 HUB_MIN = "1.24"                # the first huggingface_hub with everything below (see check_hub)
-# $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h; a100x4/x8 and
-# h200x2/x4/x8 are taken as the one-GPU price times the GPUs, not read from that page: check it before budgeting on them
-PRICES = {"cpu-basic": 0.01, "cpu-upgrade": 0.03, "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80,
-          "l4x4": 3.80, "l40sx1": 1.80, "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00,
-          "a100-large": 2.50, "h200": 5.00, "a100x4": 10.00, "a100x8": 20.00, "h200x2": 10.00, "h200x4": 20.00,
-          "h200x8": 40.00}
-EXPOSE_PRICE = 0.01
 NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it could not resolve
 
 

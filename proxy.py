@@ -74,7 +74,7 @@ from pydantic import ValidationError
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import (MAX_STALENESS, PROTOCOL, Bucket, BucketError, ConflictError, ProtocolError, TrajectoryGroup,
-                    temperature_problem, token_id_problem)
+                    sampled_by_version, temperature_problem, token_id_problem)
 import access
 import journal
 from access import ADMIN, NamePath, scope
@@ -781,7 +781,10 @@ async def submit_group(request: Request) -> SubmitResponse:
         book.counts["groups_dropped_stale"] += 1
         try:
             await journaled(gid, {"t": "stale", "group_id": gid, "worker_id": group.worker_id,
-                                  **({"participant": participant} if participant else {})})
+                                  **({"participant": participant} if participant else {}),
+                                  # its size, for the run's token accounting (it has no line in the journal)
+                                  "tokens": {str(v): n for v, n in sampled_by_version(
+                                      group.model_dump(include={"policy_version", "completions"})).items()}})
         except journal.JournalWriteError:
             book.counts["groups_dropped_stale"] -= 1
             raise

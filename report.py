@@ -9,9 +9,13 @@ group whose rewards differ: a run that trained none says so, and the share of an
 the first 5 vs last 5 steps, reward per policy version, steps per minute, the trainer's idle share,
 tokens generated / leased / trained, staleness mean/max and a per-staleness table (groups, reward,
 |ratio - 1|, clip fraction), groups dropped, medians of the wait/sync timings, peak memory per role;
+where every generated token went (one outcome each, per adapter version and participant, replayed from the proxy's
+journal and cross-checked: token_outcomes.py) and what each job cost (seconds, GPU-seconds, dollars at its flavor's
+price: costs.py), with $ per trained token and $ to reach the level (docs/metrics.md#where-the-tokens-and-the-dollars-went);
 then the configuration every role recorded at start (config/ in the bucket: command, package
 versions, sha256 of the files, host), which is what it takes to run it again. Writes
-OUT/reward_curve.png, OUT/summary.json, OUT/configs.json and OUT/metrics/*.jsonl (the rows it read).
+OUT/reward_curve.png, OUT/token_outcomes.png, OUT/summary.json, OUT/accounting.json (the outcomes, for --from-dir),
+OUT/configs.json and OUT/metrics/*.jsonl (the rows it read).
 """
 from __future__ import annotations
 
@@ -20,12 +24,16 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import Bucket, adapter_prefix
+from common import MAX_STALENESS, Bucket, adapter_prefix
+import costs
 from tasks import FORMAT_WEIGHT
+import token_outcomes
+from hf_jobs import PLAN
+from metrics import TrackioSink
 
 
 @dataclass
@@ -37,6 +45,10 @@ class Args:
     adapters: Literal["last", "all", "none"] = "last"
     """copy the run's adapters (the last version, all, or none) to OUT/adapters/, where `evaluate.py --run-dir OUT`
     reads them: a local run's bucket stops with the run"""
+    report_to: Literal["none", "trackio"] = field(
+        default_factory=lambda: os.environ.get("REPORT_TO") or "none")  # type: ignore[assignment]
+    """also log the token outcomes and the dollars to trackio (ledger_rows), as the run RUN-ledger of the project the
+    roles log to (env REPORT_TO, TRACKIO_PROJECT, TRACKIO_SPACE_ID, as every role reads them)"""
     level: float | None = None
     """the reward level of "first reaches" (5-step mean); default 0.8 where every step's mean reward is in
     [0, 1.1] (a right answer and its format), else none: a reward of another scale is told in its own terms"""
@@ -117,6 +129,13 @@ def cut_share(rollouts: dict[str, list[dict]]) -> float | None:
     return round(sum(r["rollout/finish_length"] * r["rollout/samples"] for r in rows) / n, 3) if n else None
 
 
+def generated_tokens(rollouts: dict[str, list[dict]]) -> int:
+    """The tokens the workers sampled, by their own count: each round's `rollout/tokens` (a worker of before that
+    metric: its tokens per second times its seconds, rounded)."""
+    return round(sum(r.get("rollout/tokens", r["rollout/tokens_per_s"] * r["rollout/gen_s"])
+                     for rows in rollouts.values() for r in rows if "rollout/gen_s" in r))
+
+
 UNIT_MAX = 1 + FORMAT_WEIGHT  # a right answer (1) and its format (tasks.py): the scale the 0.8 level is on
 
 
@@ -158,8 +177,7 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
         "steps_per_min": round(len(train) / (wall / 60), 2) if wall else None,
         # the trainer waiting for a batch (starved of rollouts), as a share of its time
         "trainer_idle_frac": round(sum(r["perf/rollout_wait_s"] for r in train) / wall, 3) if wall else None,
-        "tokens_generated": round(sum(r["rollout/tokens_per_s"] * r["rollout/gen_s"] for r in roll_rows
-                                      if "rollout/gen_s" in r)),
+        "tokens_generated": generated_tokens(rollouts),
         "tokens_leased": sum(r.get("tokens/leased", 0) for r in train),
         "tokens_trained": sum(r.get("tokens", 0) for r in train),
         # GRPO learns only from a group whose rewards differ: the groups it could train, and why it might not
@@ -183,6 +201,120 @@ def summarize(train: list[dict], rollouts: dict[str, list[dict]], proxy: list[di
                         **{k: max(r["mem/peak_rss_mb"] for r in rows) for k, rows in rollouts.items() if rows},
                         "proxy": max((r["mem/peak_rss_mb"] for r in proxy), default=None)},
     }
+
+
+# ---- where the tokens and the dollars went (token_outcomes.py, costs.py) ----------------------------------------
+def last_args(configs: list[dict], role: str) -> dict:
+    """The arguments of the newest recorded start of `role` (configs: oldest first); {} when none was recorded."""
+    return next((c.get("args", {}) for c in reversed(configs) if c.get("role") == role), {})
+
+
+def token_accounting(bucket: Bucket, configs: list[dict], train: list[dict], rollouts: dict[str, list[dict]],
+                     proxy: list[dict]) -> dict | None:
+    """Every generated token's outcome, replayed from the run's journal under the proxy's and the trainer's recorded
+    settings (max staleness; --skip-zero-std with beta 0), and each outcome's cross-check (token_outcomes.py); None
+    when the bucket holds no journal."""
+    pa, ta = last_args(configs, "proxy"), last_args(configs, "train")
+    led = token_outcomes.replay(bucket, pa.get("max_staleness", MAX_STALENESS), pa.get("lease_s", 300.0))
+    if led.commits == 0:  # a proxy run without the bucket (--no-use-bucket) keeps no journal: nothing to replay
+        return None
+    skip = ta.get("skip_zero_std", True) and ta.get("beta", 0.0) == 0
+    out = token_outcomes.tally(led, skip, generated_tokens(rollouts) if rollouts else None)
+    return {**out, "checks": token_outcomes.cross_checks(out, led, train, proxy)}
+
+
+def role_spans(configs: list[dict], rows: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+    """Per role of the run's records (train, proxy, rollout-<id>): from its first recorded start (config/) to its
+    last metrics row (unix seconds)."""
+    out = {}
+    for job, rs in rows.items():
+        times = [r["time"] for r in rs if "time" in r]
+        if times:
+            out[job] = (min([c["started_at"] for c in configs if c.get("role") == job] + times[:1]), max(times))
+    return out
+
+
+def money(s: dict, spent: dict[str, dict], train: list[dict]) -> dict:
+    """The run's dollars: in all, per trained token, and by the time the 5-step mean first reached the level (the
+    jobs' price over their spans up to that step's row; None when it never did)."""
+    total = round(sum(c["usd"] for c in spent.values()), 4)
+    level = s["reward_level"]
+    hit = s.get(f"first_reaches_{level}") if level is not None else None
+    at = next((r["time"] for r in train if hit and r["step"] == hit["step"] and "time" in r), None)
+    return {"usd_total": total, "gpu_seconds": round(sum(c["gpu_seconds"] for c in spent.values()), 1),
+            "usd_per_trained_token": total / s["tokens_trained"] if s["tokens_trained"] else None,
+            **({f"usd_to_reach_{level}": None if at is None else costs.spent_by(spent, at)} if level is not None else {})}
+
+
+def job_costs_or_say(spans: dict[str, tuple[float, float]], flavors: dict[str, str]) -> dict[str, dict]:
+    """costs.job_costs, or {} after saying why not (a flavor without a price): the rest of the summary still prints."""
+    try:
+        return costs.job_costs(spans, flavors)
+    except ValueError as e:
+        print(f"report: no job costs: {e}", file=sys.stderr)
+        return {}
+
+
+def print_accounting(acc: dict, spent: dict[str, dict]) -> None:
+    """The token outcomes (in all, per participant, per adapter version), their cross-checks, and each job's cost."""
+    tok, grp, gen = acc["tokens"], acc["groups"], acc["generated"]
+    print(f"\n== where the {gen:,} generated tokens went (token_outcomes.py) ==")
+    for k in token_outcomes.OUTCOMES:
+        share = f"{tok[k] / gen:6.1%}" if gen else "   -  "
+        print(f"  {k:22s} {tok[k]:>10,} tokens {share}  {grp[k]:>6,} groups")
+    for title, table in (("per participant", acc["by_participant"]), ("per adapter version", acc["by_version"])):
+        print(f"  {title}:")
+        for key, row in table.items():
+            print(f"    {key!s:20s} " + ", ".join(f"{k} {n:,}" for k, n in row.items() if n))
+    for c in acc["checks"]:
+        print(f"  {'ok      ' if c['ok'] else 'MISMATCH'} {c['what']}: {c['ours']} / {c['theirs']}")
+    print("== what each job cost (costs.py: a local run's processes have no flavor, $0) ==")
+    for job, c in spent.items():
+        print(f"  {job:22s} {c['flavor']:12s} {c['seconds']:>9,.0f} s  {c['gpu_seconds']:>9,.0f} GPU-s  ${c['usd']:.4f}")
+
+
+MONEY = ("usd_total", "gpu_seconds", "usd_per_trained_token")
+
+
+def ledger_rows(s: dict) -> list[dict]:
+    """What trackio gets of the token outcomes: a row per adapter version (its step: the version), its tokens by
+    outcome (tokens/<outcome>); then, one step after the last version, the run's totals (total/<outcome>), each
+    participant's (participant/<name>/<outcome>, where not 0) and the dollars, under the summary's names."""
+    acc = s["token_outcomes"]
+    rows = [{"step": int(v), **{f"tokens/{k}": n for k, n in row.items()}} for v, row in acc["by_version"].items()]
+    money_keys = [*MONEY, *(k for k in s if k.startswith("usd_to_reach_"))]
+    return rows + [{"step": rows[-1]["step"] + 1 if rows else 0, "tokens/generated": acc["generated"],
+                    **{f"total/{k}": n for k, n in acc["tokens"].items()},
+                    **{f"participant/{p.strip('()')}/{k}": n for p, row in acc["by_participant"].items()
+                       for k, n in row.items() if n},
+                    **{k: s[k] for k in money_keys if s.get(k) is not None}}]
+
+
+def to_trackio(rows: list[dict], run: str) -> None:
+    """The rows to trackio, as the run `run`-ledger (metrics.TrackioSink: a failure is said once, never raised)."""
+    sink = TrackioSink(os.environ.get("TRACKIO_PROJECT") or "async-grpo", f"{run}-ledger", run,
+                       os.environ.get("TRACKIO_SPACE_ID"), None)
+    for row in rows:
+        sink.log(row)
+    sink.finish()
+
+
+def plot_outcomes(acc: dict, path: str) -> None:
+    """The tokens of each adapter version, stacked by outcome."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    versions = [int(v) for v in acc["by_version"]]
+    bottom = [0] * len(versions)
+    for k in token_outcomes.OUTCOMES:
+        ns = [row[k] for row in acc["by_version"].values()]
+        if any(ns):
+            ax.bar(versions, ns, bottom=bottom, label=k)
+            bottom = [b + n for b, n in zip(bottom, ns)]
+    ax.set_xlabel("adapter version that sampled the tokens"); ax.set_ylabel("tokens"); ax.legend(fontsize=7)
+    ax.set_title(f"where the generated tokens went ({acc['generated']:,})")
+    fig.tight_layout(); fig.savefig(path, dpi=110)
 
 
 def read_configs(bucket: Bucket) -> list[dict]:
@@ -306,7 +438,22 @@ def main(args: Args) -> None:
         configs = read_configs(bucket)
         save_dir(out, train, rollouts, proxy)
         saved = save_adapters(bucket, out, args.adapters)
+        accounts = {"plan_flavors": costs.plan_flavors(bucket.get_json(PLAN))}
+        if (acc := token_accounting(bucket, configs, train, rollouts, proxy)) is not None:
+            accounts["token_outcomes"] = acc
+        else:
+            print("report: the bucket holds no proxy journal (rollouts/): no token outcomes", file=sys.stderr)
+        with open(os.path.join(out, "accounting.json"), "w") as f:
+            json.dump(accounts, f, indent=1)
     s = summarize(train, rollouts, proxy, args.level)
+    if args.from_dir:
+        got = os.path.join(args.from_dir, "accounting.json")
+        accounts = json.load(open(got)) if os.path.exists(got) else {}
+    spent = job_costs_or_say(role_spans(configs, {"train": train, "proxy": proxy,
+                                                  **{f"rollout-{k}": v for k, v in rollouts.items()}}),
+                             accounts.get("plan_flavors", {}))
+    s.update({**money(s, spent, train), "job_costs": spent,
+              **({"token_outcomes": accounts["token_outcomes"]} if "token_outcomes" in accounts else {})})
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(s, f, indent=1)
@@ -314,7 +461,7 @@ def main(args: Args) -> None:
         json.dump(configs, f, indent=1)
     print("\n== summary of run", name, "==")
     for k, v in s.items():
-        if k != "by_staleness":
+        if k not in ("by_staleness", "job_costs", "token_outcomes"):
             print(f"  {k:24s} {v}")
     print("  by staleness             groups  reward  |ratio-1| mean  max     clip frac")
     for lag, d in s["by_staleness"].items():
@@ -324,6 +471,13 @@ def main(args: Args) -> None:
     if train:
         plot(train, rollouts, os.path.join(out, "reward_curve.png"))
         print(f"  reward curve             {os.path.join(out, 'reward_curve.png')}")
+    if "token_outcomes" in s:
+        print_accounting(s["token_outcomes"], spent)
+        plot_outcomes(s["token_outcomes"], os.path.join(out, "token_outcomes.png"))
+        print(f"  token outcomes plot      {os.path.join(out, 'token_outcomes.png')}")
+        if args.report_to == "trackio":
+            to_trackio(ledger_rows(s), name)
+            print(f"  trackio                  the token outcomes and dollars as the run {name}-ledger")
     if not args.from_dir and saved:
         task = next((c["args"]["task"] for c in configs if "task" in c.get("args", {})), "TASK")
         print(f"  adapters saved           v{', v'.join(map(str, saved))} in {os.path.join(out, 'adapters')}/: "

@@ -588,7 +588,7 @@ class Worker:
         if isinstance(self.engine, ServerSampler):
             row["rollout/server_down_s"] = self.engine.down_s
         row.update({"version": version, "rollout/mid_round_swaps": row.get("rollout/mid_round_swaps", 0),
-                    "rollout/gen_s": gen_s, "rollout/tokens_per_s": ntok / max(gen_s, 1e-9),
+                    "rollout/gen_s": gen_s, "rollout/tokens": ntok, "rollout/tokens_per_s": ntok / max(gen_s, 1e-9),
                     "rollout/reward_mean": sum(rewards) / max(1, len(rewards)), "rollout/samples": len(rewards),
                     "rollout/backpressure_s": self.client.backpressure_s - bp0,
                     "rollout/groups_accepted": statuses.count("accepted"),

@@ -49,9 +49,10 @@ class Role:
         return self.text().rsplit(f"===== start {self.starts} =====", 1)[-1]
 
 
-def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *rollout_extra: str) -> None:
-    """One rollout worker (`rollout_extra` added to its flags) and the trainer on the tiny model against
-    `proxy`, `steps` steps of 2 groups of 4; both must exit 0, the worker by itself once the trainer
+def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *rollout_extra: str,
+              train_flags: tuple[str, ...] = ("--no-skip-zero-std",)) -> None:
+    """One rollout worker (`rollout_extra` added to its flags) and the trainer (`train_flags` added to its) on the
+    tiny model against `proxy`, `steps` steps of 2 groups of 4; both must exit 0, the worker by itself once the trainer
     registered its final version. Logs: logdir/rollout.log and logdir/train.log. The worker's temporary
     folder (logdir/tmp) is watched: it keeps at most 3 adapter versions on disk at any time (the one in use,
     one waiting, one downloading) and leaves none behind."""
@@ -67,7 +68,7 @@ def tiny_loop(tiny_model: str, proxy, run_name: str, logdir: Path, steps: int, *
     try:
         train = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--max-steps",
                                   str(steps), "--batch-groups", "2", "--lr", "1e-3", "--lease-wait-s", "5",
-                                  "--no-skip-zero-std"], env=env, stdout=open(logdir / "train.log", "w"),
+                                  *train_flags], env=env, stdout=open(logdir / "train.log", "w"),
                                  stderr=subprocess.STDOUT)
         t0 = time.time()
         while train.poll() is None:
