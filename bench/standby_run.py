@@ -101,7 +101,9 @@ def main(a: Args) -> int:
             launcher.send_signal(signal.SIGINT)  # its trap stops every process it started
             launcher.wait(120)
     said.seek(0)
-    print(said.read()[-6000:])
+    text = said.read()
+    summary = text[text.find("== summary"):text.find("== configuration")] if "== summary" in text else text[-3000:]
+    print(summary + "\n".join(text.rstrip().splitlines()[-1:]))  # report.py's summary, and its headline
     print(f"launcher exit status {launcher.returncode}; {len(kills)} leader kill(s): "
           + ", ".join(f"step {k} ({took:.2f} s)" for k, _, took in kills))
     return launcher.returncode
