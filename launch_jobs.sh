@@ -7,6 +7,7 @@
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
 #   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
 #   bash launch_jobs.sh --local --standby       # a standby proxy beside the leader: kill -9 the leader, it takes over
+#                                               # (and the killed one is started again as the next standby)
 #   bash launch_jobs.sh --local --trainer-procs 2   # the trainer as two CPU ranks under torchrun (gloo)
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
@@ -22,7 +23,7 @@ LOCAL=0; SETUP_ONLY=0; STANDBY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
-usage() { sed -n '2,17p' "$0"; cat <<EOF
+usage() { sed -n '2,18p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
          turns: calculator, ...)  --run NAME
@@ -31,10 +32,11 @@ options: --local  --setup-only (only create .venv)  --preset NAME (local; --list
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
          --keep-adapters last|all|none (copied to runs/<run>/adapters/ at the end, for evaluate.py --run-dir; last)
          --standby (a second proxy, proxy.py --standby, follows the journal and leads once the leader stops renewing;
-                    workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby)
+                    workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby;
+                    a proxy that exits is started again as the standby; runs/<run>/proxies lists pid and URL of each)
          --trainer-procs N (the trainer as N ranks under torchrun: train.py --nproc-per-node N; CPU ranks, gloo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
-         bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
+         bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T] [--standby]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
                                                       trainer, rollout or supervisor; submits nothing)
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
