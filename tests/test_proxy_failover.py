@@ -4,6 +4,7 @@ still buffered or acked once and no group in two leases; clients find it through
 what was in flight; a leader cut off from the bucket stops answering before the standby takes over, and can never
 commit again (fenced). docs/proxy.md, "A standby"."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,12 @@ def role(p) -> str | None:
         return None
 
 
+def gauges(p) -> dict[str, float]:
+    """The leadership gauges of a proxy's /metrics (Prometheus text), by name."""
+    text = p.http.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(proxy_lead\w*|proxy_standby\w*) (\S+)$", text, re.M)}
+
+
 def drain(client) -> list[str]:
     out = []
     while (r := client.post("/v1/batches/lease", {"num_groups": 1}))["batch_id"]:
@@ -75,6 +82,14 @@ def test_kill_9_of_the_leader_the_standby_takes_over_nothing_lost(pair, bucket):
     wait_for(lambda: b.http.get("/health").json()["lag_commits"] == 0 and
              b.http.get("/health").json()["last_applied"] == journal.log_keys(bucket)[-1], 20, msg="the standby to catch up")
 
+    # who leads, since when, and the standby's lag: on the leader's /metrics and /v1/stats, and the standby's /metrics
+    since = a.stats()["leadership"]["since"]
+    assert gauges(a) | {"proxy_leading_seconds": 0} == {"proxy_leader": 1, "proxy_leader_incarnation": 0,
+                                                         "proxy_leader_since_seconds": since, "proxy_leading_seconds": 0}
+    assert gauges(b) | {"proxy_standby_behind_seconds": 0} == {
+        "proxy_leader": 0, "proxy_leader_incarnation": 0, "proxy_leader_since_seconds": since,
+        "proxy_standby_lag_commits": 0, "proxy_standby_behind_seconds": 0}
+
     os.kill(a.proc.pid, signal.SIGKILL)
     a.proc.wait()
     t0 = time.monotonic()
@@ -82,6 +97,9 @@ def test_kill_9_of_the_leader_the_standby_takes_over_nothing_lost(pair, bucket):
     took = time.monotonic() - t0
     assert took < 10, f"takeover took {took:.1f}s"
     assert read_proxy_endpoint(bucket)["url"] == b.url
+    took_at = b.stats()["leadership"]["since"]
+    assert took_at > since and gauges(b)["proxy_leader_incarnation"] == 1 and gauges(b)["proxy_leader"] == 1
+    assert gauges(b)["proxy_leader_since_seconds"] == took_at
 
     assert client.post(f"/v1/batches/{held['batch_id']}/ack") == {"acked": 3}  # re-resolved: the old URL refuses
     assert client.url == b.url

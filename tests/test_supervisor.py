@@ -21,7 +21,7 @@ from huggingface_hub import HfApi
 import common
 
 import proxy_client
-from hf_jobs import JobSpec, save_launch
+from hf_jobs import JobSpec, load_launch, save_launch
 from jobs_emulator import JobsEmulator
 from supervisor import Policy, Supervisor
 
@@ -359,3 +359,73 @@ def test_a_run_on_emulated_jobs_survives_a_proxy_crash_and_a_worker_timeout(emul
         held = {g for g, st in answered.items() if st in ("accepted", "duplicate")}
         assert held, f"{w}: the proxy acknowledged none of its groups: nothing to check against the log"
         assert held <= accepted and "refused" not in answered.values(), w
+
+
+# --- a standby proxy job: the proxies lead among themselves, the supervisor keeps two of them -----------------------
+
+
+def health_role(job) -> str | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{job.ports[8000]}/health", timeout=5).json().get("role")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def led_by(bucket, job, timeout: float) -> dict:
+    """Wait until proxy/endpoint.json names `job`, written by that proxy itself (it took the lead), and /health agrees."""
+    url = f"http://127.0.0.1:{job.ports[8000]}"
+    return wait_for(lambda: (r := proxy_client.read_proxy_endpoint(bucket) or {}).get("url") == url
+                    and r["written_by"].startswith("proxy incarnation") and health_role(job) == "leader" and r,
+                    timeout, f"job {job.id} leads")
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_a_standby(
+        emulator, bucket, run_name, tiny_model, tmp_path, capsys):
+    """The launcher's --standby layout (its two proxy jobs only, --term-s 2 for speed): the proxy leads, the standby
+    stands by. Its job killed, the standby leads and writes proxy/endpoint.json itself (the URL the supervisor left
+    it); the supervisor relaunches the dead job as a standby and never records a standby's URL. Then that leader
+    hangs (SIGSTOP): the relaunched standby leads, and the supervisor cancels the job that stopped answering and
+    relaunches it as a standby. `--cancel` ends it."""
+    emu, api = emulator, HfApi()
+    args = launch_hf.with_preset(launch_hf.Args(run=run_name, model=tiny_model, task="addition", standby=True,
+                                                 timeout="30m", proxy_arg=["--term-s", "2"]))
+    specs = [s for s in launch_hf.plan(args, "alice") if s.role in ("proxy", "proxy-standby")]
+    assert [s.role for s in specs] == ["proxy", "proxy-standby"] and specs[1].args == [*specs[0].args, "--standby"]
+    save_launch(bucket, {"run": run_name}, specs, launch_hf.sources(args))
+    load_launch(bucket, tmp_path / "work")   # as launch() does: the jobs run the bucket's copy
+    launch_hf.start_jobs(api, args, "alice", TOKENS["HF_TOKEN"], bucket, specs, tmp_path / "work")
+    (leader,), (standby,) = emu.by_role("proxy"), emu.by_role("proxy-standby")
+    assert proxy_client.read_proxy_endpoint(bucket)["job_id"] == leader.id   # the launcher recorded the first leader
+
+    watcher, result = watch_in_thread(run_name, "--policy.poll-s", "0.5", "--policy.backoff-s", "0.5",
+                                      "--policy.proxy-wait-s", "10")
+    took_over = []
+    try:
+        for role, stop in (("proxy", emu.crash), ("proxy-standby", emu.pause)):   # the leader's role, and its end
+            wait_for(lambda s=standby: health_role(s) == "standby" and proxy_client.read_job_url(bucket, s.id),
+                     120, "the supervisor saw the standby and left it its URL")
+            stop(leader.id)
+            led_by(bucket, standby, 60)
+            took_over.append(standby)
+            relaunched = wait_for(lambda r=role: len(emu.by_role(r)) == 2 and emu.by_role(r)[-1], 90, "a relaunch")
+            assert "--standby" in relaunched.spec["command"] and relaunched.id not in (leader.id, standby.id)
+            leader, standby = standby, relaunched
+        wait_for(lambda: health_role(standby) == "standby", 120, "the second relaunch stands by")
+        time.sleep(2)   # a few of the supervisor's looks at a standing-by job
+        assert proxy_client.read_proxy_endpoint(bucket)["job_id"] == leader.id
+        launch_hf.main(["--cancel", run_name])
+        watcher.join(60)
+    finally:
+        out = capsys.readouterr().out
+        print(out)
+    assert result.get("code") == 0, out
+    assert "recorded the leader" not in out   # each leader wrote its own record; a standby's URL never went there
+    for job, role in zip(took_over, ("proxy-standby", "proxy")):   # the supervisor told each leader from a standby
+        url = f"http://127.0.0.1:{job.ports[8000]}"
+        assert f"{role}: job {job.id} at {url}: standby" in out and f"{role}: job {job.id} at {url}: leader" in out, out
+    assert re.search(r"relaunched proxy: job \w+ on \S+ as a standby", out), out
+    assert re.search(r"relaunched proxy-standby: job \w+ on \S+ as a standby", out), out
+    hung = emu.by_role("proxy-standby")[0]
+    assert re.search(rf"proxy-standby: job {hung.id} has not answered /health for \d+ s: cancelling it", out), out
+    assert hung.stage()[0] == "CANCELED"

@@ -21,9 +21,11 @@ def parse(line: str) -> dict:
 
 @pytest.fixture
 def org_run():
-    args = launch_hf.Args(run="org-run", workers=1, namespace="an-org", bucket="b",
+    args = launch_hf.Args(run="org-run", workers=1, namespace="an-org", bucket="b", standby=True,
                           rollout_arg=["--timeout-ish", "x"], train_arg=["--seed", "3"])
-    return args, launch_hf.plan(args, "an-org")
+    jobs = launch_hf.plan(args, "an-org")   # with the standby proxy job: its --standby and --term-s read back too
+    assert [j.role for j in jobs][:2] == ["proxy", "proxy-standby"] and jobs[1].args[-1] == "--standby"
+    return args, jobs
 
 
 def test_every_printed_command_gives_the_script_its_own_arguments(org_run):

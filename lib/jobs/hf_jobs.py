@@ -12,7 +12,8 @@ What a run keeps under `s3://BUCKET/RUN/launch/`:
     stop.json          written by `--cancel`: the supervisor stops relaunching
     supervisor.json    the supervisor's lease (one per run) and heartbeat
 
-and `proxy/endpoint.json` (proxy_client.write_proxy_endpoint): where the proxy answers now.
+and `proxy/endpoint.json` (proxy_client.write_proxy_endpoint): where the proxy answers now; with a standby job,
+`proxy/urls/JOB_ID.json` (proxy_client.write_job_url): each proxy job's exposed URL, which it cannot see itself.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ from proxy_client import write_proxy_endpoint
 
 LABEL = "async-grpo-run"        # every job of a run carries {LABEL: run, "role": role}
 PROXY_PORT = 8000
+STANDBY = "proxy-standby"       # the role of the standby proxy job (a preset's `standby`); "proxy" is the first leader
+STANDBY_TERM_S = 10.0           # both proxies' --term-s on Jobs (locally 2): a leader refuses whenever one renewal put
+                                # takes over ~0.2 x term_s (docs/proxy.md), and a put through the Storage Buckets
+                                # gateway, over the internet, is not measured here: 2 s of slack, not 0.4
 HF_S3_GATEWAY = "https://s3.hf.co"
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")   # huggingface_hub's TERMINAL_JOB_STAGES
 PLAN, STOP, LEASE, FILES = "launch/plan.json", "launch/stop.json", "launch/supervisor.json", "launch/files"
@@ -67,7 +72,7 @@ def shipped(script: str) -> tuple[str, ...]:
 
 @dataclass
 class JobSpec:
-    role: str                   # proxy, rollout-1..N, trainer, supervisor
+    role: str                   # proxy, proxy-standby (a standby layout), rollout-1..N, trainer, supervisor
     script: str
     files: list[str]            # names of the files shipped beside the script (launch/files/NAME)
     args: list[str]
@@ -186,6 +191,24 @@ def wait_for_proxy(api, job_id: str, namespace: str, token: str, wait_s: float, 
             raise RuntimeError(f"the proxy job {job_id} did not answer within {wait_s:.0f} s ({why}); "
                                f"see `hf jobs logs {job_id}`")
         time.sleep(poll_s)
+
+
+def exposed_url(job) -> str | None:
+    """The job's public URL (its first exposed port), once the platform has given it one."""
+    urls = job.status.expose_urls or []
+    return urls[0].rstrip("/") if urls else None
+
+
+def proxy_role(url: str, token: str) -> str | None:
+    """What the proxy at `url` says it is on /health: leader, standby, alone, or "leader, not renewing" (its term is
+    running out: it answers nothing else); None when it does not answer."""
+    from huggingface_hub.utils import get_session
+    try:
+        r = get_session().get(f"{url}/health", timeout=10, headers={"Authorization": f"Bearer {token}"})
+        health = r.json() if r.status_code == 200 else {}
+        return "leader, not renewing" if health.get("holds") is False else health.get("role")
+    except Exception:  # (the gateway refuses connections until the server listens; an answer that is not JSON)
+        return None
 
 
 def record_proxy(bucket: Bucket, url: str, job_id: str, token: str, written_by: str) -> dict:

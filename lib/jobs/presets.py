@@ -46,6 +46,9 @@ class Preset:
     proxy: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     rollout: dict[str, Any] = field(default_factory=dict)
+    # Hugging Face Jobs only: a second proxy job, proxy.py --standby, that follows the journal and leads once the
+    # leader stops renewing its term (docs/jobs.md#a-standby-proxy-job); it costs a second proxy_flavor job
+    standby: bool = False
     # Hugging Face Jobs only: the hardware of each role
     proxy_flavor: str = "cpu-upgrade"
     rollout_flavor: str = "l4x1"
@@ -115,4 +118,5 @@ def get(name: str) -> Preset:
 def describe(p: Preset) -> str:
     """One preset as the launchers print it: its name, what it is, and every role's options."""
     return (f"preset {p.label}: {p.about}\n" + "\n".join(
-        f"  {role:8s} {' '.join(flags(p.options(role)))}" for role in ("proxy", "train", "rollout")))
+        f"  {role:8s} {' '.join(flags(p.options(role)))}" for role in ("proxy", "train", "rollout"))
+        + ("\n  a standby proxy job (proxy.py --standby) beside the proxy" if p.standby else ""))

@@ -22,6 +22,14 @@ Done: `adapters/latest.json` has reached the trainer's `--max-steps` (the final 
 bucket), or the proxy's registry answers `done` (the trainer registered it as final). Then workers
 and trainer get `drain_s` to exit by themselves, and whatever still runs (the proxy) is cancelled.
 
+With a standby proxy job (a preset's `standby`: roles `proxy` and `proxy-standby`), either proxy job that ends is
+relaunched as a standby (`--standby`: a start without it would depose the standby that leads now), without waiting
+for it. Each look asks every running proxy job's /health which one leads: it leaves each job its exposed URL
+(`proxy/urls/JOB_ID.json`), which the proxy that takes the lead writes to `proxy/endpoint.json` itself, within
+seconds; the supervisor never records a standby there, and records the leader only when that record names
+another URL (a takeover before the supervisor had seen the new leader's URL). A running proxy job whose /health
+has not answered for `proxy_wait_s` (hung: the other one leads by then) is cancelled, and so relaunched.
+
 One supervisor per run: `launch/supervisor.json` is a lease with a heartbeat (conditional writes); a
 second one refuses to start while the first one's heartbeat is fresh. A supervisor running as a job
 hands over to a successor job `handover_s` before its own timeout. `--cancel` writes `launch/stop.json`:
@@ -33,14 +41,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common import BucketError, ConflictError
-from proxy_client import read_proxy_endpoint
-from hf_jobs import (LEASE, TERMINAL, JobSpec, final_step, hub_errors, identity, load_launch, newest_by_role,
-                     record_proxy, role, run_jobs, secret_values, stage, stopped, submit, timeout_seconds,
-                     wait_for_proxy)
+from proxy_client import read_job_url, read_proxy_endpoint, write_job_url
+from hf_jobs import (LEASE, STANDBY, TERMINAL, JobSpec, exposed_url, final_step, hub_errors, identity, load_launch,
+                     newest_by_role, proxy_role, record_proxy, role, run_jobs, secret_values, stage, stopped, submit,
+                     timeout_seconds, wait_for_proxy)
 
 
 @dataclass
@@ -88,6 +96,8 @@ class Supervisor:
         self.given_up: set[str] = set()
         self.seen_ended: set[str] = set()
         self.launched: dict[str, float] = {}   # job id -> when we submitted it
+        self.proxy_roles: dict[str, str] = {}  # proxy job id -> what its /health said at the last look
+        self.deaf_since: dict[str, float] = {}  # running proxy job id -> since when its /health has not answered
         self.etag: str | None = None
         self.ttl = max(3 * policy.poll_s, 90.0)
 
@@ -140,10 +150,11 @@ class Supervisor:
             current = newest_by_role(run_jobs(self.api, self.run, self.ns))
         if self.done():
             return self.finish()
-        roles = ["proxy"] + [r for r in self.specs if r not in ("proxy", "supervisor")]
+        proxies = ["proxy", STANDBY] if self.standby() else ["proxy"]
+        roles = proxies + [r for r in self.specs if r not in (*proxies, "supervisor")]
         for r in roles:
             self.tend(r, current.get(r))
-        fatal = [r for r in ("proxy", "trainer") if r in self.given_up]
+        fatal = (["proxy"] if set(proxies) <= self.given_up else []) + (["trainer"] if "trainer" in self.given_up else [])
         workers = [r for r in self.specs if r.startswith("rollout-")]
         if workers and set(workers) <= self.given_up:
             fatal.append("every rollout worker")
@@ -158,8 +169,8 @@ class Supervisor:
         if r in self.given_up:
             return
         if job is not None and stage(job) not in TERMINAL:
-            if r == "proxy" and stage(job) == "RUNNING":
-                self.ensure_recorded(job)
+            if r in ("proxy", STANDBY) and stage(job) == "RUNNING":
+                self.see_proxy(job) if self.standby() else self.ensure_recorded(job)
             return
         if r not in self.specs:   # no plan for it (a run not started by the launcher): nothing to relaunch
             return
@@ -184,10 +195,16 @@ class Supervisor:
         if now >= self.next_at.get(r, now):
             self.relaunch(r)
 
+    def standby(self) -> bool:
+        """The run's layout has a standby proxy job: leadership is the proxies' own (proxy/leader.json)."""
+        return STANDBY in self.specs
+
     def relaunch(self, r: str) -> None:
         spec = self.specs.get(r)
         if spec is None:
             return
+        if r in ("proxy", STANDBY) and self.standby() and "--standby" not in spec.args:
+            spec = replace(spec, args=[*spec.args, "--standby"])  # the other proxy leads now, or will
         try:
             with hub_errors(f"relaunching {r}"):
                 job = submit(self.api, spec, self.run, self.ns, secret_values(self.token), self.workdir)
@@ -197,8 +214,8 @@ class Supervisor:
             return
         self.launched[job.id] = time.time()
         self.next_at.pop(r, None)
-        log(f"relaunched {r}: job {job.id} on {spec.flavor}")
-        if r == "proxy":
+        log(f"relaunched {r}: job {job.id} on {spec.flavor}{' as a standby' if '--standby' in spec.args else ''}")
+        if r == "proxy" and not self.standby():
             self.ensure_recorded(job)
 
     def ensure_recorded(self, job) -> None:
@@ -218,6 +235,30 @@ class Supervisor:
         rec = record_proxy(self.bucket, url, job.id, self.token, written_by=f"supervisor {self.me}")
         log(f"proxy answers at {url} (job {job.id}, incarnation {rec['incarnation']}); recorded in "
             f"proxy/endpoint.json for the workers and the trainer")
+
+    def see_proxy(self, job) -> None:
+        """With a standby: leave the running proxy job its URL, say when its role changes, and record it in
+        proxy/endpoint.json only if it leads and that record names another URL. One /health, no waiting."""
+        url = exposed_url(job)
+        if url is None:
+            return
+        if read_job_url(self.bucket, job.id) != url:
+            write_job_url(self.bucket, job.id, url, written_by=f"supervisor {self.me}")
+        now = proxy_role(url, self.token) or "not answering"
+        if self.proxy_roles.get(job.id) != now:
+            self.proxy_roles[job.id] = now
+            log(f"{role(job)}: job {job.id} at {url}: {now}")
+        if now in ("leader", "alone") and (read_proxy_endpoint(self.bucket) or {}).get("url") != url:
+            rec = record_proxy(self.bucket, url, job.id, self.token, written_by=f"supervisor {self.me}")
+            log(f"recorded the leader {url} (job {job.id}, incarnation {rec['incarnation']}) in proxy/endpoint.json")
+        deaf = time.time() - self.deaf_since.setdefault(job.id, time.time()) if now == "not answering" else 0.0
+        if now != "not answering":
+            self.deaf_since.pop(job.id, None)
+        elif deaf > self.p.proxy_wait_s:   # hung (the other proxy leads by now), or never started: replace it
+            log(f"{role(job)}: job {job.id} has not answered /health for {deaf:.0f} s: cancelling it (the next look "
+                f"relaunches it as a standby)")
+            with hub_errors(f"cancelling the proxy job {job.id}"):
+                self.api.cancel_job(job_id=job.id, namespace=self.ns)
 
     # --- the end of the run -----------------------------------------------------------------
 

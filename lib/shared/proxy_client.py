@@ -28,6 +28,9 @@ from common import PROTOCOL, AdapterError, Bucket, KnownFiles, ProtocolError, ch
 # whenever the URL they use stops answering.
 
 PROXY_ENDPOINT = "proxy/endpoint.json"  # {url, incarnation, job_id, written_at, written_by}
+# A job cannot see its own exposed URL; with a standby the proxy that takes the lead must write the record itself, so
+# whoever sees a proxy job's URL (launcher, supervisor) leaves it for that job here: {url, written_by}
+JOB_URL = "proxy/urls/{job_id}.json"
 
 
 def write_proxy_endpoint(bucket: Bucket, url: str, job_id: str | None = None, incarnation: int | None = None,
@@ -37,6 +40,17 @@ def write_proxy_endpoint(bucket: Bucket, url: str, job_id: str | None = None, in
               "written_by": written_by}
     bucket.put_json(PROXY_ENDPOINT, record)
     return record
+
+
+def write_job_url(bucket: Bucket, job_id: str, url: str, written_by: str) -> None:
+    """Tell the proxy job `job_id` the URL its clients reach it at (it reads it when it takes the lead)."""
+    bucket.put_json(JOB_URL.format(job_id=job_id), {"url": url.rstrip("/"), "written_by": written_by})
+
+
+def read_job_url(bucket: Bucket, job_id: str) -> str | None:
+    """The URL the launcher or supervisor left for this proxy job, or None (not seen running yet)."""
+    record = bucket.get_json(JOB_URL.format(job_id=job_id))
+    return record["url"] if isinstance(record, dict) and isinstance(record.get("url"), str) else None
 
 
 def read_proxy_endpoint(bucket: Bucket) -> dict | None:
