@@ -49,21 +49,15 @@ from common import script_args
 import memory
 import presets
 from tasks import token_budget
-from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STOP, TERMINAL, JobSpec, hub_errors, identity,
-                     load_launch, local_token, newest_by_role, record_proxy, role, run_bucket, run_jobs, save_launch,
-                     modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
+from hf_jobs import (EXPOSE_PRICE, FILES, HF_S3_GATEWAY, LABEL, PLAN, PRICES, PROXY_PORT, STOP, TERMINAL, JobSpec,
+                     hub_errors, identity, load_launch, local_token, newest_by_role, record_proxy, role, run_bucket,
+                     run_jobs, save_launch, modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
 from supervisor import Policy, Supervisor
+import autoscale
 
 ROOT = Path(__file__).resolve().parent
 POLL_S = 5.0                    # seconds between looks at the proxy job while it starts
 HUB_MIN = "1.24"                # the first huggingface_hub with everything below (see check_hub)
-# $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h; a100x4/x8 and
-# h200x2/x4/x8 are taken as the one-GPU price times the GPUs, not read from that page: check it before budgeting on them
-PRICES = {"cpu-basic": 0.01, "cpu-upgrade": 0.03, "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80,
-          "l4x4": 3.80, "l40sx1": 1.80, "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00,
-          "a100-large": 2.50, "h200": 5.00, "a100x4": 10.00, "a100x8": 20.00, "h200x2": 10.00, "h200x4": 20.00,
-          "h200x8": 40.00}
-EXPOSE_PRICE = 0.01
 NS_VAR = "$HF_NAMESPACE"        # the dry run's stand-in for a namespace it could not resolve
 
 
@@ -107,6 +101,9 @@ class Args:
     """one extra arg for proxy.py, repeatable: --proxy-arg=--max-staleness --proxy-arg=2"""
     supervise: bool = True
     """also start the supervisor as a small CPU job (it relaunches any job that ends before the run is done)"""
+    autoscale: bool = False
+    """the supervisor scales the rollout jobs from the proxy's signals (docs/jobs.md#autoscaling), within the preset's
+    bounds (`jobs-autoscale`), else lib/jobs/autoscale.Bounds' defaults; --workers is where it starts"""
     dry_run: bool = False
     """print the exact commands; submit nothing (asks the Hub only who you are, for the namespace)"""
     print_command: str | None = None
@@ -319,6 +316,20 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
     return " ".join(sh(w) for w in cmd + ["--", job.script, *files, *job.args])
 
 
+def autoscale_bounds(args: Args) -> dict | None:
+    """The plan's autoscaling bounds (the supervisor reads them from launch/plan.json), or None: a fixed fleet. A
+    bad bound, or a supervisor that is not started, fails here, before any job starts."""
+    preset = presets.get(with_preset(args).preset)
+    if not args.autoscale and preset.autoscale is None:
+        return None
+    if not args.supervise:
+        raise SystemExit("--autoscale needs the supervisor (it decides and launches): drop --no-supervise")
+    try:
+        return asdict(autoscale.Bounds(**(preset.autoscale or {})))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"preset {preset.label}'s autoscale: {e}") from None
+
+
 def cost_per_hour(args: Args) -> float:
     args = with_preset(args)
     flavors = [args.proxy_flavor, *[args.rollout_flavor] * args.workers, args.trainer_flavor]
@@ -345,6 +356,7 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--timeout: {e} (e.g. 6h)") from None
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,62}", args.bucket):
         raise SystemExit(f"bucket {args.bucket!r}: lowercase letters, digits, '-' and '.' (env BUCKET or --bucket)")
+    autoscale_bounds(args)  # a bad bound fails here, not in the supervisor job
     if prompts_key(args):  # a bad file fails here, not in every worker after its GPU job started
         from tasks import parse_jsonl, read_jsonl_source
         path = args.task[len("jsonl:"):]
@@ -451,8 +463,8 @@ def launch(args: Args) -> None:
     upload_prompts(args, endpoint)
     specs = plan(args, namespace)
     preset = presets.get(args.preset)
-    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset)},
-                specs, sources(args))
+    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset),
+                         "autoscale": autoscale_bounds(args)}, specs, sources(args))
     workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
     try:
         load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte

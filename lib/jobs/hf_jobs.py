@@ -36,6 +36,13 @@ PROXY_PORT = 8000
 HF_S3_GATEWAY = "https://s3.hf.co"
 TERMINAL = ("COMPLETED", "CANCELED", "ERROR", "DELETED")   # huggingface_hub's TERMINAL_JOB_STAGES
 PLAN, STOP, LEASE, FILES = "launch/plan.json", "launch/stop.json", "launch/supervisor.json", "launch/files"
+# $/hour of the flavors at https://huggingface.co/docs/hub/jobs-pricing (Nov 2026), exposed port $0.01/h; a100x4/x8 and
+# h200x2/x4/x8 are taken as the one-GPU price times the GPUs, not read from that page: check it before budgeting on them
+PRICES = {"cpu-basic": 0.01, "cpu-upgrade": 0.03, "t4-small": 0.40, "t4-medium": 0.60, "l4x1": 0.80,
+          "l4x4": 3.80, "l40sx1": 1.80, "a10g-small": 1.00, "a10g-large": 1.50, "a10g-largex2": 3.00,
+          "a100-large": 2.50, "h200": 5.00, "a100x4": 10.00, "a100x8": 20.00, "h200x2": 10.00, "h200x4": 20.00,
+          "h200x8": 40.00}
+EXPOSE_PRICE = 0.01
 CALLER_SECRETS = ("HF_TOKEN", "PROXY_HF_TOKEN", "PROXY_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 ROOT = Path(common.__file__).resolve().parent  # the repository (in a job: /data, where every file lands)
 

@@ -32,7 +32,7 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 # GPU memory per flavor as the driver reports it (nvidia-smi's total: the datasheet's 16/24/48/80/141 GB
 # less what ECC and the driver keep), its compute capability (whether it computes in bf16: flavor_bf16;
-# T4: no), and $/hour (launch_hf.PRICES), and its number of GPUs. Memory is per GPU: a worker uses one, and the
+# T4: no), and $/hour (hf_jobs.PRICES), and its number of GPUs. Memory is per GPU: a worker uses one, and the
 # trainer one per rank (lib/train/ranks.py: train.py --nproc-per-node, one rank per GPU of its flavor), each rank a
 # whole replica of the model, so a rank needs what the one-process trainer needs (docs/memory.md#per-rank).
 FLAVORS = {
