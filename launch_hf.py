@@ -462,6 +462,8 @@ def launch(args: Args) -> None:
     bucket = run_bucket(args.bucket, args.run, endpoint)
     upload_prompts(args, endpoint)
     specs = plan(args, namespace)
+    if bounds := autoscale_bounds(args):  # a cap that cannot pay for the run: refused before any job starts
+        autoscale.check_budget(autoscale.Bounds(**bounds), specs)
     preset = presets.get(args.preset)
     save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset),
                          "autoscale": autoscale_bounds(args)}, specs, sources(args))
@@ -723,6 +725,11 @@ def dry_run(args: Args) -> None:
             print(f"# upload {path} to s3://{args.bucket}/{args.run}/{key} (the launch does it with your S3 keys)")
     print('export PROXY_HF_TOKEN="${HF_TOKEN:-$(hf auth token)}"  # the callers\' token for the --expose gateway')
     jobs, local = plan(args, ns), sources(args)
+    if bounds := autoscale_bounds(args):
+        autoscale.check_budget(autoscale.Bounds(**bounds), jobs)
+        print(f"# autoscaled (docs/jobs.md#autoscaling): the supervisor keeps {bounds['min_workers']} to "
+              f"{bounds['max_workers']} rollout job(s), at most ${bounds['budget_per_hour']}/hour for the run "
+              f"(None: no cap), aiming at the trainer busy {bounds['target_util']} of its time")
     print(f"# the launcher also stores the layout and these files in s3://{args.bucket}/{args.run}/launch/ "
           "(what the supervisor relaunches from)")
     print(hf_command(jobs[0], args, ns, local))

@@ -16,7 +16,7 @@ import pytest
 from huggingface_hub import HfApi
 
 import proxy_client
-from autoscale import STATE, Bounds, Decision, Signals, affordable, apply, decide, fixed_cost, signals
+from autoscale import STATE, Bounds, Decision, Signals, affordable, apply, check_budget, decide, fixed_cost, signals
 from hf_jobs import JobSpec, save_launch
 from jobs_emulator import JobsEmulator
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
@@ -52,6 +52,10 @@ def test_the_budget_cap_bounds_the_fleet_at_the_flavors_prices():
     assert (over.action, over.n, over.why) == ("down", 2, "over_bounds")
     with pytest.raises(SystemExit, match=r"no price for flavor\(s\) gpu-of-the-future"):
         fixed_cost([*specs[:3], JobSpec("rollout-1", "rollout.py", [], [], "gpu-of-the-future", [], {})])
+    with pytest.raises(SystemExit, match=r"budget_per_hour \$1.5 does not pay for the run's other jobs \(\$1.05/hour\) "
+                                         r"and 1 worker\(s\) at \$0.80/hour: raise it to at least \$1.85"):
+        check_budget(Bounds(budget_per_hour=1.5), specs)
+    check_budget(Bounds(budget_per_hour=1.85), specs)
     with pytest.raises(ValueError, match="max_workers 0: at least min_workers and 1"):
         Bounds(max_workers=0)
 
@@ -281,10 +285,11 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
     assert len(emu.by_role(retired)) == 1                     # retired: never relaunched
 
 
-def test_the_launcher_records_the_bounds_in_the_plan_and_refuses_autoscaling_without_a_supervisor():
-    """`--autoscale` takes the preset's bounds (jobs-autoscale), else Bounds' defaults; launch/plan.json carries them
-    to every supervisor of the run. Without the supervisor nothing would decide: refused before any job starts."""
+def test_the_launcher_records_the_bounds_in_the_plan_and_refuses_autoscaling_without_a_supervisor(tmp_path):
+    """`--autoscale` takes the preset's bounds (jobs-autoscale), else Bounds' defaults (what goes into launch/plan.json:
+    test_jobs.py). Without the supervisor nothing would decide: refused before any job starts."""
     import launch_hf
+    from conftest import ROOT
     from dataclasses import asdict
     assert launch_hf.autoscale_bounds(launch_hf.Args(run="r")) is None                 # the jobs preset: a fixed fleet
     assert launch_hf.autoscale_bounds(launch_hf.Args(run="r", autoscale=True)) == asdict(Bounds())
@@ -292,3 +297,10 @@ def test_the_launcher_records_the_bounds_in_the_plan_and_refuses_autoscaling_wit
     assert (got["max_workers"], got["budget_per_hour"]) == (4, 5.0)
     with pytest.raises(SystemExit, match="--autoscale needs the supervisor"):
         launch_hf.autoscale_bounds(launch_hf.Args(run="r", autoscale=True, supervise=False))
+    # the dry run says so, and a cap below what the run's other jobs cost is refused before anything is printed
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    run = lambda *a: subprocess.run(["bash", str(ROOT / "launch_jobs.sh"), "--dry-run", "--run", "my-run", *a],  # noqa: E731
+                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run("--preset", "jobs-autoscale")
+    assert p.returncode == 0 and "# autoscaled (docs/jobs.md#autoscaling): the supervisor keeps 1 to 4 rollout job(s), " \
+        "at most $5.0/hour" in p.stdout, p.stderr[-2000:]

@@ -44,7 +44,8 @@ from common import ConflictError
 from hf_jobs import EXPOSE_PRICE, PRICES, TERMINAL, JobSpec, hub_errors, secret_values, stage
 from proxy_client import read_proxy_endpoint
 
-STATE = "launch/autoscale.json"   # the fleet and every decision (up, down, and each new reason to hold)
+STATE = "launch/autoscale.json"   # the fleet and the decisions (up, down, and each new reason to hold)
+KEEP = 1000                       # decisions kept in it (the newest): the fleet itself is kept apart, whole
 ADMIN = "admin"                   # how /v1/stats names the run's own token (proxy access.ADMIN)
 
 
@@ -195,10 +196,15 @@ def with_arg(args: list[str], flag: str, value: str) -> list[str]:
     return [*args, flag, value]
 
 
-def worker_spec(template: JobSpec, run: str, index: int) -> JobSpec:
-    """The spec of rollout-`index`: the launcher's rollout-1 with its own role, worker id and seed."""
-    args = with_arg(with_arg(template.args, "--worker-id", f"{run}-w{index}"), "--seed", str(index))
-    return replace(template, role=f"rollout-{index}", args=args)
+def index(role: str) -> int:
+    """rollout-N's N."""
+    return int(role.split("-")[1])
+
+
+def worker_spec(template: JobSpec, run: str, n: int) -> JobSpec:
+    """The spec of rollout-`n`: the launcher's rollout-1 with its own role, worker id and seed."""
+    args = with_arg(with_arg(template.args, "--worker-id", f"{run}-w{n}"), "--seed", str(n))
+    return replace(template, role=f"rollout-{n}", args=args)
 
 
 def worker_id(spec: JobSpec) -> str:
@@ -216,10 +222,19 @@ def fixed_cost(specs: list[JobSpec]) -> tuple[float, float]:
     return fixed + EXPOSE_PRICE, worker
 
 
+def check_budget(bounds: Bounds, specs: list[JobSpec]) -> None:
+    """A cap that cannot pay for the run's other jobs and min_workers (at least one) workers is refused."""
+    fixed, price = fixed_cost(specs)
+    need = max(1, bounds.min_workers)
+    if affordable(bounds, fixed, price) < need:
+        raise SystemExit(f"autoscale: budget_per_hour ${bounds.budget_per_hour} does not pay for the run's other jobs "
+                         f"(${fixed:.2f}/hour) and {need} worker(s) at ${price:.2f}/hour: raise it to at least "
+                         f"${run_cost(fixed, price, need):.2f}")
+
+
 def initial_state(specs: list[JobSpec]) -> dict:
-    return {"fleet": sorted((s.role for s in specs if s.role.startswith("rollout-")), key=lambda r: int(r.split("-")[1])),
-            "retired": {}, "next": 1 + max(int(s.role.split("-")[1]) for s in specs if s.role.startswith("rollout-")),
-            "last_change_at": None, "decisions": []}
+    roles = sorted((s.role for s in specs if s.role.startswith("rollout-")), key=index)
+    return {"fleet": roles, "retired": {}, "next": 1 + index(roles[-1]), "last_change_at": None, "decisions": []}
 
 
 def apply(state: dict, decision: Decision) -> dict:
@@ -236,12 +251,12 @@ def apply(state: dict, decision: Decision) -> dict:
     changed = decision.action != "hold"
     return {**state, "fleet": fleet, "retired": retired, "next": nxt,
             "last_change_at": decision.at if changed else state["last_change_at"],
-            "decisions": [*state["decisions"], decision.record()]}
+            "decisions": [*state["decisions"], decision.record()][-KEEP:]}
 
 
 def worth_recording(state: dict, decision: Decision) -> bool:
     """Every up and down; a hold only when its rule differs from the last decision recorded's (a hold at every poll
-    would bury the changes: the supervisor's log has each look's)."""
+    would bury the changes)."""
     return decision.action != "hold" or not state["decisions"] or state["decisions"][-1]["why"] != decision.why
 
 
@@ -275,7 +290,7 @@ class Autoscaler:
 
     @classmethod
     def for_plan(cls, bucket, run: str, plan: dict, specs: list[JobSpec], leave_s: float) -> Autoscaler:
-        workers = sorted((s for s in specs if s.role.startswith("rollout-")), key=lambda s: int(s.role.split("-")[1]))
+        workers = sorted((s for s in specs if s.role.startswith("rollout-")), key=lambda s: index(s.role))
         if not workers:
             raise SystemExit("autoscale: the plan has no rollout job to copy")
         fixed, price = fixed_cost(specs)
@@ -283,6 +298,7 @@ class Autoscaler:
             bounds = Bounds(**plan["autoscale"])
         except (TypeError, ValueError) as e:
             raise SystemExit(f"launch/plan.json's autoscale: {e}") from None
+        check_budget(bounds, specs)
         return cls(bucket, run, bounds, workers[0], fixed, price, leave_s, list(specs))
 
     def load(self, specs: list[JobSpec]) -> tuple[dict, str | None]:
@@ -309,11 +325,11 @@ class Autoscaler:
 
     def specs(self, state: dict) -> dict[str, JobSpec]:
         """The job specs of the fleet's roles."""
-        return {r: worker_spec(self.template, self.run, int(r.split("-")[1])) for r in state["fleet"]}
+        return {r: worker_spec(self.template, self.run, index(r)) for r in state["fleet"]}
 
     def leaving(self, state: dict, jobs: dict, now: float) -> list[tuple[str, object, bool]]:
         """(worker id, job, overdue) of each retired role whose job still runs."""
-        return [(worker_id(worker_spec(self.template, self.run, int(r.split("-")[1]))), jobs[r],
+        return [(worker_id(worker_spec(self.template, self.run, index(r))), jobs[r],
                  leaving_overdue(state, r, now, self.leave_s))
                 for r in state["retired"] if r in jobs and stage(jobs[r]) not in TERMINAL]
 
