@@ -631,6 +631,9 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         if grant is None:
             return no_grant(released)
         n = grant.n
+    elif req.worker_id is not None and (leave := LEAVING.told(worker_key(None if who.name == ADMIN else who.name,
+                                                                          req.worker_id), 0)) is not None:
+        return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done, "leave": leave}  # (unpaced)
     if not_open is not None:
         raise HTTPException(503, str(not_open), headers={"Retry-After": "5"})
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after

@@ -144,6 +144,13 @@ def test_a_worker_asked_to_leave_sends_its_round_first_and_its_released_grant_is
     assert st["fleet"]["told_to_leave"] == ["w1", "w2", "w3"] and st["workers"]["w1"]["groups"] == 4
     assert p.http.post("/v1/workers/leave", json={"worker_id": "bad id!"}).status_code == 422
 
+    # a proxy without pacing tells a worker that names itself all the same
+    q = spawn("--no-pace")
+    assert q.http.post("/v1/workers/leave", json={"worker_id": "w9"}).is_success
+    r = q.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": 4, "worker_id": "w9"}).json()
+    assert r["indices"] == [] and r["leave"] == "asked to leave"
+    assert len(q.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": 4}).json()["indices"]) == 4
+
 
 @pytest.mark.timeout(300)
 def test_rollout_py_asked_to_leave_finishes_its_round_and_exits_cleanly(tiny_model, start_proxy, bucket, run_name,

@@ -13,7 +13,8 @@ from the request when it asks with nothing in hand (train.py's first request, or
 registration of the version it was making when it asked ahead (prefetch: the request of the next batch is made
 while the current one's version is published). A worker waits for a grant from its paced request to the answer.
 
-A worker asked to leave gets, at its next prompt request, no grant and `leave: true` (rollout.py exits cleanly):
+A worker asked to leave gets, at its next prompt request naming its worker_id, no prompts and `leave` (the reason;
+rollout.py exits cleanly):
 it asks only after sending its round, so the round it was generating is sent, not lost. What its request closes of
 a grant (groups granted that never arrived) is counted as `groups_released_at_leave`; the tokens of such groups were
 never generated, so they cost nothing but the place they held.
