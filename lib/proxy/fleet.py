@@ -14,10 +14,9 @@ registration of the version it was making when it asked ahead (prefetch: the req
 while the current one's version is published). A worker waits for a grant from its paced request to the answer.
 
 A worker asked to leave gets, at its next prompt request naming its worker_id, no prompts and `leave` (the reason;
-rollout.py exits cleanly):
-it asks only after sending its round, so the round it was generating is sent, not lost. What its request closes of
-a grant (groups granted that never arrived) is counted as `groups_released_at_leave`; the tokens of such groups were
-never generated, so they cost nothing but the place they held.
+rollout.py exits cleanly): it asks only after sending its round, so the round it was generating is sent, not lost.
+What its request closes of a grant (groups granted that never arrived) is counted as `groups_released_at_leave`;
+the tokens of such groups were never generated, so they cost nothing but the place they held.
 """
 from __future__ import annotations
 
