@@ -132,6 +132,22 @@ def signals(prev: dict | None, now: dict, min_window_s: float) -> Signals | None
                    buffer=now.get("buffer_size", 0), step_s=pacing.get("step_s"), round_s=pacing.get("round_s_median"))
 
 
+@dataclass
+class Window:
+    """The /v1/stats reading the next window starts from: it moves on once a window is read, or the proxy restarted."""
+    min_window_s: float
+    prev: dict | None = None
+
+    def read(self, stats: dict | None) -> Signals | None:
+        """The signals since the reading kept (None: none yet, see signals())."""
+        if stats is None:
+            return None
+        sig = signals(self.prev, stats, self.min_window_s)
+        if sig is not None or self.prev is None or self.prev.get("incarnation") != stats.get("incarnation"):
+            self.prev = stats
+        return sig
+
+
 def run_cost(fixed_per_hour: float, worker_price: float, workers: int) -> float:
     """$/hour of the run with `workers` rollout jobs (the proxy, trainer and supervisor are `fixed_per_hour`)."""
     return fixed_per_hour + worker_price * workers
@@ -286,7 +302,10 @@ class Autoscaler:
     worker_price: float
     leave_s: float            # a retired worker has this long to finish its round and exit, then it is cancelled
     plan_specs: list[JobSpec] = field(default_factory=list)  # the launcher's jobs: the fleet before any decision
-    prev: dict | None = None  # the /v1/stats reading the next window starts from
+    window: Window | None = None
+
+    def __post_init__(self):
+        self.window = self.window or Window(self.bounds.min_window_s)
 
     @classmethod
     def for_plan(cls, bucket, run: str, plan: dict, specs: list[JobSpec], leave_s: float) -> Autoscaler:
@@ -305,18 +324,9 @@ class Autoscaler:
         got = self.bucket.get(STATE)
         return (initial_state(specs), None) if got is None else (json.loads(got[0]), got[1])
 
-    def window(self, stats: dict | None) -> Signals | None:
-        """The signals since the reading kept, which moves on once a window is read (or the proxy restarted)."""
-        if stats is None:
-            return None
-        sig = signals(self.prev, stats, self.bounds.min_window_s)
-        if sig is not None or self.prev is None or self.prev.get("incarnation") != stats.get("incarnation"):
-            self.prev = stats
-        return sig
-
     def step(self, state: dict, jobs: dict, stats: dict | None, now: float) -> tuple[dict, Decision]:
         """The state after this look's decision (pure but for the kept reading)."""
-        sig = self.window(stats)
+        sig = self.window.read(stats)
         most = affordable(self.bounds, self.fixed_per_hour, self.worker_price)
         since = now - state["last_change_at"] if state["last_change_at"] is not None else math.inf
         decision = replace(decide(sig, len(state["fleet"]), starting_count(jobs, state["fleet"]), self.bounds, most,
