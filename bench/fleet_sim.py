@@ -466,7 +466,7 @@ class Fleet:
         a = self.a
         bounds = Bounds(target_util=a.autoscale_target, max_workers=a.autoscale, min_window_s=a.autoscale_poll_s,
                         up_cooldown_s=2 * a.autoscale_poll_s, down_cooldown_s=4 * a.autoscale_poll_s)
-        window, changed, last = Window(bounds.min_window_s), -math.inf, time.monotonic()
+        window, changed, last, last_change = Window(bounds.min_window_s), -math.inf, time.monotonic(), None
         self.m["autoscale"], self.m["worker_s"] = [], 0.0
         while not self.done.is_set():
             await asyncio.sleep(a.autoscale_poll_s)
@@ -475,7 +475,7 @@ class Fleet:
             last = now
             status, raw = await self.call("GET", "/v1/stats")
             d = decide(window.read(json.loads(raw) if status == 200 else None), len(self.active), 0, bounds,
-                       bounds.max_workers, now - changed)
+                       bounds.max_workers, now - changed, last_change)
             self.m["autoscale"].append([round(now - self.t0, 1), d.action, d.n, d.why, len(self.active),
                                         d.signals.get("trainer_util"), d.signals.get("wait_share")])
             if d.action == "up":
@@ -487,7 +487,7 @@ class Fleet:
                 for i in [self.active.pop() for _ in range(d.n)]:
                     await self.call("POST", "/v1/workers/leave", json={"worker_id": f"sim-{i}"})
             if d.action != "hold":
-                changed = now
+                changed, last_change = now, d.action
                 print(f"  autoscale at {now - self.t0:.0f} s: {d.action} {d.n} -> {len(self.active)} worker(s): "
                       f"{d.reason}", flush=True)
 

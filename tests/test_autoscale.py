@@ -75,6 +75,9 @@ def test_cool_downs_hold_changes_and_lent_workers_are_free_capacity():
     down = decide(waiting, 3, 0, b, 4, since_change_s=601)
     assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
     assert decide(waiting, 1, 0, b, 4, math.inf).action == "hold"    # never below min_workers
+    # up again after a down waits out the down cool-down (against flapping where no fleet size reaches the target)
+    assert decide(starved, 2, 0, b, 4, since_change_s=400, last_change="down").why == "cooling_down"
+    assert decide(starved, 2, 0, b, 4, since_change_s=400, last_change="up").action == "up"
     assert decide(starved, 2, 1, b, 4, math.inf).why == "starting"    # a launch not running yet: wait for it
 
 

@@ -19,8 +19,9 @@ The signals (the proxy's `fleet` and `live_workers` in /v1/stats):
 The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a launch still starting or a
 cool-down since the last change: hold; no window yet (the first look, a new proxy incarnation, a window shorter than
 min_window_s, or a trainer that has not leased): hold; trainer utilisation under target while workers do not
-wait for grants: up, by as many as the shortfall says (at most max_step, within max_workers and the cap); trainer at
-target while workers wait for grants more than wait_share_down of their time: down by one. Else hold.
+wait for grants: up, by as many as the shortfall says (at most max_step, within max_workers and the cap; after a
+scale-down only once its longer cool-down has passed); trainer at target while workers wait for grants more than
+wait_share_down of their time: down by one. Else hold.
 
 Clocks: signal windows are differences of the proxy's own monotonic clock (`clock_s`), never compared with ours.
 Cool-downs must outlive a supervisor restart, so they are wall-clock times written with each decision
@@ -167,9 +168,13 @@ def wanted(sig: Signals, target: float) -> int:
     return math.ceil((sig.own_workers + sig.lent_workers) * target / max(sig.trainer_util, 0.05))
 
 
-def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float) -> Decision:
+def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float,
+           last_change: str | None = None) -> Decision:
     """The decision for `fleet` own rollout jobs (`starting` of them not running yet), `most` of them affordable
-    (affordable()), `since_change_s` after the last up or down (inf: none yet). The rules: the module docstring."""
+    (affordable()), `since_change_s` after the last up or down (`last_change`; inf, None: none yet). The rules: the
+    module docstring. Scaling up again after a scale-down waits out the longer down cool-down: where rounds are long
+    against steps, no fleet keeps the trainer busy (staleness bounds what may be in flight), and the trainer waits in
+    one window while the workers wait for grants in the next (the fleet simulation flapped so)."""
     def d(action: str, n: int, why: str, reason: str) -> Decision:
         return Decision(action, n, why, reason, fleet, {} if sig is None else asdict(sig))
     floor = min(bounds.min_workers, most)
@@ -187,9 +192,10 @@ def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most:
     if low and not waiting:
         if fleet >= most:
             return d("hold", 0, "at_bounds", f"{busy} < target {bounds.target_util}, but {most} worker(s) is the bound")
-        if since_change_s < bounds.up_cooldown_s:
-            return d("hold", 0, "cooling_down", f"{busy} < target: cooling down "
-                                                f"({since_change_s:.0f} of {bounds.up_cooldown_s:g} s)")
+        cool = bounds.down_cooldown_s if last_change == "down" else bounds.up_cooldown_s
+        if since_change_s < cool:
+            return d("hold", 0, "cooling_down", f"{busy} < target: cooling down ({since_change_s:.0f} of {cool:g} s "
+                                                f"since the last {last_change})")
         n = max(1, min(bounds.max_step, wanted(sig, bounds.target_util) - sig.lent_workers - fleet, most - fleet))
         return d("up", n, "trainer_waits", f"{busy} < target {bounds.target_util}, {waits} of their time")
     if waiting and not low and fleet > bounds.min_workers:
@@ -250,7 +256,8 @@ def check_budget(bounds: Bounds, specs: list[JobSpec]) -> None:
 
 def initial_state(specs: list[JobSpec]) -> dict:
     roles = sorted((s.role for s in specs if s.role.startswith("rollout-")), key=index)
-    return {"fleet": roles, "retired": {}, "next": 1 + index(roles[-1]), "last_change_at": None, "decisions": []}
+    return {"fleet": roles, "retired": {}, "next": 1 + index(roles[-1]), "last_change_at": None,
+            "last_change": None, "decisions": []}
 
 
 def apply(state: dict, decision: Decision) -> dict:
@@ -267,6 +274,7 @@ def apply(state: dict, decision: Decision) -> dict:
     changed = decision.action != "hold"
     return {**state, "fleet": fleet, "retired": retired, "next": nxt,
             "last_change_at": decision.at if changed else state["last_change_at"],
+            "last_change": decision.action if changed else state.get("last_change"),
             "decisions": [*state["decisions"], decision.record()][-KEEP:]}
 
 
@@ -330,7 +338,7 @@ class Autoscaler:
         most = affordable(self.bounds, self.fixed_per_hour, self.worker_price)
         since = now - state["last_change_at"] if state["last_change_at"] is not None else math.inf
         decision = replace(decide(sig, len(state["fleet"]), starting_count(jobs, state["fleet"]), self.bounds, most,
-                                  since), at=now)
+                                  since, state.get("last_change")), at=now)
         return (apply(state, decision) if worth_recording(state, decision) else state), decision
 
     def specs(self, state: dict) -> dict[str, JobSpec]:
