@@ -26,6 +26,12 @@ from test_pacing import ask, deliver, lease, register
 TOKENS = {"HF_TOKEN": "hf_FAKEtoken0123456789"}
 
 
+def granted(p, worker: str) -> list[int]:
+    """A grant expected at once: asked with a wait all the same, as a pass of pacing may come a moment later (a pass
+    begins no sooner than ten times its predecessor's duration after it: proxy.PACE_SHARE)."""
+    return ask(p, worker, wait_s=5.0)["indices"]
+
+
 def sig(util: float, wait: float, own: int = 1, lent: int = 0) -> Signals:
     return Signals(window_s=60.0, trainer_util=util, wait_share=wait, own_workers=own, lent_workers=lent, buffer=0,
                    step_s=5.0, round_s=8.0)
@@ -94,8 +100,8 @@ def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket,
     request to the answer. Read twice, that is a trainer starved of rollouts: decide() says up."""
     p = spawn("--pace", "--max-staleness", "1")
     assert lease(p, 4, left=40)["batch_id"] is None
-    assert len(ask(p, "w1")["indices"]) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4
-    assert len(ask(p, "w2")["indices"]) == 4
+    assert len(granted(p, "w1")) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4
+    assert len(granted(p, "w2")) == 4
     t0 = time.monotonic()
     assert ask(p, "w3", wait_s=0.6)["indices"] == []          # the window is full: w3 waits on the proxy
     assert fleet_of(p)["grant_wait_s"] >= 0.55 and time.monotonic() - t0 >= 0.55
@@ -126,18 +132,18 @@ def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket,
 def test_a_worker_asked_to_leave_sends_its_round_first_and_its_released_grant_is_counted(bucket, spawn):
     p = spawn("--pace", "--max-staleness", "1")
     assert lease(p, 4, left=40)["batch_id"] is None
-    assert len(ask(p, "w1")["indices"]) == 4
+    assert len(granted(p, "w1")) == 4
     told = p.http.post("/v1/workers/leave", json={"worker_id": "w1", "why": "scaled down by the supervisor"}).json()
     assert told == {"worker_id": "w1", "dismissed_requests": 0, "told": False}
     assert deliver(p, "w1", 0, 4) == ["accepted"] * 4        # its round, generated before it knew, is kept
     assert ask(p, "w1") == {"indices": [], "epochs": [], "version": 0, "done": False, "retry_s": 1.0,
                             "leave": "scaled down by the supervisor"}
     # a worker that asks again without sending its round (it crashed mid-round) gives back its grant: counted
-    assert len(ask(p, "w2")["indices"]) == 4
+    assert len(granted(p, "w2")) == 4
     assert p.http.post("/v1/workers/leave", json={"worker_id": "w2"}).is_success
     assert ask(p, "w2")["leave"] == "asked to leave" and fleet_of(p)["groups_released_at_leave"] == 4
     # a worker waiting for a grant when it is asked is answered at once, with no grant; then told
-    assert len(ask(p, "filler")["indices"]) == 4             # (the window is full: w3 waits)
+    assert len(granted(p, "filler")) == 4   # (the window is full: w3 waits)
     w3 = Worker(lambda: ask(p, "w3", wait_s=30))
     w3.start()
     wait_for(lambda: p.stats()["waiting_for_grants"] == 1, 30, msg="w3 to wait for a grant")
@@ -234,7 +240,7 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
     assert [d["why"] for d in bucket.get_json(STATE)["decisions"]] == ["no_window"]
     # the trainer: one batch trained, then it waits 1 s for the next one with nothing in the buffer
     assert lease(p, 4, left=40)["batch_id"] is None
-    assert len(ask(p, f"{run_name}-w1")["indices"]) == 4 and deliver(p, f"{run_name}-w1", 0, 4) == ["accepted"] * 4
+    assert len(granted(p, f"{run_name}-w1")) == 4 and deliver(p, f"{run_name}-w1", 0, 4) == ["accepted"] * 4
     assert lease(p, 4, left=40)["batch_id"]
     register(bucket, p, 1)
     assert lease(p, 4, left=36, wait_s=1.0)["batch_id"] is None
@@ -270,7 +276,7 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
     # the trainer is busy (no lease request open) and the window is full (two grants of 4 at version 1): every worker
     # of the fleet waits for a grant. After the cool-down, one worker leaves: the newest
     wait_for(lambda: all(running(emu, r) for r in decided["fleet"]), 30, msg="the fleet running")
-    assert all(len(ask(p, f)["indices"]) == 4 for f in ("filler-a", "filler-b"))
+    assert all(len(granted(p, f)) == 4 for f in ("filler-a", "filler-b"))
     time.sleep(3.0)   # down_cooldown_s
     sup3.look()       # a fresh reading to start the window from
     ids = [f"{run_name}-w{r.split('-')[1]}" for r in decided["fleet"]]
