@@ -55,6 +55,7 @@ from hf_jobs import (FILES, HF_S3_GATEWAY, LABEL, PLAN, PROXY_PORT, STANDBY, STA
                      modules, secret_values, shipped, stage, submit, timeout_seconds, wait_for_proxy, whoami)
 from proxy_client import write_job_url
 from supervisor import Policy, Supervisor
+import autoscale
 
 ROOT = Path(__file__).resolve().parent
 POLL_S = 5.0                    # seconds between looks at the proxy job while it starts
@@ -105,6 +106,9 @@ class Args:
     """one extra arg for proxy.py, repeatable: --proxy-arg=--max-staleness --proxy-arg=2"""
     supervise: bool = True
     """also start the supervisor as a small CPU job (it relaunches any job that ends before the run is done)"""
+    autoscale: bool = False
+    """the supervisor scales the rollout jobs from the proxy's signals (docs/jobs.md#autoscaling), within the preset's
+    bounds (`jobs-autoscale`), else lib/jobs/autoscale.Bounds' defaults; --workers is where it starts"""
     dry_run: bool = False
     """print the exact commands; submit nothing (asks the Hub only who you are, for the namespace)"""
     print_command: str | None = None
@@ -321,6 +325,20 @@ def hf_command(job: JobSpec, args: Args, namespace: str | None, local: dict[str,
     return " ".join(sh(w) for w in cmd + ["--", job.script, *files, *job.args])
 
 
+def autoscale_bounds(args: Args) -> dict | None:
+    """The plan's autoscaling bounds (the supervisor reads them from launch/plan.json), or None: a fixed fleet. A
+    bad bound, or a supervisor that is not started, fails here, before any job starts."""
+    preset = presets.get(with_preset(args).preset)
+    if not args.autoscale and preset.autoscale is None:
+        return None
+    if not args.supervise:
+        raise SystemExit("--autoscale needs the supervisor (it decides and launches): drop --no-supervise")
+    try:
+        return asdict(autoscale.Bounds(**(preset.autoscale or {})))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"preset {preset.label}'s autoscale: {e}") from None
+
+
 def cost_per_hour(args: Args) -> float:
     args = with_preset(args)
     flavors = [*[args.proxy_flavor] * (2 if args.standby else 1), *[args.rollout_flavor] * args.workers,
@@ -348,6 +366,7 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--timeout: {e} (e.g. 6h)") from None
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,62}", args.bucket):
         raise SystemExit(f"bucket {args.bucket!r}: lowercase letters, digits, '-' and '.' (env BUCKET or --bucket)")
+    autoscale_bounds(args)  # a bad bound fails here, not in the supervisor job
     if prompts_key(args):  # a bad file fails here, not in every worker after its GPU job started
         from tasks import parse_jsonl, read_jsonl_source
         path = args.task[len("jsonl:"):]
@@ -453,9 +472,11 @@ def launch(args: Args) -> None:
     bucket = run_bucket(args.bucket, args.run, endpoint)
     upload_prompts(args, endpoint)
     specs = plan(args, namespace)
+    if bounds := autoscale_bounds(args):  # a cap that cannot pay for the run: refused before any job starts
+        autoscale.check_budget(autoscale.Bounds(**bounds), specs)
     preset = presets.get(args.preset)
-    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset)},
-                specs, sources(args))
+    save_launch(bucket, {"run": args.run, "namespace": namespace, "bucket": args.bucket, "preset": asdict(preset),
+                         "autoscale": autoscale_bounds(args)}, specs, sources(args))
     workdir = Path(tempfile.mkdtemp(prefix=f"launch-{args.run}-"))
     try:
         load_launch(bucket, workdir)  # submit from the bucket's copy: what a relaunch will run, byte for byte
@@ -715,6 +736,11 @@ def dry_run(args: Args) -> None:
             print(f"# upload {path} to s3://{args.bucket}/{args.run}/{key} (the launch does it with your S3 keys)")
     print('export PROXY_HF_TOKEN="${HF_TOKEN:-$(hf auth token)}"  # the callers\' token for the --expose gateway')
     jobs, local = plan(args, ns), sources(args)
+    if bounds := autoscale_bounds(args):
+        autoscale.check_budget(autoscale.Bounds(**bounds), jobs)
+        print(f"# autoscaled (docs/jobs.md#autoscaling): the supervisor keeps {bounds['min_workers']} to "
+              f"{bounds['max_workers']} rollout job(s), at most ${bounds['budget_per_hour']}/hour for the run "
+              f"(None: no cap), aiming at the trainer busy {bounds['target_util']} of its time")
     print(f"# the launcher also stores the layout and these files in s3://{args.bucket}/{args.run}/launch/ "
           "(what the supervisor relaunches from)")
     print(hf_command(jobs[0], args, ns, local))

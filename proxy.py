@@ -34,6 +34,7 @@ Its routes, in the order a run uses them, as this file has them (least role; eac
                GET  /v1/state                           trainer  the book in full: what a restart rebuilds
                GET  /metrics                            trainer  Prometheus text (telemetry.py)
   the owner    POST /v1/participants/{name}/reinstate   admin    lift a participant's quarantine
+               POST /v1/workers/leave                   admin    ask one of the run's workers to leave (scale-down)
   routing.py   POST /v1/chat/completions, GET /v1/inference/stats: inference; POST /v1/inference/lease, /answers: admin
   access.py    POST, GET /v1/tokens; PATCH, DELETE /v1/tokens/{name}: admin (participants' tokens)
 
@@ -83,6 +84,7 @@ from adapter_files import FILES, Downloads, check_published
 from book import Book, Entry, Held
 from ledger import HEAD
 from pacing import Waiting
+from fleet import FleetClock, Leaving
 from participants import Senders, worker_key
 from prompts import Cursors, NotOpen, PromptError
 from proxy_client import read_job_url, write_proxy_endpoint
@@ -96,8 +98,8 @@ import routing
 import telemetry
 from runconfig import record_config
 from telemetry import COMMIT, STALENESS
-from wire import (GROUP_BODY, AuditReport, BatchId, DatasetRequest, LeaseRequest, LeaseResponse, PromptLeaseRequest,
-                  RegisterRequest, SubmitResponse)
+from wire import (GROUP_BODY, AuditReport, BatchId, DatasetRequest, LeaseRequest, LeaseResponse, LeaveRequest,
+                  PromptLeaseRequest, RegisterRequest, SubmitResponse)
 
 @dataclass
 class Args:
@@ -514,6 +516,8 @@ async def whoami(request: Request) -> dict:
 
 # ---- a worker: prompts, and the grants of pacing (pacing.py) ----------------------------------------
 WAITING = Waiting()  # paced prompt requests waiting for their grant
+FLEET = FleetClock(time.monotonic())  # the trainer's idle time and the workers' grant waits (fleet.py: an autoscaler's)
+LEAVING = Leaving()  # workers the supervisor asked to leave (scale-down: fleet.py)
 
 def release_grant(key: str, refused: str | None) -> int:
     """A worker asking for prompts has done with any grant it still holds (its round was sent, lost in a crash,
@@ -615,6 +619,8 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
         key = worker_key(None if who.name == ADMIN else who.name, req.worker_id)
         LIVE.saw(key, time.monotonic())
         released = release_grant(key, req.refused)
+        if (leave := LEAVING.told(key, released)) is not None:  # after its round was sent: nothing generated is lost
+            return {**no_grant(released), "leave": leave}
         if not_open is not None:  # an honest worker started before the trainer: held up to wait_s, as for a grant
             async with S.cond:
                 if not await wait_until(lambda: req.dataset in S.cursors.table, req.wait_s):
@@ -624,10 +630,17 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
             return no_grant(released, f"version {req.version} is more than max_staleness {ARGS.max_staleness} behind the "
                                       f"version the next batch trains from ({S.book.pacing.base(S.latest, S.pending_version)}): "
                                       "nothing generated with it can be trained; this worker must load a newer one")
-        grant = await WAITING.wait(key, req.n, req.wait_s, pace, req.version)
+        FLEET.wait_began(id(req), time.monotonic())
+        try:
+            grant = await WAITING.wait(key, req.n, req.wait_s, pace, req.version)
+        finally:
+            FLEET.wait_ended(id(req), time.monotonic())
         if grant is None:
             return no_grant(released)
         n = grant.n
+    elif req.worker_id is not None and (leave := LEAVING.told(worker_key(None if who.name == ADMIN else who.name,
+                                                                          req.worker_id), 0)) is not None:
+        return {"indices": [], "epochs": [], "version": S.latest, "done": S.book.done, "leave": leave}  # (unpaced)
     if not_open is not None:
         raise HTTPException(503, str(not_open), headers={"Retry-After": "5"})
     async with S.cond:  # only the cursor moves under the lock; the indices are computed after
@@ -1006,6 +1019,7 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
         JOURNAL.append({"t": "demand", "groups_left": req.groups_left})  # not awaited: the next lease carries it too
     pace()
     asked = time.monotonic()
+    FLEET.asked(asked, holds_work=trains_from() > S.latest)
     try:
         async with S.cond:
             before = book.counts["groups_dropped_stale"]
@@ -1043,6 +1057,7 @@ async def lease_batch(req: LeaseRequest, request: Request) -> Response:
         # and never one not registered yet (after_version: the trainer knows that one)
         return lease_answer(bid, entries, book.counts["groups_dropped_stale"] - before, min(S.latest, latest), waited)
     finally:
+        FLEET.answered(time.monotonic())
         gone.cancel()
 
 def open_lease(batch_id: str) -> Held:
@@ -1138,6 +1153,7 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
             DOWNLOADS.remember(req.version, meta)
         async with S.cond:
             dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
+            FLEET.registered(time.monotonic())
             S.cond.notify_all()
         async with S.versions:
             S.versions.notify_all()
@@ -1163,7 +1179,8 @@ async def get_stats() -> dict:
             "shares": {(p or ADMIN): round(x, 4) for p, x in sorted(party_shares(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
             "live_workers": {(p or ADMIN): n for p, n in sorted(LIVE.workers(time.monotonic()).items(), key=lambda kv: kv[0] or "")},
             "prompts_owed": dict(S.book.receipts.owed), "max_participant_share": ARGS.max_participant_share,
-            "peak_rss_mb": round(peak_rss_mb(), 1), "leadership": leader_stats()}
+            "peak_rss_mb": round(peak_rss_mb(), 1), "leadership": leader_stats(),
+            "fleet": {**FLEET.stats(time.monotonic()), **LEAVING.stats()}}
 
 @app.get("/v1/state", openapi_extra=scope("trainer"))
 async def get_state() -> dict:
@@ -1195,6 +1212,15 @@ async def metrics() -> Response:
     return Response(telemetry.exposition(), media_type=telemetry.MEDIA_TYPE)
 
 # ---- the run's owner; then the routes of routing.py and access.py ----------------------------------------
+@app.post("/v1/workers/leave", openapi_extra=scope("admin"))
+async def ask_to_leave(req: LeaveRequest) -> dict:
+    """Ask one of the run's own workers to leave (the supervisor's scale-down, fleet.py): its next prompt request
+    gets no grant and `leave`, and a request of its waiting for a grant is answered now, without one. Live only."""
+    if not LEAVING.ask(req.worker_id, req.why):
+        raise HTTPException(429, f"{Leaving.MAX} workers were asked to leave already: no more is kept")
+    return {"worker_id": req.worker_id, "dismissed_requests": WAITING.dismiss(req.worker_id),
+            "told": req.worker_id in LEAVING.left}
+
 @app.post("/v1/participants/{name}/reinstate", openapi_extra=scope("admin"))
 async def reinstate(name: NamePath) -> dict:
     """Lift a participant's quarantine (its token works again, its count of failed checks starts over)."""

@@ -367,11 +367,13 @@ class Worker:
         self.failed_rounds, self.first_failure = 0, ""  # rounds in a row that sent nothing, and the first's reason
         self.max_prompt, self.max_prompt_why = prompt_limit(args, engine)
         self.bp_prev = 0.0              # time the previous round's submissions waited on 429
+        self.leave: str | None = None   # the proxy asked this worker to leave (the supervisor's scale-down), and why
 
     def over(self) -> bool:
         """SIGTERM; or the run is over (its final version handled, nothing left to swap in: a round now would never
-        be trained); or the proxy refused our token; or --max-rounds done."""
+        be trained); or the proxy refused our token; or --max-rounds done; or the proxy asked us to leave."""
         return (self.stop.is_set() or (self.sync.done and self.sync.ready is None) or self.gave_up()
+                or self.leave is not None
                 or self.sync.token_refused is not None  # the sync thread's poll was refused: work() raises it
                 or bool(self.args.max_rounds and self.rounds >= self.args.max_rounds))
 
@@ -499,6 +501,10 @@ class Worker:
         except httpx.HTTPError:  # the client waits out an outage: this means we are stopping
             return None
         self.add("rollout/grant_wait_s", time.monotonic() - t0)
+        if lease.get("leave"):  # asked only after our round was sent: nothing generated is lost (proxy fleet.py)
+            self.leave = lease["leave"]
+            log.info(f"leaving: the proxy asks this worker to ({self.leave})")
+            return None
         if not lease["indices"]:
             sync.done = sync.done or lease["done"]
             if "why" in lease:  # nothing generated with our version can be trained: wait for a newer one (waits)

@@ -5,6 +5,7 @@ S3 server (moto), all on 127.0.0.1, pacing on and off (docs/fleet.md).
     .venv/bin/python bench/fleet_sim.py --workers 100 --pace on --steps 20
     .venv/bin/python bench/fleet_sim.py --workers 10 100 --round-scale 0.25 --max-staleness 3   # a faster fleet
     .venv/bin/python bench/fleet_sim.py --measure runs/<run>              # the time distributions, from a local run
+    .venv/bin/python bench/fleet_sim.py --workers 1 --pace on --autoscale 4 --steps 20   # the controller from 1 worker
 
 No model: a worker's round takes a time drawn from what the local run measured (bench/fleet_times.json:
 rollout/gen_s of each round, the tokens per completion, the trainer's work per step, each at its point of the
@@ -34,6 +35,11 @@ event loop's lag, asked both from inside the simulator and from bench/health_pro
 answer times do not include the simulator's own lag), bucket requests per second (from the S3 server's request log), and this simulator's own
 CPU (its one process drives every worker and the trainer: near 100%, its own delays would count as the
 proxy's). Writes everything as JSON to --out.
+
+With --autoscale K the fleet starts at --workers and the supervisor's policy (lib/jobs/autoscale.py: the same pure
+functions over the proxy's /v1/stats) decides every --autoscale-poll-s: up starts workers, down asks the newest to
+leave through the proxy (POST /v1/workers/leave; it leaves after sending its round). The trainer's batch is sized
+for K workers. Printed: every decision, and the worker-seconds the fleet used, with their dollars at an l4x1's price.
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from autoscale import Bounds, Window, decide  # noqa: E402 - lib/jobs, on the path through common
+from costs import PRICES  # noqa: E402
 from proxy_load import cpu_s, free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
 
 TIMES = Path(__file__).with_name("fleet_times.json")
@@ -122,6 +130,12 @@ class Args:
     ("rounds": [worker, s granted, s its groups were all in (None: it crashed), generation s drawn, the worker's
     speed factor, its network delay s, prompts]) and every wait of the trainer ("waits": [from s, to s]), and
     what the trainer waited behind in each wait of a second or more ("stalls": the rounds out when it began)"""
+    autoscale: int | None = None
+    """the controller on, with at most this many workers (the fleet starts at --workers; the batch is sized for it)"""
+    autoscale_poll_s: float = 5.0
+    """the controller's look: also its shortest window; cool-downs are 2 looks up and 4 down"""
+    autoscale_target: float = 0.85
+    """the trainer utilisation it aims at"""
     seed: int = 0
     out: str = "runs/fleet_sim.json"
     measure: str | None = None
@@ -183,7 +197,8 @@ class Fleet:
         self.a, self.n, self.pace, self.url, self.s3, self.bucket, self.adapter = a, n, pace, url, s3, bucket, adapter
         self.rng = random.Random(f"{a.seed}:{n}")  # the same fleet for pacing on and off
         self.draw = Draw(json.loads(TIMES.read_text()), self.rng, random.Random(f"{a.seed}:{n}:steps"))
-        self.batch = max(8, round(a.batch_per_worker * n))
+        self.batch = max(8, round(a.batch_per_worker * (a.autoscale or n)))
+        self.active = list(range(n))   # the workers the controller has not asked to leave (--autoscale)
         self.headers = {"X-Proxy-Token": token, "Content-Type": "application/json"}
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
         self.latest, self.done = 0, asyncio.Event()
@@ -244,6 +259,9 @@ class Fleet:
                     await asyncio.sleep(1)
                     continue
                 got = json.loads(raw)
+                if got.get("leave"):  # asked by the controller, after its round was sent (rollout.py does the same)
+                    self.m["left_at_scale_down"] = self.m.get("left_at_scale_down", 0) + 1
+                    return
                 if got.get("done"):
                     return
                 if not got["indices"]:
@@ -442,6 +460,37 @@ class Fleet:
             done_at = time.monotonic()
             self.m["step_busy"].append(done_at - t1)
 
+    async def controller(self, tasks: list) -> None:
+        """--autoscale: autoscale.decide every poll on the proxy's stats; up starts workers, down asks the newest to
+        leave. Worker-seconds are summed as it goes (the fleet's cost)."""
+        a = self.a
+        bounds = Bounds(target_util=a.autoscale_target, max_workers=a.autoscale, min_window_s=a.autoscale_poll_s,
+                        up_cooldown_s=2 * a.autoscale_poll_s, down_cooldown_s=4 * a.autoscale_poll_s)
+        window, changed, last, last_change = Window(bounds.min_window_s), -math.inf, time.monotonic(), None
+        self.m["autoscale"], self.m["worker_s"] = [], 0.0
+        while not self.done.is_set():
+            await asyncio.sleep(a.autoscale_poll_s)
+            now = time.monotonic()
+            self.m["worker_s"] += len(self.active) * (now - last)
+            last = now
+            status, raw = await self.call("GET", "/v1/stats")
+            d = decide(window.read(json.loads(raw) if status == 200 else None), len(self.active), 0, bounds,
+                       bounds.max_workers, now - changed, last_change)
+            self.m["autoscale"].append([round(now - self.t0, 1), d.action, d.n, d.why, len(self.active),
+                                        d.signals.get("trainer_util"), d.signals.get("wait_share")])
+            if d.action == "up":
+                for i in range(len(self.m["autoscale_started"]), len(self.m["autoscale_started"]) + d.n):
+                    self.active.append(self.n + i)
+                    self.m["autoscale_started"].append(self.n + i)
+                    tasks.append(asyncio.create_task(self.worker(self.n + i)))
+            elif d.action == "down":
+                for i in [self.active.pop() for _ in range(d.n)]:
+                    await self.call("POST", "/v1/workers/leave", json={"worker_id": f"sim-{i}"})
+            if d.action != "hold":
+                changed, last_change = now, d.action
+                print(f"  autoscale at {now - self.t0:.0f} s: {d.action} {d.n} -> {len(self.active)} worker(s): "
+                      f"{d.reason}", flush=True)
+
     async def probe(self) -> None:
         while not self.done.is_set():
             t0 = time.monotonic()
@@ -475,6 +524,9 @@ class Fleet:
                 t0 = self.t0 = time.monotonic()
                 tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
                 tasks += [asyncio.create_task(self.probe())] + ([asyncio.create_task(self.trace())] if self.a.trace else [])
+                if self.a.autoscale:
+                    self.m["autoscale_started"] = []
+                    tasks.append(asyncio.create_task(self.controller(tasks)))
                 cpu0 = time.process_time()
                 finished = await asyncio.to_thread(self.train_apart, asyncio.get_running_loop(), timeout)
                 await asyncio.wait(tasks, timeout=30)
@@ -536,6 +588,11 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
             "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
             "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"],
+            # the fleet's cost: worker-seconds (a fixed fleet: its size over the run) at an l4x1's $/hour
+            "worker_s": round(worker_s := m.get("worker_s", f.n * run["elapsed"]), 1),
+            "worker_dollars": round(worker_s * PRICES["l4x1"] / 3600, 4),
+            **({"autoscale": m["autoscale"], "left_at_scale_down": m.get("left_at_scale_down", 0),
+                "proxy_fleet": st.get("fleet")} if f.a.autoscale else {}),
             **({"trace": m["trace"], "rounds": m["rounds_log"], "waits": m["waits"],
                 "stalls": stalls(m["rounds_log"], m["waits"]), "round_overhead_s": overhead(m["rounds_log"])}
                if f.a.trace else {})}
@@ -655,6 +712,10 @@ def main(a: Args) -> None:
             for pace in {"on": [True], "off": [False], "both": [True, False]}[a.pace]:
                 results.append(configuration(a, n, pace, tmp, s3_port, s3_log, s3.pid))
                 print(line(results[-1]), flush=True)
+                r = results[-1]
+                print(f"  fleet: {r['worker_s']:.0f} worker-seconds (${r['worker_dollars']:.4f} at l4x1's "
+                      f"${PRICES['l4x1']}/hour)" + (f"; {len(r['autoscale'])} looks, {r['left_at_scale_down']} worker(s) "
+                                                     f"left when asked" if a.autoscale else ""), flush=True)
     finally:
         s3.kill()
         s3.wait()

@@ -593,3 +593,17 @@ def test_a_trainer_flavor_of_several_gpus_runs_one_rank_per_gpu(tmp_path, flavor
     if gpus > 1:
         assert f" --nproc-per-node {gpus} " in got.stdout.replace("\n", " ")
     assert "$nan" not in dry.stdout
+
+
+def test_an_autoscaled_launch_starts_its_first_worker_and_records_the_bounds_for_the_supervisor(hub, s3_env):
+    """--preset jobs-autoscale: one rollout job to start from; the bounds in launch/plan.json, where every supervisor
+    of the run (a relaunched one too) reads them (tests/test_autoscale.py: what it does with them)."""
+    from dataclasses import asdict
+
+    import autoscale
+    fake = hub()
+    launch_hf.main(["--run", "auto-1", "--preset", "jobs-autoscale", "--steps", "5"])
+    assert [j["labels"]["role"] for j in fake.jobs.values()] == ["proxy", "rollout-1", "trainer", "supervisor"]
+    plan = common.Bucket(bucket="async-grpo", run="auto-1").get_json("launch/plan.json")
+    assert plan["autoscale"] == asdict(autoscale.Bounds(**presets.PRESETS["jobs-autoscale"].autoscale))
+    assert "autoscale.py" in plan["files"]   # shipped with the supervisor job: it imports it

@@ -132,6 +132,7 @@ def comparable(stats: dict) -> dict:
     out = {k: v for k, v in stats.items() if k not in ("peak_rss_mb", "workers", "participants")}
     for table in ("workers", "participants"):  # last_seen_s_ago moves with the clock
         out[table] = {w: d["groups"] for w, d in stats[table].items()}
+    out["fleet"] = {k: v for k, v in stats["fleet"].items() if k != "clock_s"}   # so does the proxy's age
     return out
 
 

@@ -54,6 +54,9 @@ class Preset:
     rollout_flavor: str = "l4x1"
     trainer_flavor: str = "a10g-small"
     supervisor_flavor: str = "cpu-basic"
+    # None: the fleet stays at `workers`; a dict: the supervisor scales the rollout jobs within these bounds
+    # (lib/jobs/autoscale.Bounds' fields; launch_hf.py --autoscale turns it on with the defaults where a preset has none)
+    autoscale: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -107,6 +110,13 @@ PRESETS = {p.name: p for p in [
         proxy={**LOCAL.proxy, "max_staleness": 2}, train=dict(LOCAL.train),
         rollout=dict(LOCAL.rollout)),
 ]}
+# the Jobs preset, its rollout jobs scaled by the supervisor (docs/jobs.md#autoscaling): it starts one, adds workers
+# while the trainer waits for batches more than 15% of its time, up to 4 workers and $5/hour for the whole run
+# (proxy $0.04 + trainer $1.00 + supervisor $0.01 + 4 L4 workers at $0.80 = $4.25); not measured on Jobs yet
+PRESETS["jobs-autoscale"] = replace(
+    PRESETS["jobs"], name="jobs-autoscale", version=1, workers=1,
+    about="the jobs preset with its rollout jobs autoscaled: from 1 to 4 l4x1 workers, at most $5/hour",
+    autoscale={"target_util": 0.85, "min_workers": 1, "max_workers": 4, "budget_per_hour": 5.0})
 
 
 def get(name: str) -> Preset:

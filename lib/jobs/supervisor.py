@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autoscale import Autoscaler
 from common import BucketError, ConflictError
 from proxy_client import read_job_url, read_proxy_endpoint, write_job_url
 from hf_jobs import (LEASE, STANDBY, TERMINAL, JobSpec, exposed_url, final_step, hub_errors, identity, load_launch,
@@ -100,19 +101,12 @@ class Supervisor:
         self.deaf_since: dict[str, float] = {}  # running proxy job id -> since when its /health has not answered
         self.etag: str | None = None
         self.ttl = max(3 * policy.poll_s, 90.0)
+        self.scaler: Autoscaler | None = None   # the plan asks for autoscaling (autoscale.py)
 
     # --- the loop ---------------------------------------------------------------------------
 
     def run_forever(self) -> int:
-        loaded = load_launch(self.bucket, self.workdir)
-        if loaded is None:
-            log(f"no launch/plan.json in run {self.run}: watching only (recording a new proxy's URL); "
-                "relaunching needs a run started by `bash launch_jobs.sh`")
-        else:
-            self.plan, specs = loaded
-            self.specs = {s.role: s for s in specs}
-            log(f"run {self.run}: {', '.join(s for s in self.specs if s != 'supervisor')}; "
-                f"final step {self.final_step()}; polling every {self.p.poll_s:g} s")
+        self.load()
         self.take_lease()
         handed_over = False
         try:
@@ -130,6 +124,21 @@ class Supervisor:
         finally:
             if not handed_over:
                 self.release()
+
+    def load(self) -> None:
+        """The run's plan and files from the bucket (none: watch only), and the autoscaler where the plan asks for one."""
+        loaded = load_launch(self.bucket, self.workdir)
+        if loaded is None:
+            log(f"no launch/plan.json in run {self.run}: watching only (recording a new proxy's URL); "
+                "relaunching needs a run started by `bash launch_jobs.sh`")
+            return
+        self.plan, specs = loaded
+        self.specs = {s.role: s for s in specs}
+        if self.plan.get("autoscale"):
+            self.scaler = Autoscaler.for_plan(self.bucket, self.run, self.plan, specs, self.p.drain_s)
+        log(f"run {self.run}: {', '.join(s for s in self.specs if s != 'supervisor')}; "
+            f"final step {self.final_step()}; polling every {self.p.poll_s:g} s"
+            + (f"; autoscaling the rollout jobs ({self.scaler.bounds})" if self.scaler else ""))
 
     def step(self) -> int | None:
         """One look at the run; an exit status when the supervisor is finished, else None. The Hub or
@@ -150,6 +159,8 @@ class Supervisor:
             current = newest_by_role(run_jobs(self.api, self.run, self.ns))
         if self.done():
             return self.finish()
+        if self.scaler is not None:   # the fleet's rollout roles into self.specs (retired ones out: not relaunched)
+            self.scaler.look(self, current, log)
         proxies = ["proxy", STANDBY] if self.standby() else ["proxy"]
         roles = proxies + [r for r in self.specs if r not in (*proxies, "supervisor")]
         for r in roles:

@@ -569,6 +569,13 @@ class Waiting:
         fut.cancel()
         return None
 
+    def dismiss(self, key: str) -> int:
+        """Answer worker `key`'s waiting requests with no grant now (it was asked to leave: proxy fleet.py)."""
+        waiting = [fut for k, _, _, fut in self.asking.values() if k == key and not fut.done()]
+        for fut in waiting:
+            fut.set_result(None)
+        return len(waiting)
+
     def order(self, pacer: Pacer, flight: Flight | None) -> list[tuple[str, int, int | None, asyncio.Future]]:
         """The waiting requests: first those whose worker still holds an open grant (a worker that crashed
         mid-round and came back: granting it closes the old grant, so it can only make room, and it must not

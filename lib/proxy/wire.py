@@ -91,6 +91,13 @@ class DatasetRequest(Strict):
     """its prompts: every lease of it must say this size"""
 
 
+class LeaveRequest(Strict):
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """one of the run's own workers (the admin token's), as its groups name it"""
+    why: str = Field(default="asked to leave", min_length=1, max_length=500)
+    """what the worker is told and logs (the supervisor's autoscaling decision)"""
+
+
 class PromptLeaseRequest(Strict):
     dataset: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:/-]+$")
     size: int = Field(ge=1, le=1 << 22)

@@ -1,0 +1,322 @@
+"""Autoscaling the rollout jobs (lib/jobs/autoscale.py) from the real proxy's signals (lib/proxy/fleet.py): the
+trainer's idle time and the workers' waits for grants as the proxy measures them, the policy's bounds (budget cap,
+cool-downs, lent workers), scale-down through the proxy with nothing lost, and the supervisor applying decisions on
+emulated Jobs (tests/support/jobs_emulator.py, below huggingface_hub as in test_supervisor.py), restarted mid-decision.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from huggingface_hub import HfApi
+
+import proxy_client
+from autoscale import STATE, Bounds, Decision, Signals, affordable, apply, check_budget, decide, fixed_cost, signals
+from hf_jobs import JobSpec, save_launch
+from jobs_emulator import JobsEmulator
+from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
+from supervisor import Policy, Supervisor
+from test_pacing import ask, deliver, lease, register
+
+TOKENS = {"HF_TOKEN": "hf_FAKEtoken0123456789"}
+
+
+def granted(p, worker: str) -> list[int]:
+    """A grant expected at once: asked with a wait all the same, as a pass of pacing may come a moment later (a pass
+    begins no sooner than ten times its predecessor's duration after it: proxy.PACE_SHARE)."""
+    return ask(p, worker, wait_s=5.0)["indices"]
+
+
+def sig(util: float, wait: float, own: int = 1, lent: int = 0) -> Signals:
+    return Signals(window_s=60.0, trainer_util=util, wait_share=wait, own_workers=own, lent_workers=lent, buffer=0,
+                   step_s=5.0, round_s=8.0)
+
+
+# ---- the policy ----------------------------------------------------------------------------------------------
+
+
+def test_the_budget_cap_bounds_the_fleet_at_the_flavors_prices():
+    """Proxy on cpu-upgrade with its exposed port, trainer on a10g-small, supervisor on cpu-basic: $1.05/hour before
+    any worker; each l4x1 worker $0.80 (costs.PRICES). $3.00/hour leaves room for 2 workers, $5.00 for 4."""
+    specs = [JobSpec("proxy", "proxy.py", [], [], "cpu-upgrade", [], {}), JobSpec("trainer", "train.py", [], [], "a10g-small", [], {}),
+             JobSpec("supervisor", "supervisor.py", [], [], "cpu-basic", [], {}),
+             JobSpec("rollout-1", "rollout.py", [], ["--worker-id", "r-w1"], "l4x1", [], {})]
+    fixed, price = fixed_cost(specs)
+    assert (round(fixed, 2), price) == (1.05, 0.80)
+    assert affordable(Bounds(max_workers=8, budget_per_hour=3.0), fixed, price) == 2
+    assert affordable(Bounds(max_workers=8, budget_per_hour=5.0), fixed, price) == 4
+    assert affordable(Bounds(max_workers=3, budget_per_hour=5.0), fixed, price) == 3   # max_workers binds first
+    # the trainer starved, but the cap is reached: hold; over it (a cap lowered by a relaunch): down to it
+    capped = decide(sig(0.3, 0.0), fleet=2, starting=0, bounds=Bounds(max_workers=8), most=2, since_change_s=math.inf)
+    assert (capped.action, capped.why) == ("hold", "at_bounds")
+    over = decide(sig(0.3, 0.0), fleet=4, starting=0, bounds=Bounds(max_workers=8), most=2, since_change_s=0.0)
+    assert (over.action, over.n, over.why) == ("down", 2, "over_bounds")
+    with pytest.raises(SystemExit, match=r"no price for flavor\(s\) gpu-of-the-future"):
+        fixed_cost([*specs[:3], JobSpec("rollout-1", "rollout.py", [], [], "gpu-of-the-future", [], {})])
+    with pytest.raises(SystemExit, match=r"budget_per_hour \$1.5 does not pay for the run's other jobs \(\$1.05/hour\) "
+                                         r"and 1 worker\(s\) at \$0.80/hour: raise it to at least \$1.85"):
+        check_budget(Bounds(budget_per_hour=1.5), specs)
+    check_budget(Bounds(budget_per_hour=1.85), specs)
+    with pytest.raises(ValueError, match="max_workers 0: at least min_workers and 1"):
+        Bounds(max_workers=0)
+
+
+def test_cool_downs_hold_changes_and_lent_workers_are_free_capacity():
+    b = Bounds(up_cooldown_s=300, down_cooldown_s=600, max_step=3)
+    starved = sig(0.4, 0.0)
+    assert decide(starved, 1, 0, b, 4, since_change_s=299).why == "cooling_down"
+    up = decide(starved, 1, 0, b, 4, since_change_s=301)
+    # one worker keeps the trainer busy 0.4: about 0.85 / 0.4 = 2.1 workers' worth reach the target, so 2 more
+    assert (up.action, up.n, up.why) == ("up", 2, "trainer_waits") and up.signals["trainer_util"] == 0.4
+    # the same utilisation with three participants' workers live: they are already part of the fleet it measures
+    assert decide(sig(0.4, 0.0, own=1, lent=3), 1, 0, b, 4, math.inf).n == 3 - 0   # 4 x 2.1 = 9 -> 9 - 3 - 1, max_step 3
+    assert decide(sig(0.9, 0.0, own=1, lent=3), 1, 0, b, 4, math.inf).action == "hold"   # at target thanks to them
+    waiting = sig(0.95, 0.7, own=3)
+    assert decide(waiting, 3, 0, b, 4, since_change_s=599).why == "cooling_down"
+    down = decide(waiting, 3, 0, b, 4, since_change_s=601)
+    assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
+    assert decide(waiting, 1, 0, b, 4, math.inf).action == "hold"    # never below min_workers
+    # up again after a down waits out the down cool-down (against flapping where no fleet size reaches the target)
+    assert decide(starved, 2, 0, b, 4, since_change_s=400, last_change="down").why == "cooling_down"
+    assert decide(starved, 2, 0, b, 4, since_change_s=400, last_change="up").action == "up"
+    assert decide(starved, 2, 1, b, 4, math.inf).why == "starting"    # a launch not running yet: wait for it
+
+
+# ---- the proxy's signals ---------------------------------------------------------------------------------------
+
+
+def fleet_of(p) -> dict:
+    return p.stats()["fleet"]
+
+
+def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket, spawn):
+    """The trainer is idle while a lease request of its is open with nothing to train: from the request when it holds
+    nothing, from the registration of the version it was making when it asked ahead; a worker waits from its paced
+    request to the answer. Read twice, that is a trainer starved of rollouts: decide() says up."""
+    p = spawn("--pace", "--max-staleness", "1")
+    assert lease(p, 4, left=40)["batch_id"] is None
+    assert len(granted(p, "w1")) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4
+    assert len(granted(p, "w2")) == 4
+    t0 = time.monotonic()
+    assert ask(p, "w3", wait_s=0.6)["indices"] == []          # the window is full: w3 waits on the proxy
+    assert fleet_of(p)["grant_wait_s"] >= 0.55 and time.monotonic() - t0 >= 0.55
+    before = p.stats()
+    assert lease(p, 4, left=40)["batch_id"]                   # the trainer gets w1's round at once
+    idle0 = fleet_of(p)["trainer_idle_s"]
+    # it asks ahead for its next batch while it makes version 1: not idle, however long that request waits
+    r = p.http.post("/v1/batches/lease", json={"num_groups": 4, "wait_s": 1.0, "after_version": 1, "groups_left": 36})
+    assert r.json()["batch_id"] is None and fleet_of(p)["trainer_idle_s"] - idle0 < 0.2
+    # ... but once version 1 is registered during such a wait, the rest of the wait is idle
+    waiting = Worker(lambda: p.http.post("/v1/batches/lease", json={"num_groups": 4, "wait_s": 2.0, "after_version": 1,
+                                                                     "groups_left": 36}).json())
+    waiting.start()
+    time.sleep(0.5)
+    register(bucket, p, 1)
+    t_reg = time.monotonic()
+    assert waiting.join(30)["batch_id"] is None
+    idle = fleet_of(p)["trainer_idle_s"] - idle0
+    assert 0.2 < idle <= time.monotonic() - t_reg + 0.05, idle
+    after = p.stats()
+    got = signals(before, after, min_window_s=0.0)
+    assert got is not None and got.trainer_util < 0.85 and got.own_workers == 3   # w1, w2, w3 asked: live
+    assert decide(got, 1, 0, Bounds(), most=4, since_change_s=math.inf).action == "up"
+    # another incarnation's reading, or a window too short, gives no signals
+    assert signals({**before, "incarnation": 99}, after, 0.0) is None and signals(before, after, 3600.0) is None
+
+
+def test_a_worker_asked_to_leave_sends_its_round_first_and_its_released_grant_is_counted(bucket, spawn):
+    p = spawn("--pace", "--max-staleness", "1")
+    assert lease(p, 4, left=40)["batch_id"] is None
+    assert len(granted(p, "w1")) == 4
+    told = p.http.post("/v1/workers/leave", json={"worker_id": "w1", "why": "scaled down by the supervisor"}).json()
+    assert told == {"worker_id": "w1", "dismissed_requests": 0, "told": False}
+    assert deliver(p, "w1", 0, 4) == ["accepted"] * 4        # its round, generated before it knew, is kept
+    assert ask(p, "w1") == {"indices": [], "epochs": [], "version": 0, "done": False, "retry_s": 1.0,
+                            "leave": "scaled down by the supervisor"}
+    # a worker that asks again without sending its round (it crashed mid-round) gives back its grant: counted
+    assert len(granted(p, "w2")) == 4
+    assert p.http.post("/v1/workers/leave", json={"worker_id": "w2"}).is_success
+    assert ask(p, "w2")["leave"] == "asked to leave" and fleet_of(p)["groups_released_at_leave"] == 4
+    # a worker waiting for a grant when it is asked is answered at once, with no grant; then told
+    assert len(granted(p, "filler")) == 4   # (the window is full: w3 waits)
+    w3 = Worker(lambda: ask(p, "w3", wait_s=30))
+    w3.start()
+    wait_for(lambda: p.stats()["waiting_for_grants"] == 1, 30, msg="w3 to wait for a grant")
+    assert p.http.post("/v1/workers/leave", json={"worker_id": "w3"}).json()["dismissed_requests"] == 1
+    assert w3.join(10)["indices"] == [] and "leave" in ask(p, "w3")
+    st = p.stats()
+    assert st["fleet"]["told_to_leave"] == ["w1", "w2", "w3"] and st["workers"]["w1"]["groups"] == 4
+    assert p.http.post("/v1/workers/leave", json={"worker_id": "bad id!"}).status_code == 422
+
+    # a proxy without pacing tells a worker that names itself all the same
+    q = spawn("--no-pace")
+    assert q.http.post("/v1/workers/leave", json={"worker_id": "w9"}).is_success
+    r = q.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": 4, "worker_id": "w9"}).json()
+    assert r["indices"] == [] and r["leave"] == "asked to leave"
+    assert len(q.http.post("/v1/prompts/lease", json={"dataset": "d", "size": 1000, "n": 4}).json()["indices"]) == 4
+
+
+@pytest.mark.timeout(300)
+def test_rollout_py_asked_to_leave_finishes_its_round_and_exits_cleanly(tiny_model, start_proxy, bucket, run_name,
+                                                                         tmp_path):
+    from conftest import ROOT, stop
+    from runlib import stand_in_trainer
+    proxy = start_proxy("--group-size", "4")
+    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
+           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "w1", "--poll-s", "1"],
+                              env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        with stand_in_trainer(proxy):
+            wait_for(lambda: " round 1 v0" in log.read_text() or worker.poll() is not None, 240, msg="a first round")
+            assert proxy.http.post("/v1/workers/leave", json={"worker_id": "w1", "why": "scaled down"}).is_success
+            assert worker.wait(timeout=120) == 0, log.read_text()[-2000:]
+    finally:
+        stop(worker)
+    text = log.read_text()
+    assert "leaving: the proxy asks this worker to (scaled down)" in text and "Traceback" not in text
+    sent = sum(st == "accepted" for x in bucket.get("metrics/rollout-w1.jsonl")[0].decode().splitlines()
+               for st in json.loads(x).get("group_status", {}).values())
+    st = proxy.stats()
+    assert sent >= 1 and st["workers"]["w1"]["groups"] == sent and st["fleet"]["groups_released_at_leave"] == 0
+
+
+# ---- the supervisor applies the decisions on emulated Jobs ----------------------------------------------------
+
+
+IDLE = "import time; time.sleep(600)\n"
+
+
+@pytest.fixture
+def autoscaled_run(tmp_path, monkeypatch, s3_env, spawn, bucket, run_name):
+    """A run whose plan asks for autoscaling: trainer and rollout-1 as idle jobs on the emulator (their signals come
+    from this test's calls to the real proxy, recorded in proxy/endpoint.json as a relaunched one would be)."""
+    p = spawn("--pace", "--max-staleness", "1")
+    for k, v in {**TOKENS, "PROXY_TOKEN": p.token}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("PROXY_URL", raising=False)
+    emu = JobsEmulator(tmp_path / "jobs").install(monkeypatch)
+    proxy_client.write_proxy_endpoint(bucket, p.url, job_id="proxy-job", incarnation=0, written_by="test")
+    (tmp_path / "idle.py").write_text(IDLE)
+    specs = [JobSpec("trainer", "idle.py", [], ["--max-steps", "50"], "a10g-small", [], {}, timeout="30m"),
+             JobSpec("rollout-1", "idle.py", [], ["--worker-id", f"{run_name}-w1", "--seed", "1"], "l4x1", [], {},
+                     timeout="30m"),
+             JobSpec("supervisor", "idle.py", [], [], "cpu-basic", [], {}, timeout="30m")]
+    bounds = {"max_workers": 4, "budget_per_hour": 5.0, "min_window_s": 0.5, "up_cooldown_s": 60.0,
+              "down_cooldown_s": 3.0, "wait_share_down": 0.3}
+    save_launch(bucket, {"run": run_name, "autoscale": bounds}, specs, {"idle.py": tmp_path / "idle.py"})
+    api = HfApi()
+    for spec in specs[:2]:   # what the launcher would have started
+        api.run_uv_job(str(tmp_path / spec.script), script_args=spec.args, timeout=spec.timeout, namespace="alice",
+                       labels={"async-grpo-run": run_name, "role": spec.role})
+    yield p, emu
+    emu.close()
+
+
+def supervisor(bucket, run_name, tmp_path, name: str) -> Supervisor:
+    sup = Supervisor(HfApi(), bucket, run_name, "alice", TOKENS["HF_TOKEN"], Policy(poll_s=0.2, drain_s=1.0),
+                     tmp_path / name)
+    sup.load()
+    return sup
+
+
+def running(emu, role: str) -> list:
+    return [j for j in emu.by_role(role) if j.stage()[0] == "RUNNING"]
+
+
+@pytest.mark.timeout(120)
+def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_wait(autoscaled_run, bucket, run_name,
+                                                                                     tmp_path, capsys):
+    p, emu = autoscaled_run
+    sup = supervisor(bucket, run_name, tmp_path, "a")
+    assert sup.look() is None                                  # the first reading: no window yet
+    assert [d["why"] for d in bucket.get_json(STATE)["decisions"]] == ["no_window"]
+    # the trainer: one batch trained, then it waits 1 s for the next one with nothing in the buffer
+    assert lease(p, 4, left=40)["batch_id"] is None
+    assert len(granted(p, f"{run_name}-w1")) == 4 and deliver(p, f"{run_name}-w1", 0, 4) == ["accepted"] * 4
+    assert lease(p, 4, left=40)["batch_id"]
+    register(bucket, p, 1)
+    assert lease(p, 4, left=36, wait_s=1.0)["batch_id"] is None
+    assert sup.look() is None
+    state = bucket.get_json(STATE)
+    up = state["decisions"][-1]
+    assert up["action"] == "up" and up["why"] == "trainer_waits" and up["signals"]["trainer_util"] < 0.85, up
+    assert state["fleet"][:2] == ["rollout-1", "rollout-2"] and len(state["fleet"]) == 1 + up["n"]
+    (w2,) = wait_for(lambda: running(emu, "rollout-2"), 30, msg="rollout-2 running")
+    assert " ".join(w2.spec["command"]).endswith(f"--worker-id {run_name}-w2 --seed 2")   # rollout-1's, its own id
+    n_jobs = len(emu.jobs)
+
+    # a supervisor restarted now sees the new jobs and the cool-down: it launches nothing more
+    sup2 = supervisor(bucket, run_name, tmp_path, "b")
+    assert lease(p, 4, left=36, wait_s=0.6)["batch_id"] is None
+    sup2.look()
+    assert sup2.look() is None and len(emu.jobs) == n_jobs, [j.spec["labels"] for j in emu.jobs.values()]
+    assert "autoscale: up" in capsys.readouterr().out
+
+    # restarted between writing a decision and launching: the successor launches the decided role exactly once
+    scaler = sup2.scaler
+    state = bucket.get_json(STATE)
+    decided = apply(state, Decision("up", 1, "trainer_waits", "written, then the supervisor died", len(state["fleet"]),
+                                    at=time.time()))
+    bucket.put_json(STATE, decided)
+    new_role = decided["fleet"][-1]
+    sup3 = supervisor(bucket, run_name, tmp_path, "c")
+    for _ in range(3):
+        sup3.look()
+    assert len(emu.by_role(new_role)) == 1 and len(emu.jobs) == n_jobs + 1
+    assert scaler.bounds == sup3.scaler.bounds
+
+    # the trainer is busy (no lease request open) and the window is full (two grants of 4 at version 1): every worker
+    # of the fleet waits for a grant. After the cool-down, one worker leaves: the newest
+    wait_for(lambda: all(running(emu, r) for r in decided["fleet"]), 30, msg="the fleet running")
+    assert all(len(granted(p, f)) == 4 for f in ("filler-a", "filler-b"))
+    time.sleep(3.0)   # down_cooldown_s
+    sup3.look()       # a fresh reading to start the window from
+    ids = [f"{run_name}-w{r.split('-')[1]}" for r in decided["fleet"]]
+    waits = [Worker(lambda w=w: ask(p, w, wait_s=2.0)) for w in ids]
+    for w in waits:
+        w.start()
+    for w in waits:
+        assert w.join(30)["indices"] == []
+    sup3.look()
+    state = bucket.get_json(STATE)
+    down = state["decisions"][-1]
+    assert down["action"] == "down" and down["why"] == "workers_wait", state["decisions"]
+    (retired,) = state["retired"]
+    assert retired == new_role and retired not in state["fleet"]
+    wid = f"{run_name}-w{retired.split('-')[1]}"
+    assert wid in p.stats()["fleet"]["asked_to_leave"]       # told through the proxy
+    (job,) = emu.by_role(retired)
+    time.sleep(1.2)   # drain_s: an idle job never asks again, so it is cancelled
+    sup3.look()
+    assert job.stage()[0] == "CANCELED"
+    sup3.look()
+    assert len(emu.by_role(retired)) == 1                     # retired: never relaunched
+
+
+def test_the_launcher_records_the_bounds_in_the_plan_and_refuses_autoscaling_without_a_supervisor(tmp_path):
+    """`--autoscale` takes the preset's bounds (jobs-autoscale), else Bounds' defaults (what goes into launch/plan.json:
+    test_jobs.py). Without the supervisor nothing would decide: refused before any job starts."""
+    import launch_hf
+    from conftest import ROOT
+    from dataclasses import asdict
+    assert launch_hf.autoscale_bounds(launch_hf.Args(run="r")) is None                 # the jobs preset: a fixed fleet
+    assert launch_hf.autoscale_bounds(launch_hf.Args(run="r", autoscale=True)) == asdict(Bounds())
+    got = launch_hf.autoscale_bounds(launch_hf.Args(run="r", preset="jobs-autoscale"))
+    assert (got["max_workers"], got["budget_per_hour"]) == (4, 5.0)
+    with pytest.raises(SystemExit, match="--autoscale needs the supervisor"):
+        launch_hf.autoscale_bounds(launch_hf.Args(run="r", autoscale=True, supervise=False))
+    # the dry run says so, and a cap below what the run's other jobs cost is refused before anything is printed
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    run = lambda *a: subprocess.run(["bash", str(ROOT / "launch_jobs.sh"), "--dry-run", "--run", "my-run", *a],  # noqa: E731
+                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = run("--preset", "jobs-autoscale")
+    assert p.returncode == 0 and "# autoscaled (docs/jobs.md#autoscaling): the supervisor keeps 1 to 4 rollout job(s), " \
+        "at most $5.0/hour" in p.stdout, p.stderr[-2000:]
