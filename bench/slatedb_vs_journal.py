@@ -28,11 +28,14 @@ Phases, each side in turn within a repeat (the order rotates), medians of the re
    poll 250 ms, get() of the tip key every 0.25 s); lag = when it first held a group minus its durable answer.
 3. restart and catch-up, for each --sizes N groups already in the store (written once per size, the journal as
    bench/proxy_restart.py writes it: 8 groups per commit, then their lease, the next version and the ack; SlateDB:
-   the 8 groups and their buffer index, then the index entries deleted and a state key, both awaited durable):
-   restart = open until the state is readable again (journal: snapshots.Keeper.start(), fencing included, with
-   no snapshot (a full replay, once) and with one; SlateDB: DbBuilder.build(), read the state key and the
-   buffered groups); catch-up = a follower started late until it holds the tip (Follower.load + follow; DbReader).
+   the 8 groups with a state key naming them buffered, then the state key with the buffer empty; the last 8 stay
+   buffered): restart = open until the state and the buffered groups are read again (journal:
+   snapshots.Keeper.start(), fencing included, with no snapshot (a full replay, once) and with one; SlateDB:
+   DbBuilder.build(), the state key, the groups it names); catch-up = a follower started late until it holds the
+   same (journal: Follower.load + follow until nothing is left unapplied; SlateDB: DbReaderBuilder.build(), the
+   same reads); bucket requests of each.
 4. fencing: a second writer opens; does the first writer's next commit fail, and how.
+5. idle cost: bucket requests per second of a writer with nothing to write, and with a follower beside it.
 """
 from __future__ import annotations
 
@@ -82,6 +85,8 @@ class Args:
     group_size: int = 8
     tokens: int = 256
     seed: int = 0
+    latency: bool = True
+    """run the latency phase (--no-latency: restart, catch-up, fencing and idle cost only)"""
     serve_s3: int = 0
     """(internal) serve the counting S3 server on this port"""
 
@@ -341,25 +346,25 @@ async def latency_round(store, follower_cls, a: Args, endpoint: str, template: b
 
 # ---- phase 3: restart and catch-up of a store holding N groups ------------------------------------------------
 async def slate_fill(endpoint: str, path: str, n: int, a: Args) -> None:
-    """N groups as a SlateDB-backed proxy would keep them: per 8, the groups and their buffer index; then (their
-    lease acked) the index entries deleted and the state key; durable every 32 groups (Db.flush)."""
+    """N groups as a SlateDB-backed proxy would keep them: per 8, one batch with the groups and the state key naming
+    them buffered; then (their lease acked) the state key again, buffer empty; durable every 32 groups (Db.flush).
+    (The state in one key, as the journal's snapshot holds the ledger: a buffer index of one key per group, deleted
+    at the ack, made a start scan the deletions of the whole run: 12-26 s at 20k groups.)"""
     import slatedb.uniffi as sdb
     byte_copy(memmove=True)  # (the layout does not depend on how the bytes reach Rust; as shipped it takes minutes)
     db = await sdb.DbBuilder(path, slate_store(endpoint)).build()
     rng = random.Random(a.seed)
     template = group_line("X" * 32, "bench", 0, a.group_size, a.tokens, rng)
     for step in range(n // 8):
-        gids = [uuid.uuid4().hex.encode() for _ in range(8)]
+        gids = [uuid.uuid4().hex for _ in range(8)]
         batch = sdb.WriteBatch()
         for g in gids:
-            batch.put(b"group/" + g, template.replace(b"X" * 32, g, 1))
-            batch.put(b"buffer/" + g, b"")
+            batch.put(b"group/" + g.encode(), template.replace(b"X" * 32, g.encode(), 1))
+        batch.put(b"state", json.dumps({"version": step, "groups_acked": 8 * step, "buffer": gids}).encode())
         await db.write(batch)
         if step < n // 8 - 1:  # the last 8 stay buffered
             batch = sdb.WriteBatch()
-            for g in gids:
-                batch.delete(b"buffer/" + g)
-            batch.put(b"state", json.dumps({"version": step + 1, "groups_acked": 8 * (step + 1)}).encode())
+            batch.put(b"state", json.dumps({"version": step + 1, "groups_acked": 8 * (step + 1), "buffer": []}).encode())
             await db.write(batch)
         if step % 4 == 3:
             await db.flush()
@@ -369,12 +374,9 @@ async def slate_fill(endpoint: str, path: str, n: int, a: Args) -> None:
 
 
 async def slate_state(db) -> int:
-    """What a start needs: the state key and every buffered group. Returns how many groups it read."""
-    import slatedb.uniffi as sdb
-    assert await db.get(b"state") is not None
-    it = await db.scan(sdb.KeyRange(start=b"buffer/", start_inclusive=True, end=b"buffer0", end_inclusive=False))
-    rows = await it.next_batch(100_000)
-    groups = [await db.get(b"group/" + r.key.split(b"/", 1)[1]) for r in rows]
+    """What a start needs: the state key and every group it names buffered. Returns how many groups it read."""
+    state = json.loads(await db.get(b"state"))
+    groups = [await db.get(b"group/" + g.encode()) for g in state["buffer"]]
     assert all(groups), "a buffered group is missing"
     return len(groups)
 
@@ -526,7 +528,7 @@ async def run_all(a: Args, endpoint: str) -> None:
              ("slatedb 100ms memmove", lambda run: SlateStore(endpoint, run, "100ms", memmove=True), SlateFollower),
              ("slatedb 10ms memmove", lambda run: SlateStore(endpoint, run, "10ms", memmove=True), SlateFollower)]
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
-    for r in range(a.repeats):
+    for r in range(a.repeats if a.latency else 0):
         for name, make, follower_cls in sides[r % len(sides):] + sides[:r % len(sides)]:
             got = await latency_round(make(f"lat-{r}-{uuid.uuid4().hex[:6]}"), follower_cls, a, endpoint, template)
             rows[name].append(got)
@@ -534,7 +536,7 @@ async def run_all(a: Args, endpoint: str) -> None:
                   f"{got['flood'][0]:6.1f} p99 {got['flood'][1]:6.1f} ms {got['flood'][3]:5.0f}/s | follower lag p50 "
                   f"{got['follow_lag'][0]:.0f} p99 {got['follow_lag'][1]:.0f} ms", flush=True)
     print("\nmedians of the repeats (ms; requests per group by kind)")
-    for name in rows:
+    for name in rows if a.latency else []:
         rs = rows[name]
         print(f"{name:21s} paced p50 {med(rs, 'paced', 0):.1f} p99 {med(rs, 'paced', 1):.1f} {med_requests(rs, 'paced')}")
         print(f"{'':21s} flood p50 {med(rs, 'flood', 0):.1f} p99 {med(rs, 'flood', 1):.1f} "
