@@ -966,9 +966,12 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     import tyro
     from common import script_args  # drops the common.py that HF Jobs ships in argv
-    from ranks import launch
+    from ranks import RanksLost, launch
     args = tyro.cli(Args, args=script_args())
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: start it
         launch(args.nproc_per_node, sys.argv)
     else:
-        main(args)
+        try:
+            main(args)
+        except RanksLost as e:  # one line, not a traceback: torchrun (launch) then names the rank that ended first
+            raise SystemExit(f"{e}: stopping; a relaunch resumes from the last checkpoint") from None

@@ -27,10 +27,29 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+class RanksLost(BaseException):
+    """A collective of the process group failed: another rank died or cannot be reached. No group of a batch is to blame,
+    so it derives from BaseException, as SystemExit does: the handlers that judge a batch's groups by what their
+    training raised (train.forward_backward, the audit's culprits) do not catch it, and the rank stops (train.main)."""
+
+
+@contextmanager
+def collective(rank: int, world: int, what: str) -> Iterator[None]:
+    """Run one collective: a RuntimeError there (how gloo and NCCL report a peer that is gone; DistBackendError is one)
+    becomes RanksLost, naming this rank and the call."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RanksLost(f"trainer rank {rank} of {world}: {what} across the ranks failed, another rank is gone "
+                        f"({str(e).splitlines()[0][:300]})") from None
 
 
 @dataclass(frozen=True)
@@ -54,7 +73,8 @@ class Ranks:
         if self.world == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with collective(self.rank, self.world, "a broadcast"):
+            torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, obj: Any) -> list:
@@ -62,7 +82,8 @@ class Ranks:
         if self.world == 1:
             return [obj]
         out: list = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        with collective(self.rank, self.world, "a gather"):
+            torch.distributed.all_gather_object(out, obj)
         return out
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
@@ -71,11 +92,12 @@ class Ranks:
         if self.world == 1:
             return
         trained = torch.tensor([float(any(p.grad is not None for p in params))], device=params[0].device)
-        torch.distributed.all_reduce(trained)
-        if trained.item() == 0:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        torch.distributed.all_reduce(flat)
+        with collective(self.rank, self.world, "the gradients' all-reduce"):
+            torch.distributed.all_reduce(trained)
+            if trained.item() == 0:
+                return
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            torch.distributed.all_reduce(flat)
         for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
 
@@ -85,7 +107,8 @@ class Ranks:
             return
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in params])
-            torch.distributed.broadcast(flat, src=0)
+            with collective(self.rank, self.world, "the weights' broadcast"):
+                torch.distributed.broadcast(flat, src=0)
             for p, v in zip(params, torch.split(flat, [p.numel() for p in params])):
                 p.copy_(v.view_as(p))
 
