@@ -429,3 +429,47 @@ def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_
     hung = emu.by_role("proxy-standby")[0]
     assert re.search(rf"proxy-standby: job {hung.id} has not answered /health for \d+ s: cancelling it", out), out
     assert hung.stage()[0] == "CANCELED"
+
+
+# --- a trainer of several ranks (a flavor with several GPUs), its job killed --------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_job_of_two_ranks_killed_is_relaunched_and_resumes(emulator, tiny_model, run_name, capsys):
+    """`--trainer-flavor h200x2`: the trainer's job runs train.py under torchrun, one rank per GPU of the flavor (here
+    two CPU ranks, gloo: the emulator has no GPUs). Its job killed mid-run (SIGKILL to every process of it, as an
+    evicted job), the supervisor relaunches it; the new job's two ranks resume from the last checkpoint and finish the
+    run, its versions contiguous."""
+    emu, bucket = emulator, common.Bucket(run=run_name)
+    steps = 40
+    launch_hf.main(["--run", run_name, "--workers", "1", "--steps", str(steps), "--model", tiny_model,
+                    "--task", "addition", "--group-size", "4", "--max-new-tokens", "6", "--timeout", "30m",
+                    "--trainer-flavor", "h200x2", "--no-supervise", "--rollout-arg=--prompts-per-round",
+                    "--rollout-arg=2", "--train-arg=--batch-groups", "--train-arg=2", "--train-arg=--lr",
+                    "--train-arg=1e-3", "--train-arg=--lease-wait-s", "--train-arg=5", "--train-arg=--no-skip-zero-std",
+                    "--train-arg=--checkpoint-every", "--train-arg=2"])
+    (trainer,) = emu.by_role("trainer")
+    assert "--nproc-per-node" in trainer.spec["command"] and trainer.spec["flavor"] == "h200x2", trainer.spec
+    watcher, result = watch_in_thread(run_name, "--policy.poll-s", "1", "--policy.backoff-s", "1",
+                                      "--policy.min-uptime-s", "5", "--policy.drain-s", "180")
+    try:
+        # killed once a checkpoint is in the bucket, the one the relaunch must resume from
+        at = wait_for(lambda: (c := bucket.get_json("checkpoints/latest.json")) and c["step"] >= 2 and c["step"], 300,
+                      "a checkpoint of two ranks", every=0.2)
+        emu.crash(trainer.id)
+        assert at < steps, "the run ended before the kill: raise steps"
+        trainer2 = wait_for(lambda: len(emu.by_role("trainer")) == 2 and emu.by_role("trainer")[1], 120,
+                            "trainer relaunch")
+        watcher.join(420)
+        assert not watcher.is_alive(), "the supervisor did not finish"
+    finally:
+        out = capsys.readouterr().out
+        print(out)
+    assert result["code"] == 0, out
+    assert re.search(rf"trainer: job {trainer.id} ended \(ERROR: killed by signal 9\)", out), out
+    assert f"relaunched trainer: job {trainer2.id}" in out
+    second = emu.text(trainer2)
+    assert "resumed from checkpoint step" in second and re.search(rf"^step\s+{steps} ", second.replace("\r", "\n"), re.M)
+    assert emu.by_role("trainer")[1].stage()[0] == "COMPLETED"
+    metas = sorted(bucket.get_json(k)["version"] for k in bucket.list("adapters/") if k.endswith("meta.json"))
+    assert metas == list(range(1, len(metas) + 1)) and bucket.get_json("adapters/latest.json")["step"] == steps
