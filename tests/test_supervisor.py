@@ -379,6 +379,7 @@ def led_by(bucket, job, timeout: float) -> dict:
                     timeout, f"job {job.id} leads")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_a_standby(
         emulator, bucket, run_name, tiny_model, tmp_path, capsys):
@@ -434,6 +435,7 @@ def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_
 # --- a trainer of several ranks (a flavor with several GPUs), its job killed --------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_trainer_job_of_two_ranks_killed_is_relaunched_and_resumes(emulator, tiny_model, run_name, capsys):
     """`--trainer-flavor h200x2`: the trainer's job runs train.py under torchrun, one rank per GPU of the flavor (here
