@@ -149,6 +149,10 @@ class Window:
             self.prev = stats
         return sig
 
+    def start_over(self, stats: dict) -> None:
+        """The next window starts at `stats` (a driver that counts a worker as starting until it works)."""
+        self.prev = stats
+
 
 def run_cost(fixed_per_hour: float, worker_price: float, workers: int) -> float:
     """$/hour of the run with `workers` rollout jobs (the proxy, trainer and supervisor are `fixed_per_hour`)."""

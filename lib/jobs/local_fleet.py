@@ -135,7 +135,7 @@ class LocalFleet:
         fleet = self.state["fleet"]
         waiting = starting(fleet, stats)
         if waiting and stats is not None:
-            self.window.prev = stats
+            self.window.start_over(stats)
         sig = None if waiting else self.window.read(stats)
         last = self.state["last_change_at"]
         decision = replace(decide(sig, len(fleet), waiting, self.bounds, affordable(self.bounds, 0.0, LOCAL_PRICE),
