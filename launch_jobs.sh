@@ -9,6 +9,7 @@
 #   bash launch_jobs.sh --local --standby       # a standby proxy beside the leader: kill -9 the leader, it takes over
 #                                               # (and the killed one is started again as the next standby)
 #   bash launch_jobs.sh --local --trainer-procs 2   # the trainer as two CPU ranks under torchrun (gloo)
+#   bash launch_jobs.sh --local --autoscale     # from one worker, a second added when the trainer waits (autoscale.py)
 #
 # --local: sets up .venv on first use (torch 2.13.0 CPU, requirements.txt, the local SmolLM2),
 # starts a local S3 server (moto) and the proxy on 127.0.0.1, N rollout workers and the trainer
@@ -19,11 +20,11 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-LOCAL=0; SETUP_ONLY=0; STANDBY=0; RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""; KEEP_ADAPTERS=last
+LOCAL=0; SETUP_ONLY=0; STANDBY=0; AUTOSCALE=0; BOUNDS=(); RUN="local-$(date +%Y%m%d-%H%M%S)"; BACKEND=hf; ROLLOUT_WITH=""; KEEP_ADAPTERS=last
 # every setting of the run comes from a preset (lib/jobs/presets.py: launch_hf.py --local-plan prints it as bash
 # assignments); --steps, --workers, --task and the --X-arg options given here come after it and win
 PLAN=()
-usage() { sed -n '2,18p' "$0"; cat <<EOF
+usage() { sed -n '2,19p' "$0"; cat <<EOF
 options: --local  --setup-only (only create .venv)  --preset NAME (local; --list-presets shows them)
          --steps N  --workers N  --task T (the preset's unless given; T: tasks.py, or an environment of several
          turns: calculator, ...)  --run NAME
@@ -35,6 +36,10 @@ options: --local  --setup-only (only create .venv)  --preset NAME (local; --list
                     workers and trainer find the leader in the run's proxy/endpoint.json: docs/proxy.md#a-standby;
                     a proxy that exits is started again as the standby; runs/<run>/proxies lists pid and URL of each)
          --trainer-procs N (the trainer as N ranks under torchrun: train.py --nproc-per-node N; CPU ranks, gloo)
+         --autoscale (the workers follow the proxy's signals, lib/jobs/local_fleet.py: from --workers, up when the
+                      trainer waits, down when workers wait for grants; decisions in runs/<run>/autoscale.jsonl)
+         --autoscale-arg NAME=VALUE (repeatable: a bound of lib/jobs/autoscale.Bounds over local_fleet.LOCAL_BOUNDS,
+                      e.g. max_workers=3, up_cooldown_s=30)
 without --local: a run on Hugging Face Jobs (launch_hf.py: bucket, proxy, N rollout jobs, trainer, supervisor)
          bash launch_jobs.sh [--dry-run] [--run NAME] [--workers N] [--steps N] [--model ID] [--task T] [--standby]
          bash launch_jobs.sh --print-command ROLE --run NAME  (one job's hf jobs uv run command, ROLE proxy,
@@ -77,6 +82,8 @@ while [ $# -gt 0 ]; do
     --trainer-procs) plan --train-arg "--nproc-per-node=$2"; shift ;;
     --run) RUN="$2"; shift ;;
     --standby) STANDBY=1 ;;
+    --autoscale) AUTOSCALE=1 ;;
+    --autoscale-arg) BOUNDS+=("--bound=$2"); shift ;;
     --backend) BACKEND="$2"; shift ;;
     --rollout-with) ROLLOUT_WITH="$2"; shift ;;
     --keep-adapters) KEEP_ADAPTERS="$2"; shift
@@ -194,21 +201,29 @@ case "$ROLLOUT_WITH" in  # the environment libraries: their own venv, set up onl
   envs) bash tests/envs_lane.sh --setup-only; ROLLOUT_PY=.venv-envs/bin/python ;;
   *) echo "launch_jobs.sh: --rollout-with $ROLLOUT_WITH: only 'envs' (requirements-envs.txt)" >&2; exit 2 ;;
 esac
-for i in $(seq 1 "$WORKERS"); do
-  setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" "${ROLLOUT_ARGS[@]}" >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
-done
-echo "run $RUN: preset $RUN_PRESET  S3 $S3_ENDPOINT_URL  proxy ${PROXY_URL:-(proxy/endpoint.json)}  $WORKERS worker(s)  logs in $OUT/"
+WATCH=$WORKERS  # the processes watched in the workers' place: each worker, or the driver that runs them
+if [ "$AUTOSCALE" = 1 ]; then  # the driver starts and retires the workers itself (their process group is its own)
+  setsid "$PY" -c 'import common, local_fleet, sys; sys.exit(local_fleet.main(sys.argv[1:]))' --out "$OUT" \
+    --python "$ROLLOUT_PY" --workers "$WORKERS" ${BOUNDS[@]+"${BOUNDS[@]}"} -- --backend "$BACKEND" "${ROLLOUT_ARGS[@]}" \
+    > >(tee "$OUT/autoscale.log") 2>&1 & PIDS+=($!)
+  WATCH=1
+else
+  for i in $(seq 1 "$WORKERS"); do
+    setsid "$ROLLOUT_PY" rollout.py --backend "$BACKEND" --worker-id "w$i" --seed "$i" "${ROLLOUT_ARGS[@]}" >"$OUT/rollout-w$i.log" 2>&1 & PIDS+=($!)
+  done
+fi
+echo "run $RUN: preset $RUN_PRESET  S3 $S3_ENDPOINT_URL  proxy ${PROXY_URL:-(proxy/endpoint.json)}  $WORKERS worker(s)$([ "$AUTOSCALE" = 1 ] && echo ' to start, autoscaled')  logs in $OUT/"
 echo "  proxy.py ${PROXY_ARGS[*]}"; echo "  train.py ${TRAIN_ARGS[*]}"; echo "  rollout.py ${ROLLOUT_ARGS[*]}"
 T0=$(date +%s)
 setsid "$PY" train.py "${TRAIN_ARGS[@]}" > >(tee "$OUT/train.log") 2>&1 & TRAIN=$!
 PIDS+=($TRAIN)
 # the trainer shows its progress; watch that the workers stay alive meanwhile
 while kill -0 "$TRAIN" 2>/dev/null; do
-  alive=0; for p in "${PIDS[@]:2:$WORKERS}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  alive=0; for p in "${PIDS[@]:2:$WATCH}"; do kill -0 "$p" 2>/dev/null && alive=1; done
   if [ $alive = 0 ]; then
     # a worker exits 0 by itself once the trainer registered its final version (the trainer may
     # still be writing its last checkpoint): then only the trainer is left to wait for
-    clean=1; for p in "${PIDS[@]:2:$WORKERS}"; do wait "$p" || clean=0; done
+    clean=1; for p in "${PIDS[@]:2:$WATCH}"; do wait "$p" || clean=0; done
     [ $clean = 1 ] && break
     echo "every rollout worker died; last lines of their logs:" >&2; tail -n 5 "$OUT"/rollout-*.log >&2; exit 1
   fi
@@ -218,7 +233,7 @@ done
 wait "$TRAIN" || { echo "trainer failed (see $OUT/train.log)" >&2; exit 1; }
 echo "trainer finished in $(( $(date +%s) - T0 )) s; stopping workers and proxy"
 # workers exit by themselves after the final version; give them a moment, then stop the rest
-for p in "${PIDS[@]:2:$WORKERS}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
+for p in "${PIDS[@]:2:$WATCH}"; do for _ in $(seq 1 150); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done; done
 for p in "${PROXY_PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done  # all at once: a standby does not
 for p in "${PROXY_PIDS[@]}"; do wait "$p" 2>/dev/null || true; done             # take over from a leader stopping
 "$PY" report.py --out "$OUT" --adapters "$KEEP_ADAPTERS"

@@ -149,6 +149,10 @@ class Window:
             self.prev = stats
         return sig
 
+    def start_over(self, stats: dict) -> None:
+        """The next window starts at `stats` (a driver that counts a worker as starting until it works)."""
+        self.prev = stats
+
 
 def run_cost(fixed_per_hour: float, worker_price: float, workers: int) -> float:
     """$/hour of the run with `workers` rollout jobs (the proxy, trainer and supervisor are `fixed_per_hour`)."""
@@ -255,8 +259,10 @@ def check_budget(bounds: Bounds, specs: list[JobSpec]) -> None:
                          f"${run_cost(fixed, price, need):.2f}")
 
 
-def initial_state(specs: list[JobSpec]) -> dict:
-    roles = sorted((s.role for s in specs if s.role.startswith("rollout-")), key=index)
+def initial_state(roles: list[str]) -> dict:
+    """The fleet before any decision: the rollout roles among `roles` (the launcher's jobs, or a local run's
+    workers)."""
+    roles = sorted((r for r in roles if r.startswith("rollout-")), key=index)
     return {"fleet": roles, "retired": {}, "next": 1 + index(roles[-1]), "last_change_at": None,
             "last_change": None, "decisions": []}
 
@@ -331,7 +337,7 @@ class Autoscaler:
 
     def load(self, specs: list[JobSpec]) -> tuple[dict, str | None]:
         got = self.bucket.get(STATE)
-        return (initial_state(specs), None) if got is None else (json.loads(got[0]), got[1])
+        return (initial_state([s.role for s in specs]), None) if got is None else (json.loads(got[0]), got[1])
 
     def step(self, state: dict, jobs: dict, stats: dict | None, now: float) -> tuple[dict, Decision]:
         """The state after this look's decision (pure but for the kept reading)."""
