@@ -48,6 +48,7 @@ def line_of(said: str, pattern: str) -> int:
     return next(i for i, x in enumerate(said.splitlines()) if re.search(pattern, x))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_local_run_adds_a_worker_when_the_trainer_waits(tiny_model, run_name):
     """From one worker: once the proxy has its groups and a window of signals shows the trainer waiting (busy under
@@ -67,6 +68,7 @@ def test_the_local_run_adds_a_worker_when_the_trainer_waits(tiny_model, run_name
     assert re.search(r"^\s+rollout-w2\s+local\s", said, re.M), said[-4000:]  # and the summary prices its process
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_local_run_retires_a_worker_without_loss_when_workers_wait(tiny_model, run_name):
     """Bounds that make two workers too many (target 0.5, workers waiting over 0.3 of their time is too much, 10 s
