@@ -58,6 +58,17 @@ def decisions(r: dict) -> str:
                      for t, act, n, _, size, *_ in r["autoscale"] if act != "hold")
 
 
+def phases(r: dict, sim: fleet_sim.Args) -> str:
+    """The trainer's utilisation in each phase of a scenario: before the rounds slow, until the trainer slows, after."""
+    cuts = sorted({0, *(round(at * sim.steps) for at in (sim.rounds_slow_at, sim.trainer_slow_at) if at < 1), sim.steps})
+    busy, wait = r["trainer_busy_per_step_s"], r["trainer_wait_per_step_s"]
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        b, w = sum(busy[lo:hi]), sum(wait[lo:hi])
+        out.append(f"steps {lo + 1}-{hi}: {b / (b + w):.3f}" if b + w else f"steps {lo + 1}-{hi}: -")
+    return "utilisation by phase: " + ", ".join(out)
+
+
 def table(rows: dict[str, list[dict]]) -> list[str]:
     """One line per configuration: medians over its seeds."""
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -102,13 +113,15 @@ def main(a: Args) -> None:
                     print(f"seed {seed} {label}: utilisation {r['utilisation']:.3f}, {r['worker_s']:.0f} worker-s, "
                           f"${r['run_dollars']:.4f}, finished at {r['finish_s']:.0f} s"
                           f"{'' if r['finished'] else ' (TIMED OUT)'}, errors {r['errors']}"
-                          + (f"; decisions {decisions(r)}" if "autoscale" in r else ""), flush=True)
+                          + (f"; decisions {decisions(r)}; {phases(r, sim)}" if "autoscale" in r else ""), flush=True)
     finally:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         Path(a.out).write_text(json.dumps({"args": vars(a), "results": rows}, indent=1, default=str) + "\n")
     print("\n".join(table(rows)))
     if not a.controller_only:
-        print(verdict(rows, a.sim.autoscale_target))
+        print("medians:", verdict(rows, a.sim.autoscale_target))
+        for k, seed in enumerate(a.seeds):
+            print(f"seed {seed}:", verdict({label: [rs[k]] for label, rs in rows.items()}, a.sim.autoscale_target))
     print(f"results: {a.out}")
 
 

@@ -624,7 +624,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
             "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
-            "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"],
+            "trainer_wait_per_step_s": m["step_waits"], "trainer_busy_per_step_s": [round(b, 2) for b in m["step_busy"]], "pacing": st.get("pacing"), "errors": m["errors"],
             # time to finish and the cost: Fleet.worker_s and run_dollars()
             "finish_s": round(finish_s := (m["finished_at"] or f.t0) - f.t0, 1),
             "worker_s": round(worker_s := f.worker_s(m["finished_at"] or math.inf), 1),
