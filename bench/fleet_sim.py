@@ -37,14 +37,17 @@ CPU (its one process drives every worker and the trainer: near 100%, its own del
 proxy's). Writes everything as JSON to --out.
 
 With --autoscale K the fleet starts at --workers and the supervisor's policy (lib/jobs/autoscale.py: the same pure
-functions over the proxy's /v1/stats) decides every --autoscale-poll-s: up starts workers, down asks the newest to
-leave through the proxy (POST /v1/workers/leave; it leaves after sending its round). The trainer's batch is sized
-for K workers. Printed: every decision, and the worker-seconds the fleet used, with their dollars at an l4x1's price.
+functions over the proxy's /v1/stats) decides every window (Bounds' defaults times --autoscale-time): up starts
+workers, down asks the newest to leave through the proxy (POST /v1/workers/leave; it leaves after sending its
+round). The trainer's batch is sized for K workers (or --batch). Printed: every decision. For every configuration:
+the time to the trainer's last step, the workers' seconds until then, and what both would cost on Jobs
+(run_dollars). bench/autoscale_compare.py runs the controller against fixed fleet sizes.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import math
 import os
@@ -59,7 +62,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import aiohttp
 import httpx
@@ -69,7 +72,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from autoscale import Bounds, Window, decide  # noqa: E402 - lib/jobs, on the path through common
-from costs import PRICES  # noqa: E402
+from costs import EXPOSE_PRICE, PRICES  # noqa: E402
+from presets import PRESETS  # noqa: E402
 from proxy_load import cpu_s, free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
 
 TIMES = Path(__file__).with_name("fleet_times.json")
@@ -86,6 +90,12 @@ class Args:
     batch_per_worker: float = 0.8
     """the trainer's batch is this many groups per worker (at least 8): the fleet offers about ten times what
     the trainer takes at every size (a worker's round is 8 groups, about one trainer step long)"""
+    batch: int = 0
+    """the trainer's batch in groups, whatever the fleet's size (0: from --batch-per-worker): the same run at
+    every fleet size (bench/autoscale_compare.py)"""
+    span: tuple[float, float] = (0.0, 1.0)
+    """the part of the measured run the simulated one draws its times from (0.5 1: its second half, where steps
+    are 1.6-2 s and rounds 24-29 s, against 23-28 s steps before)"""
     group_size: int = 8
     prompts_per_round: int = 8
     max_staleness: int = 1
@@ -132,10 +142,18 @@ class Args:
     what the trainer waited behind in each wait of a second or more ("stalls": the rounds out when it began)"""
     autoscale: int | None = None
     """the controller on, with at most this many workers (the fleet starts at --workers; the batch is sized for it)"""
-    autoscale_poll_s: float = 5.0
-    """the controller's look: also its shortest window; cool-downs are 2 looks up and 4 down"""
+    autoscale_time: float = 1 / 30
+    """the controller's window and cool-downs: autoscale.Bounds' defaults (60, 300 and 600 s, for Jobs that take
+    minutes to start) times this; it looks every window"""
     autoscale_target: float = 0.85
     """the trainer utilisation it aims at"""
+    rounds_slow_at: float = 1.0
+    """from this share of the trainer's steps on, every round takes --rounds-slow-x times as long (a change of
+    the workers' speeds)"""
+    rounds_slow_x: float = 1.0
+    trainer_slow_at: float = 1.0
+    """from this share of the trainer's steps on, every step takes --trainer-slow-x times as long"""
+    trainer_slow_x: float = 1.0
     seed: int = 0
     out: str = "runs/fleet_sim.json"
     measure: str | None = None
@@ -164,15 +182,23 @@ class Draw:
     """Draws from the measured distributions near a point of the run (the answers shorten as it learns, and
     both rounds and steps get faster)."""
 
-    def __init__(self, times: dict, rng: random.Random, step_rng: random.Random):
+    def __init__(self, times: dict, rng: random.Random, step_rng: random.Random, span: tuple[float, float] = (0.0, 1.0)):
         """step_rng: the trainer's own, so that pacing on and off train the same sequence of step times (the
-        workers' draws interleave differently in the two)."""
+        workers' draws interleave differently in the two). span: the part of the measured run drawn from."""
         self.rounds, self.steps, self.rng, self.step_rng = times["rounds"], times["steps"], rng, step_rng
         self.sync = times["weight_sync_s"] or [0.1]
+        if not 0 <= span[0] < span[1] <= 1:
+            raise SystemExit(f"--span {span[0]} {span[1]}: two points of the run, 0 <= from < to <= 1")
+        self.span = span
 
     def _near(self, rows: list, at: float) -> list:
+        at = self.span[0] + (self.span[1] - self.span[0]) * at
         i = bisect.bisect_left(rows, [at])
         return rows[max(0, i - 4):i + 4] or rows
+
+    def median_step(self) -> float:
+        """The median step of the span drawn from."""
+        return statistics.median(s[1] for s in self.steps if self.span[0] <= s[0] <= self.span[1])
 
     def round(self, at: float) -> tuple[float, float]:
         """(seconds for a round of 8 prompts, tokens per completion)"""
@@ -195,9 +221,12 @@ def pct(xs: list[float], q: float) -> float | None:
 class Fleet:
     def __init__(self, a: Args, n: int, pace: bool, url: str, token: str, s3: str, bucket: common.Bucket, adapter: Path):
         self.a, self.n, self.pace, self.url, self.s3, self.bucket, self.adapter = a, n, pace, url, s3, bucket, adapter
-        self.rng = random.Random(f"{a.seed}:{n}")  # the same fleet for pacing on and off
-        self.draw = Draw(json.loads(TIMES.read_text()), self.rng, random.Random(f"{a.seed}:{n}:steps"))
-        self.batch = max(8, round(a.batch_per_worker * (a.autoscale or n)))
+        # seeded by worker, not by fleet size: worker i and the trainer's steps are the same at every size and
+        # pacing mode (the same run), and a worker the controller adds is the one a fixed fleet that large has
+        self.rng = random.Random(f"{a.seed}")
+        self.draw = Draw(json.loads(TIMES.read_text()), self.rng, random.Random(f"{a.seed}:steps"), a.span)
+        self.batch = batch_size(a, n)
+        self.alive: dict[int, list[float]] = {}  # worker -> [started, ended] (monotonic): its job's billed time
         self.active = list(range(n))   # the workers the controller has not asked to leave (--autoscale)
         self.headers = {"X-Proxy-Token": token, "Content-Type": "application/json"}
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
@@ -206,7 +235,7 @@ class Fleet:
                   "rounds": {}, "round_s": [], "step_s": [], "step_waits": [], "step_busy": [], "grant_wait": [],
                   "fetch_s": [], "trace": [], "rounds_log": [], "waits": [], "listing_s": [], "post_s": [], "submit": [], "health": [], "trainer_wait": 0.0, "trainer_wait_groups": 0.0,
                   "staleness": {}, "handed": {}, "trained": {}, "errors": [], "bucket_gets": 0, "leave": 0, "join": 0,
-                  "polls": 0, "transport_retries": 0}
+                  "polls": 0, "transport_retries": 0, "finished_at": None}
 
     def fail(self, what: str) -> None:
         if len(self.m["errors"]) < 10:
@@ -233,7 +262,7 @@ class Fleet:
     # ---- a worker ----------------------------------------------------------------------------------------------
     async def worker(self, i: int) -> None:
         a = self.a
-        rng = random.Random(f"{a.seed}:{self.n}:{i}")
+        rng = random.Random(f"{a.seed}:w{i}")
         wid, speed = f"sim-{i}", math.exp(rng.gauss(0, a.speed_sigma))
         net = rng.uniform(0.2, 1.0) * a.time_scale if rng.random() < a.slow_net else 0.0
         joins = rng.random() < a.join
@@ -241,6 +270,7 @@ class Fleet:
         if joins:
             self.m["join"] += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5) * self.expected_s)
+        self.alive[i] = [time.monotonic(), math.inf]
         held, seen = [0], [0]  # the version it generates with; the newest its long-poll has seen
         known: set[str] = set()  # sha256s of the adapter files it has fetched (rollout.py's KnownFiles)
         sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
@@ -281,7 +311,7 @@ class Fleet:
                 at = self.latest / max(1, a.steps)
                 round_s, tokens = self.draw.round(at)
                 round_s *= (speed * max(self.hard[p] for p in idx) * (0.2 + 0.8 * len(idx) / 8)
-                            * a.time_scale * a.round_scale)
+                            * a.time_scale * a.round_scale * (a.rounds_slow_x if at >= a.rounds_slow_at else 1.0))
                 if rng.random() < a.crash:  # dies mid-round: the round is lost; relaunched later, same id
                     await asyncio.sleep(rng.uniform(0, round_s))
                     self.m["crashes"] += 1
@@ -304,6 +334,8 @@ class Fleet:
                 self.log_round(wid, granted, time.monotonic() - self.t0, round_s, speed, net, len(idx))
         finally:
             sync.cancel()
+            if i in self.alive:
+                self.alive[i][1] = time.monotonic()
 
     def log_round(self, wid: str, granted: float, arrived: float | None, gen_s: float, speed: float, net: float,
                   prompts: int) -> None:
@@ -392,6 +424,7 @@ class Fleet:
         try:
             return asyncio.run(train())
         finally:
+            self.m["finished_at"] = time.monotonic()
             fleet_loop.call_soon_threadsafe(self.done.set)
 
     async def lease(self, http: aiohttp.ClientSession, step: int, after: int | None) -> tuple[dict, float]:
@@ -444,7 +477,8 @@ class Fleet:
             ahead = a.prefetch and step < a.steps
             # the next batch, asked for now (trained from the version this step makes) or once the step's work is done
             pending = asyncio.create_task(self.lease(http, step + 1, v)) if ahead and a.prefetch_at == "start" else None
-            self.m["step_s"].append(self.draw.step(step / a.steps) * a.time_scale)
+            slower = a.trainer_slow_x if (step - 1) / a.steps >= a.trainer_slow_at else 1.0
+            self.m["step_s"].append(self.draw.step(step / a.steps) * a.time_scale * slower)
             await asyncio.sleep(self.m["step_s"][-1])
             if ahead and a.prefetch_at == "publish":
                 pending = asyncio.create_task(self.lease(http, step + 1, v))
@@ -462,17 +496,14 @@ class Fleet:
 
     async def controller(self, tasks: list) -> None:
         """--autoscale: autoscale.decide every poll on the proxy's stats; up starts workers, down asks the newest to
-        leave. Worker-seconds are summed as it goes (the fleet's cost)."""
+        leave. Its bounds: sim_bounds()."""
         a = self.a
-        bounds = Bounds(target_util=a.autoscale_target, max_workers=a.autoscale, min_window_s=a.autoscale_poll_s,
-                        up_cooldown_s=2 * a.autoscale_poll_s, down_cooldown_s=4 * a.autoscale_poll_s)
-        window, changed, last, last_change = Window(bounds.min_window_s), -math.inf, time.monotonic(), None
-        self.m["autoscale"], self.m["worker_s"] = [], 0.0
+        bounds = sim_bounds(a)
+        window, changed, last_change = Window(bounds.min_window_s), -math.inf, None
+        self.m["autoscale"] = []
         while not self.done.is_set():
-            await asyncio.sleep(a.autoscale_poll_s)
+            await asyncio.sleep(bounds.min_window_s)
             now = time.monotonic()
-            self.m["worker_s"] += len(self.active) * (now - last)
-            last = now
             status, raw = await self.call("GET", "/v1/stats")
             d = decide(window.read(json.loads(raw) if status == 200 else None), len(self.active), 0, bounds,
                        bounds.max_workers, now - changed, last_change)
@@ -490,6 +521,12 @@ class Fleet:
                 changed, last_change = now, d.action
                 print(f"  autoscale at {now - self.t0:.0f} s: {d.action} {d.n} -> {len(self.active)} worker(s): "
                       f"{d.reason}", flush=True)
+
+    def worker_s(self, until: float) -> float:
+        """Seconds the workers' jobs ran until `until` (the trainer's last step): from a worker's start (or late
+        join) to its exit (left, asked to leave, or the run's end); a crashed worker's time away counts (its job
+        is relaunched, as on Jobs)."""
+        return sum(max(0.0, min(end, until) - start) for start, end in self.alive.values())
 
     async def probe(self) -> None:
         while not self.done.is_set():
@@ -513,7 +550,7 @@ class Fleet:
 
     async def run(self) -> dict:
         # the expected length of the run (joins and leaves are spread over it): steps x the median step
-        self.expected_s = self.a.steps * statistics.median(s[1] for s in self.draw.steps) * self.a.time_scale
+        self.expected_s = self.a.steps * self.draw.median_step() * self.a.time_scale
         conn = aiohttp.TCPConnector(limit=0, force_close=False)
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(self.url, headers=self.headers, connector=conn, timeout=timeout) as http:
@@ -587,15 +624,39 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
             "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
-            "trainer_wait_per_step_s": m["step_waits"], "pacing": st.get("pacing"), "errors": m["errors"],
-            # the fleet's cost: worker-seconds (a fixed fleet: its size over the run) at an l4x1's $/hour
-            "worker_s": round(worker_s := m.get("worker_s", f.n * run["elapsed"]), 1),
-            "worker_dollars": round(worker_s * PRICES["l4x1"] / 3600, 4),
+            "trainer_wait_per_step_s": m["step_waits"], "trainer_busy_per_step_s": [round(b, 2) for b in m["step_busy"]], "pacing": st.get("pacing"), "errors": m["errors"],
+            # time to finish and the cost: Fleet.worker_s and run_dollars()
+            "finish_s": round(finish_s := (m["finished_at"] or f.t0) - f.t0, 1),
+            "worker_s": round(worker_s := f.worker_s(m["finished_at"] or math.inf), 1),
+            **run_dollars(f.a, worker_s, finish_s),
             **({"autoscale": m["autoscale"], "left_at_scale_down": m.get("left_at_scale_down", 0),
                 "proxy_fleet": st.get("fleet")} if f.a.autoscale else {}),
             **({"trace": m["trace"], "rounds": m["rounds_log"], "waits": m["waits"],
                 "stalls": stalls(m["rounds_log"], m["waits"]), "round_overhead_s": overhead(m["rounds_log"])}
                if f.a.trace else {})}
+
+
+def batch_size(a: Args, n: int) -> int:
+    """The trainer's batch in groups: --batch, else --batch-per-worker for the fleet (the controller's most)."""
+    return a.batch or max(8, round(a.batch_per_worker * (a.autoscale or n)))
+
+
+def sim_bounds(a: Args) -> Bounds:
+    """The controller's bounds in the simulation: autoscale.Bounds' defaults with its window and cool-downs times
+    --autoscale-time (the simulated fleet starts a worker at once, a Jobs worker in minutes)."""
+    d = Bounds()
+    return Bounds(target_util=a.autoscale_target, max_workers=a.autoscale, min_window_s=d.min_window_s * a.autoscale_time,
+                  up_cooldown_s=d.up_cooldown_s * a.autoscale_time, down_cooldown_s=d.down_cooldown_s * a.autoscale_time)
+
+
+def run_dollars(a: Args, worker_s: float, finish_s: float) -> dict:
+    """What the run would cost on Jobs at the durations drawn (simulated seconds / --time-scale), priced as the
+    jobs-autoscale preset's flavors (costs.PRICES): its workers, and the whole run (the trainer, proxy with its
+    exposed port and supervisor for as long as the trainer ran, plus the workers)."""
+    p = PRESETS["jobs-autoscale"]
+    fixed = PRICES[p.trainer_flavor] + PRICES[p.proxy_flavor] + EXPOSE_PRICE + PRICES[p.supervisor_flavor]
+    workers = worker_s / a.time_scale * PRICES[p.rollout_flavor] / 3600
+    return {"worker_dollars": round(workers, 4), "run_dollars": round(workers + finish_s / a.time_scale * fixed / 3600, 4)}
 
 
 def overhead(rounds: list[list]) -> dict:
@@ -642,7 +703,7 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
     adapter.mkdir(exist_ok=True)
     (adapter / "adapter_model.safetensors").write_bytes(b"w" * 4096)
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
-    batch = max(8, round(a.batch_per_worker * n))
+    batch = batch_size(a, n)
     # the buffer holds what the staleness window lets be in flight (pacing admits up to max_staleness batches;
     # a smaller buffer turned admitted rounds away with 429 at 1,000 workers, docs/results/fleet.md)
     flags = ["--port", str(port), "--group-size", str(a.group_size), "--max-staleness", str(a.max_staleness),
@@ -692,11 +753,10 @@ def line(r: dict) -> str:
             f"bucket {r['bucket_rps']:.0f} req/s (cpu {100 * r['bucket_cpu']:.0f}%)  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
 
 
-def main(a: Args) -> None:
-    if a.measure:
-        return measure(a.measure)
-    if not TIMES.exists():
-        raise SystemExit(f"{TIMES} is missing: make it from a local run with --measure runs/<run>")
+@contextlib.contextmanager
+def s3_server() -> Iterator[tuple[Path, int, Path, int]]:
+    """A moto S3 server on 127.0.0.1 with the bucket `bench`, the environment pointing at it: (a temporary
+    folder for logs, its port, its request log, its pid)."""
     tmp = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     s3_port = free_port()
     os.environ.update({"S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "AWS_ACCESS_KEY_ID": "bench",
@@ -704,21 +764,36 @@ def main(a: Args) -> None:
     s3_log = tmp / "s3.log"
     s3 = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
                           stdout=open(s3_log, "w"), stderr=subprocess.STDOUT)
-    results = []
     try:
         wait_up(os.environ["S3_ENDPOINT_URL"], s3)
         httpx.put(f"{os.environ['S3_ENDPOINT_URL']}/bench")
-        for n in a.workers:
-            for pace in {"on": [True], "off": [False], "both": [True, False]}[a.pace]:
-                results.append(configuration(a, n, pace, tmp, s3_port, s3_log, s3.pid))
-                print(line(results[-1]), flush=True)
-                r = results[-1]
-                print(f"  fleet: {r['worker_s']:.0f} worker-seconds (${r['worker_dollars']:.4f} at l4x1's "
-                      f"${PRICES['l4x1']}/hour)" + (f"; {len(r['autoscale'])} looks, {r['left_at_scale_down']} worker(s) "
-                                                     f"left when asked" if a.autoscale else ""), flush=True)
+        yield tmp, s3_port, s3_log, s3.pid
     finally:
         s3.kill()
         s3.wait()
+
+
+def fleet_line(r: dict, a: Args) -> str:
+    return (f"  fleet: {r['worker_s']:.0f} worker-seconds, the trainer's last step at {r['finish_s']:.0f} s; at the "
+            f"durations drawn (/ time scale {a.time_scale:g}) ${r['worker_dollars']:.4f} of workers, "
+            f"${r['run_dollars']:.4f} the whole run (run_dollars)"
+            + (f"; {len(r['autoscale'])} looks, {r['left_at_scale_down']} worker(s) left when asked" if a.autoscale else ""))
+
+
+def main(a: Args) -> None:
+    if a.measure:
+        return measure(a.measure)
+    if not TIMES.exists():
+        raise SystemExit(f"{TIMES} is missing: make it from a local run with --measure runs/<run>")
+    results, tmp = [], None
+    try:
+        with s3_server() as (tmp, s3_port, s3_log, s3_pid):
+            for n in a.workers:
+                for pace in {"on": [True], "off": [False], "both": [True, False]}[a.pace]:
+                    results.append(configuration(a, n, pace, tmp, s3_port, s3_log, s3_pid))
+                    print(line(results[-1]), flush=True)
+                    print(fleet_line(results[-1], a), flush=True)
+    finally:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         Path(a.out).write_text(json.dumps({"args": vars(a), "times": json.loads(TIMES.read_text())["from"],
                                            "results": results}, indent=1, default=str) + "\n")
