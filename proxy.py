@@ -560,6 +560,11 @@ def pace() -> None:
         _pace_soon = True
         asyncio.get_running_loop().call_later(max(0.0, _pace_next - time.monotonic()), _pace_now)
 
+def next_pass_in() -> float:
+    """Seconds until the next pacing pass may begin, and a millisecond: the least a paced request waits, so that a
+    pass answers it (with a wait_s of 0 just after a pass, its wait would end before the next pass began)."""
+    return max(0.0, _pace_next - time.monotonic()) + 0.001
+
 def _pace_now() -> None:
     global _pace_soon, _pace_next
     _pace_soon = False
@@ -604,7 +609,8 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
     """`n` prompt indices from a per-epoch seeded shuffle of range(size): no index twice per epoch,
     across restarts too (the cursor is journaled before the indices are handed out). With wait_s, a grant:
     up to n of them once a round generated now can still be trained, with `version`, the version to
-    generate with (or newer); none after wait_s, or once the run is over (`done`). A participant's lease is of a
+    generate with (or newer); none after wait_s (or the next pacing pass, if that is later: next_pass_in), or once
+    the run is over (`done`). A participant's lease is of a
     dataset the run's owner opened (POST /v1/prompts/datasets; the admin token's first lease opens one too): before
     that it waits (paced: no grant, `not_open` says why; else 503 with Retry-After, which ProxyClient waits out)."""
     grant, n = None, req.n
@@ -632,7 +638,7 @@ async def lease_prompts(req: PromptLeaseRequest, request: Request) -> dict:
                                       "nothing generated with it can be trained; this worker must load a newer one")
         FLEET.wait_began(id(req), time.monotonic())
         try:
-            grant = await WAITING.wait(key, req.n, req.wait_s, pace, req.version)
+            grant = await WAITING.wait(key, req.n, max(req.wait_s, next_pass_in()), pace, req.version)
         finally:
             FLEET.wait_ended(id(req), time.monotonic())
         if grant is None:

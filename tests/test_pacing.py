@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import tempfile
@@ -44,6 +45,19 @@ def deliver(p, worker: str, version: int, k: int) -> list[str]:
         assert r.status_code == 200, r.text
         out.append(r.json()["status"])
     return out
+
+
+def answer(s, timeout: float = 30.0) -> bytes:
+    """A whole HTTP answer read from socket `s`: its headers, then as many body bytes as content-length says (the two
+    may come in separate reads)."""
+    s.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            re.search(rb"content-length: (\d+)", data, re.I)[1]):
+        chunk = s.recv(65536)
+        assert chunk, f"the connection closed after {data!r}"
+        data += chunk
+    return data
 
 
 def lease(p, n: int, left: int | None, wait_s: float = 0.0) -> dict:
@@ -378,7 +392,7 @@ def test_a_worker_that_dies_between_two_polls_is_taken_for_gone_and_rollouts_syn
     common.publish_adapter(bucket, str(d), 1, 1, "m")
     assert p.http.post("/v1/adapters", json={"version": 1, "step": 1, "published_at": time.time()}).status_code == 200
     t0 = time.monotonic()
-    assert b'"version":1' in s.recv(65536)                     # w1's poll answered; w1 polls no more
+    assert b'"version":1' in answer(s)                         # w1's poll answered; w1 polls no more
     got = ask(p, "w3", wait_s=15)
     assert len(got["indices"]) == 4 and time.monotonic() - t0 < 5   # grace 1 s + the housekeeping's second
     wait_for(lambda: sync.seen == 1, 30, msg="w2's sync thread to hold version 1")
