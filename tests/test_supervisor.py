@@ -401,13 +401,21 @@ def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_
 
     watcher, result = watch_in_thread(run_name, "--policy.poll-s", "0.5", "--policy.backoff-s", "0.5",
                                       "--policy.proxy-wait-s", "10")
-    took_over = []
+    took_over, seen = [], []
+
+    def said(line: str) -> bool:  # in the supervisor's output so far (read from capsys and kept)
+        seen.append(capsys.readouterr().out)
+        return line in "".join(seen)
     try:
         for role, stop in (("proxy", emu.crash), ("proxy-standby", emu.pause)):   # the leader's role, and its end
             wait_for(lambda s=standby: health_role(s) == "standby" and proxy_client.read_job_url(bucket, s.id),
                      120, "the supervisor saw the standby and left it its URL")
             stop(leader.id)
             led_by(bucket, standby, 60)
+            # the supervisor's look, which can lag a loaded machine's takeover, sees it lead before it is stopped next
+            other = "proxy-standby" if role == "proxy" else "proxy"
+            wait_for(lambda s=standby, o=other: said(f"{o}: job {s.id} at http://127.0.0.1:{s.ports[8000]}: leader"), 60,
+                     "the supervisor saw the new leader")
             took_over.append(standby)
             relaunched = wait_for(lambda r=role: len(emu.by_role(r)) == 2 and emu.by_role(r)[-1], 90, "a relaunch")
             assert "--standby" in relaunched.spec["command"] and relaunched.id not in (leader.id, standby.id)
@@ -418,7 +426,7 @@ def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_
         launch_hf.main(["--cancel", run_name])
         watcher.join(60)
     finally:
-        out = capsys.readouterr().out
+        out = "".join(seen) + capsys.readouterr().out
         print(out)
     assert result.get("code") == 0, out
     assert "recorded the leader" not in out   # each leader wrote its own record; a standby's URL never went there
