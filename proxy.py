@@ -1245,7 +1245,8 @@ def served_version_problem(version: int) -> str | None:
         return None
     return f"adapter_version {version} is not a version this run registered (the latest is {S.latest})"
 
-routing.install(app, served_version_problem)  # POST /v1/chat/completions answered by the run's own workers (routing.py)
+# POST /v1/chat/completions answered by the run's own workers (routing.py); a leader that stops answering ends its waits
+routing.install(app, served_version_problem, lambda: refusal())
 access.install(app)  # the token endpoints, last: routes are tried in order, and these are rare
 
 if __name__ == "__main__":

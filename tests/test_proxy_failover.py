@@ -3,6 +3,7 @@ takes the lead when the leader is killed (kill -9) or hung (SIGSTOP), within sec
 still buffered or acked once and no group in two leases; clients find it through proxy/endpoint.json and retry
 what was in flight; a leader cut off from the bucket stops answering before the standby takes over, and can never
 commit again (fenced). docs/proxy.md, "A standby"."""
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 import journal
@@ -20,6 +22,7 @@ from proxyproc import Worker, spawn, wait_for, wait_port  # noqa: F401 - spawn i
 from test_proxy import group
 
 TERM_S = "1.5"
+CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture
@@ -116,7 +119,9 @@ def test_a_leader_cut_off_from_the_bucket_stops_answering_and_is_fenced(pair, bu
     """The leader's bucket endpoint goes away (a forwarder killed) while a group's commit is in flight: it answers
     503 once its term is no longer sure, before the standby takes over; when the bucket comes back it finds the
     leader record taken and the journal fenced, and exits without answering the group accepted. The group, sent
-    again to the new leader, is accepted there, once: the old leader's commit never entered the log."""
+    again to the new leader, is accepted there, once: the old leader's commit never entered the log. A routed
+    request waiting there (no worker could take or answer it any more) is answered 503 + Retry-After at once, not
+    left to its --route.timeout-s."""
     s3_port = s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]
     fwd_port = free_port()
     fwd_cmd = [PY, str(SUPPORT / "tcp_forward.py"), str(fwd_port), s3_port]
@@ -127,6 +132,10 @@ def test_a_leader_cut_off_from_the_bucket_stops_answering_and_is_fenced(pair, bu
         a = pair("--bucket-patience-s", "60", env={"S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd_port}"}, term="3")
         b = pair(standby=True, term="3")
         assert a.http.post("/v1/groups", json=group()).json()["status"] == "accepted"
+        a.http.post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1})  # a worker serves (none answers)
+        routed = Worker(lambda: a.http.post("/v1/chat/completions", json=CHAT, timeout=60))
+        routed.start()
+        wait_for(lambda: a.http.get("/v1/inference/stats").json()["waiting"] == 1, 10, msg="the routed request queued")
         fwd.kill()
         fwd.wait()
         g = group()
@@ -138,6 +147,10 @@ def test_a_leader_cut_off_from_the_bucket_stops_answering_and_is_fenced(pair, bu
         assert role(b) == "standby", "the standby took over before the old leader stopped answering"
         wait_for(lambda: role(b) == "leader", 15, msg="the standby to take the lead")
         assert time.monotonic() - t0 > stopped
+        told = routed.join(10)  # before the bucket is back: the old leader still runs, it did not exit under it
+        assert told.status_code == 503 and told.headers["retry-after"] == "1" and told.json()["detail"] == (
+            "this proxy could not renew its leadership in time; retry (a standby takes over if it does not recover): "
+            "this request was not answered, send it again"), told.text
         fwd = subprocess.Popen(fwd_cmd)  # the bucket is back for the old leader: its renewal and commit meet the new one
         assert a.proc.wait(30) == 3
     finally:
@@ -234,3 +247,65 @@ def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
     for problem in ("--term-s -1.0: must be at least 0", "--standby: needs the bucket",
                     "--standby: needs --term-s above 0"):
         assert problem in bad.stderr, bad.stderr
+
+
+def serving(p) -> set[str]:
+    """The workers that asked this proxy for routed requests lately (its /v1/inference/stats)."""
+    return set(p.http.get("/v1/inference/stats").json()["serving_workers"])
+
+
+@pytest.mark.slow  # a real worker on the tiny model: its start is most of it
+@pytest.mark.timeout(900)
+def test_routed_inference_follows_the_new_leader(pair, bucket, run_name, tiny_model, tmp_path):
+    """A real rollout worker (no PROXY_URL: it finds the leader in proxy/endpoint.json, as launch_jobs.sh --standby
+    runs it) serves routed requests; one is answered, two are in flight (the worker stopped) when the leader is killed.
+    The raw client's connection fails at once (a clear error, no wait for --route.timeout-s); a ProxyClient retries by
+    itself. The worker's routed serving finds the new leader, and both requests, sent there again, are answered by
+    it; the answers the worker still held for the dead leader are refused as unknown, never handed to anyone."""
+    a = pair()
+    b = pair(standby=True)
+    env = {k: v for k, v in os.environ.items() if k != "PROXY_URL"}
+    env.update(RUN_NAME=run_name, PROXY_TOKEN=a.token, SPOOL_DIR=str(tmp_path / "spool"), OMP_NUM_THREADS="1")
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen([PY, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
+                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "wr", "--poll-s", "1",
+                               "--serve-per-round", "2"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: worker.poll() is None and "wr" in serving(a), 300, every=0.5,
+                 msg=f"the worker to serve (exit {worker.poll()}): {log.read_text()[-2000:]}")
+        first = a.http.post("/v1/chat/completions", json=CHAT, timeout=120)
+        assert first.status_code == 200 and first.json()["worker_id"] == "wr", first.text
+
+        os.kill(worker.pid, signal.SIGSTOP)  # whatever it holds or is handed now stays unanswered until the kill
+        raw = Worker(lambda: a.http.post("/v1/chat/completions", json=CHAT, timeout=120))
+        follows = ProxyClient(a.url, a.token, patience_s=120, resolve=endpoint_resolver(bucket))
+        retried = Worker(follows.post, "/v1/chat/completions", CHAT)
+        raw.start()
+        retried.start()
+        wait_for(lambda: a.http.get("/v1/inference/stats").json()["requests"] == 3, 30, msg="both requests queued")
+        os.kill(a.proc.pid, signal.SIGKILL)
+        a.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(httpx.TransportError):  # the connection closed under it: no answer, nothing to wait out
+            raw.join(30)
+        assert time.monotonic() - t0 < 5
+        os.kill(worker.pid, signal.SIGCONT)
+
+        wait_for(lambda: role(b) == "leader", 15, msg="the standby to take the lead")
+        wait_for(lambda: "wr" in serving(b), 120, msg="the worker's routed serving to find the new leader")
+        url = read_proxy_endpoint(bucket)["url"]  # where a client finds the leader
+        assert url == b.url
+        again = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=120, headers={"Authorization": f"Bearer {b.token}"})
+        assert again.status_code == 200 and again.json()["worker_id"] == "wr", again.text
+        answer = retried.join(150)
+        assert answer["worker_id"] == "wr" and follows.url == b.url
+        # greedy, same adapter (the base model): the same text from either proxy
+        assert {again.json()["choices"][0]["message"]["content"], answer["choices"][0]["message"]["content"]} == {
+            first.json()["choices"][0]["message"]["content"]}
+        st = b.http.get("/v1/inference/stats").json()
+        assert (st["requests"], st["answered"], st["waiting"], st["being_answered"]) == (2, 2, 0, 0), st
+        assert worker.poll() is None, log.read_text()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGCONT)
+        stop(worker)

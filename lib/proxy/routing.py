@@ -20,8 +20,10 @@ Errors: 503 when no worker has asked for requests lately, 429 + Retry-After when
 request and goes silent loses it after `lease_s`: it goes back to the front of the queue once.
 
 State is in memory only: a routed request lives for seconds, so nothing is journaled; a proxy
-restart drops the waiting clients (they see the connection close and may retry) and the workers'
-late answers are ignored. Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
+restart or a standby's takeover drops the waiting clients (they see the connection close and may retry) and
+the workers' late answers are ignored (request ids are this process's own). A leader that stops answering
+because it could not renew its term (leadership.py) answers its waiting clients 503 + Retry-After within a
+second: no worker could take or answer their requests there any more. Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
 waiting or being answered, seconds per request, tokens per answer, characters per request (the proxy's
 --max-body-mb caps the body before any of this), how long a worker may hold a request.
 """
@@ -64,6 +66,9 @@ LIMITS = Limits()  # the proxy's --route.* options (proxy.py sets them at start)
 # why an answer's adapter_version cannot be one a worker served with (None: it can); proxy.py's install() passes
 # the rule (a version the run registered, or 0), which needs its book
 VERSION_PROBLEM: Callable[[int], str | None] = lambda version: None
+# why this proxy answers nobody now (None: it serves); install() takes proxy.py's (a standby, or a leader unsure of its
+# term): its gate then refuses the workers' leases and answers too, so a request waiting here can only time out
+REFUSAL: Callable[[], str | None] = lambda: None
 SERVE_WHY = ("routed requests are other users' prompts: only the run's own workers serve them, on its token; "
              "start the worker with --no-serve")
 MAX_WORKERS = 4096  # serving workers we remember (client-chosen names: bounded)
@@ -171,7 +176,7 @@ class Queue:
     workers: "OrderedDict[str, float]" = field(default_factory=OrderedDict)   # worker -> last lease call (monotonic)
     counters: dict = field(default_factory=lambda: dict.fromkeys(
         ["requests", "answered", "worker_errors", "timed_out", "abandoned", "rejected_full", "rejected_no_worker",
-         "requeued", "late_answers"], 0))
+         "requeued", "late_answers", "dropped_not_serving"], 0))
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def size(self) -> int:
@@ -243,6 +248,10 @@ async def chat_completions(req: ChatRequest, request: Request) -> JSONResponse:
             if await request.is_disconnected():
                 Q.counters["abandoned"] += 1
                 return JSONResponse({"detail": "client went away"}, status_code=499)
+            if (why := REFUSAL()) is not None:
+                Q.counters["dropped_not_serving"] += 1
+                raise HTTPException(503, f"{why}: this request was not answered, send it again",
+                                    headers={"Retry-After": "1"})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(r.future), timeout=1.0)
             Q.expire(time.monotonic())
@@ -316,13 +325,14 @@ async def inference_stats() -> dict:
     return stats()
 
 
-def install(app, version_problem: Callable[[int], str | None]) -> None:
+def install(app, version_problem: Callable[[int], str | None], refusal: Callable[[], str | None]) -> None:
     """Add the routes to `app`, each with the least token role that may call it (access.py): clients of the
     policy need `inference`, the workers that take and answer requests `admin` (the run's own). version_problem(v):
-    why an answer's adapter_version is not one the run registered (None: it is). On the app itself, not an
-    included APIRouter: FastAPI matches those lazily, at a cost on every request (access.install)."""
-    global VERSION_PROBLEM
-    VERSION_PROBLEM = version_problem
+    why an answer's adapter_version is not one the run registered (None: it is); refusal(): why this proxy answers
+    nobody now (None: it serves), which ends the clients' waits. On the app itself, not an included APIRouter:
+    FastAPI matches those lazily, at a cost on every request (access.install)."""
+    global VERSION_PROBLEM, REFUSAL
+    VERSION_PROBLEM, REFUSAL = version_problem, refusal
     # a request's prompt (up to max_prompt_chars, 4 bytes each in UTF-8) and a batch of answers (max_tokens
     # each) can be well over the 64 KiB every other small route gets: these two take bodies up to
     # --max-body-mb, and their schemas bound what is in them
