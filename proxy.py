@@ -60,6 +60,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -289,6 +290,9 @@ async def _until_disconnect(receive, cond: asyncio.Condition | None = None) -> N
 KEEPER: Keeper | None = None  # the state after the last commit in the bucket, and its snapshots (None: no bucket)
 TERM: Term | None = None       # the leader record this proxy writes once it leads (None: no bucket, or --term-s 0)
 FOLLOWER: Follower | None = None  # while it stands by (--standby): the journal it follows
+# set once the server is told to stop (SIGTERM): it still renews its term until the requests in progress end (then it
+# releases the record), so a routed request waiting minutes for a worker must end now, or it holds the takeover up
+STOPPING = threading.Event()
 
 def take_over(live: dict) -> None:
     """The state a start read back (ledger.Ledger.live) becomes the live state."""
@@ -462,10 +466,12 @@ async def announce(startup: Bucket) -> None:
                             written_by=f"proxy incarnation {S.incarnation}")
 
 def refusal() -> str | None:
-    """Why this proxy answers nothing but /health and /metrics now (None: it serves): it stands by, or it leads but
-    its last renewal of the leader record is too old for it to be sure it still does (leadership.py)."""
+    """Why this proxy answers nothing but /health and /metrics now (None: it serves): it stands by, it is stopping,
+    or it leads but its last renewal of the leader record is too old for it to be sure it still does (leadership.py)."""
     if FOLLOWER is not None:
         return "this proxy is a standby: the leader answers (proxy/endpoint.json names it); retry"
+    if STOPPING.is_set():
+        return "this proxy is stopping; retry (proxy/endpoint.json names the next leader)"
     if TERM is not None and TERM.since is not None and not TERM.holds():
         return "this proxy could not renew its leadership in time; retry (a standby takes over if it does not recover)"
     return None
@@ -1260,4 +1266,5 @@ if __name__ == "__main__":
     if not ARGS.token and ARGS.host not in ("127.0.0.1", "::1", "localhost"):  # any other address may be reachable
         raise SystemExit(f"refusing to listen on {ARGS.host} without a token: set PROXY_TOKEN or --token")
     sys.setswitchinterval(0.001)  # the journal writes from a thread: hand it the GIL back sooner (p99 -15% in A/B runs)
-    serve(app, ARGS.host, ARGS.port, Limits(ARGS.head_timeout_s, ARGS.body_timeout_s, ARGS.max_head_kb << 10, ARGS.max_connections))
+    serve(app, ARGS.host, ARGS.port, Limits(ARGS.head_timeout_s, ARGS.body_timeout_s, ARGS.max_head_kb << 10, ARGS.max_connections),
+          on_stop=STOPPING.set)

@@ -168,6 +168,26 @@ def test_a_leader_cut_off_from_the_bucket_stops_answering_and_is_fenced(pair, bu
     assert g["group_id"] in led.buffer and led.counts["groups_accepted"] == 2
 
 
+def test_a_leader_stopped_cleanly_ends_its_routed_waits_and_hands_over(pair, bucket):
+    """SIGTERM of the leader while a routed request waits for a worker: the client is answered 503 + Retry-After at once
+    (uvicorn waits for every request in progress before the proxy releases its term: a routed wait of
+    --route.timeout-s would hold the takeover up that long), the leader exits cleanly and the standby leads."""
+    a = pair()
+    b = pair(standby=True)
+    a.http.post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1})  # a worker serves (none answers)
+    routed = Worker(lambda: a.http.post("/v1/chat/completions", json=CHAT, timeout=60))
+    routed.start()
+    wait_for(lambda: a.http.get("/v1/inference/stats").json()["waiting"] == 1, 10, msg="the routed request queued")
+    a.proc.terminate()
+    told = routed.join(10)
+    assert told.status_code == 503 and told.headers["retry-after"] == "1" and told.json()["detail"] == (
+        "this proxy is stopping; retry (proxy/endpoint.json names the next leader): this request was not answered, "
+        "send it again"), told.text
+    assert a.proc.wait(15) == -signal.SIGTERM and "proxy: stopped cleanly" in open(a.log).read()  # (uvicorn re-raises it)
+    wait_for(lambda: role(b) == "leader", 5, msg="the standby to take the lead from a released record")
+    assert read_proxy_endpoint(bucket)["url"] == b.url
+
+
 def test_a_hung_leader_is_deposed_and_exits_when_it_wakes(pair, bucket):
     """SIGSTOP: alive, answering nothing. The standby takes the lead; the old one, continued, answers 503 at once
     (its term ran out on its own clock while it was stopped) and exits (its record was taken)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -64,11 +65,16 @@ def _raw_answer(status: bytes, msg: str) -> bytes:
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
 
 
-def protocol(limits: Limits) -> type:
-    """The httptools protocol class with `limits` (pass it to uvicorn as http=...)."""
+def protocol(limits: Limits, on_shutdown: Callable[[], None] = lambda: None) -> type:
+    """The httptools protocol class with `limits` (pass it to uvicorn as http=...). on_shutdown(): called when the
+    server asks the connections to close (it was told to stop: SIGTERM), before it waits for their requests to end."""
 
     class GuardedProtocol(HttpToolsProtocol):
         sweeping = False  # one sweep for all connections, started by the first
+
+        def shutdown(self) -> None:
+            on_shutdown()  # first: a request that would wait long (a routed one) learns it should end now
+            super().shutdown()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -133,10 +139,12 @@ def protocol(limits: Limits) -> type:
     return GuardedProtocol
 
 
-def serve(app, host: str, port: int, limits: Limits) -> None:
+def serve(app, host: str, port: int, limits: Limits, on_stop: Callable[[], None] = lambda: None) -> None:
+    """uvicorn with `limits`; on_stop() once it is told to stop, while it still waits for the requests in progress
+    (uvicorn waits for every one of them, however long, before the app's own shutdown runs)."""
     import uvicorn
     soft = raise_file_limit(limits.max_connections + 256)
     if soft < limits.max_connections + 256:  # keep room for the bucket's connections and the journal
         limits.max_connections = max(16, soft - 256)
         print(f"serving: file limit {soft}: at most {limits.max_connections} connections", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="warning", http=protocol(limits))
+    uvicorn.run(app, host=host, port=port, log_level="warning", http=protocol(limits, on_stop))
