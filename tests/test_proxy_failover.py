@@ -1,7 +1,7 @@
 """A standby proxy (proxy.py --standby) against the real processes and the real S3 server: it follows the journal,
 takes the lead when the leader is killed (kill -9) or hung (SIGSTOP), within seconds, with every accepted group
 still buffered or acked once and no group in two leases; clients find it through proxy/endpoint.json and retry
-what was in flight; a leader cut off from the bucket stops answering before the standby takes over, and can never
+what was in flight, routed inference requests too (a real worker serves the new leader); a leader cut off from the bucket stops answering before the standby takes over, and can never
 commit again (fenced). docs/proxy.md, "A standby"."""
 import contextlib
 import os

@@ -21,9 +21,9 @@ request and goes silent loses it after `lease_s`: it goes back to the front of t
 
 State is in memory only: a routed request lives for seconds, so nothing is journaled; a proxy
 restart or a standby's takeover drops the waiting clients (they see the connection close and may retry) and
-the workers' late answers are ignored (request ids are this process's own). A leader that stops answering
-because it could not renew its term (leadership.py) answers its waiting clients 503 + Retry-After within a
-second: no worker could take or answer their requests there any more. Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
+the workers' late answers are ignored (request ids are this process's own). A proxy that stops answering (a
+leader unsure of its term, leadership.py, or one told to stop) answers its waiting clients 503 + Retry-After
+within a second: no worker could take or answer their requests there any more (docs/proxy.md#a-standby). Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
 waiting or being answered, seconds per request, tokens per answer, characters per request (the proxy's
 --max-body-mb caps the body before any of this), how long a worker may hold a request.
 """
