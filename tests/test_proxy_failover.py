@@ -168,26 +168,6 @@ def test_a_leader_cut_off_from_the_bucket_stops_answering_and_is_fenced(pair, bu
     assert g["group_id"] in led.buffer and led.counts["groups_accepted"] == 2
 
 
-def test_a_leader_stopped_cleanly_ends_its_routed_waits_and_hands_over(pair, bucket):
-    """SIGTERM of the leader while a routed request waits for a worker: the client is answered 503 + Retry-After at once
-    (uvicorn waits for every request in progress before the proxy releases its term: a routed wait of
-    --route.timeout-s would hold the takeover up that long), the leader exits cleanly and the standby leads."""
-    a = pair()
-    b = pair(standby=True)
-    a.http.post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1})  # a worker serves (none answers)
-    routed = Worker(lambda: a.http.post("/v1/chat/completions", json=CHAT, timeout=60))
-    routed.start()
-    wait_for(lambda: a.http.get("/v1/inference/stats").json()["waiting"] == 1, 10, msg="the routed request queued")
-    a.proc.terminate()
-    told = routed.join(10)
-    assert told.status_code == 503 and told.headers["retry-after"] == "1" and told.json()["detail"] == (
-        "this proxy is stopping; retry (proxy/endpoint.json names the next leader): this request was not answered, "
-        "send it again"), told.text
-    assert a.proc.wait(15) == -signal.SIGTERM and "proxy: stopped cleanly" in open(a.log).read()  # (uvicorn re-raises it)
-    wait_for(lambda: role(b) == "leader", 5, msg="the standby to take the lead from a released record")
-    assert read_proxy_endpoint(bucket)["url"] == b.url
-
-
 def test_a_hung_leader_is_deposed_and_exits_when_it_wakes(pair, bucket):
     """SIGSTOP: alive, answering nothing. The standby takes the lead; the old one, continued, answers 503 at once
     (its term ran out on its own clock while it was stopped) and exits (its record was taken)."""
@@ -238,9 +218,12 @@ def test_a_standby_started_late_catches_up(pair, bucket):
     assert after["counts"] == before["counts"] and after["counts"]["groups_accepted"] == 17
 
 
-def test_both_proxies_killed_at_once_and_started_again(pair, bucket):
+def test_both_proxies_killed_at_once_and_started_again_then_a_clean_stop(pair, bucket):
     """Leader and standby killed together: started again, the one without --standby leads (it fences the last
-    writer), the other follows, and nothing is lost: the held batch acks, every other group is buffered."""
+    writer), the other follows, and nothing is lost: the held batch acks, every other group is buffered.
+    Then SIGTERM of that leader while a routed request waits for a worker: the client is answered 503 + Retry-After
+    at once (uvicorn waits for every request in progress before the proxy releases its term: a routed wait of
+    --route.timeout-s would hold the takeover up that long), the leader stops cleanly and the standby leads."""
     a = pair()
     b = pair(standby=True)
     for _ in range(6):
@@ -257,6 +240,19 @@ def test_both_proxies_killed_at_once_and_started_again(pair, bucket):
     assert c.http.post(f"/v1/batches/{held['batch_id']}/ack").json() == {"acked": 2}
     st = c.stats()
     assert st["buffer_size"] == 4 and st["groups_accepted"] == 6 and st["leadership"]["incarnation"] == 1
+
+    c.http.post("/v1/inference/lease", json={"worker_id": "w", "max_requests": 1})  # a worker serves (none answers)
+    routed = Worker(lambda: c.http.post("/v1/chat/completions", json=CHAT, timeout=60))
+    routed.start()
+    wait_for(lambda: c.http.get("/v1/inference/stats").json()["waiting"] == 1, 10, msg="the routed request queued")
+    c.proc.terminate()
+    told = routed.join(10)
+    assert told.status_code == 503 and told.headers["retry-after"] == "1" and told.json()["detail"] == (
+        "this proxy is stopping; retry (proxy/endpoint.json names the next leader): this request was not answered, "
+        "send it again"), told.text
+    assert c.proc.wait(15) == -signal.SIGTERM and "proxy: stopped cleanly" in open(c.log).read()  # (uvicorn re-raises it)
+    wait_for(lambda: role(d) == "leader", 5, msg="the standby to take the lead from a released record")
+    assert read_proxy_endpoint(bucket)["url"] == d.url and d.stats()["buffer_size"] == 4
 
 
 def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
