@@ -1,9 +1,8 @@
 """A standby proxy (proxy.py --standby) against the real processes and the real S3 server: it follows the journal,
 takes the lead when the leader is killed (kill -9) or hung (SIGSTOP), within seconds, with every accepted group
 still buffered or acked once and no group in two leases; clients find it through proxy/endpoint.json and retry
-what was in flight, routed inference requests too (a real worker serves the new leader); a leader cut off from the bucket stops answering before the standby takes over, and can never
+what was in flight (routed inference requests: tests/test_routing.py, with a real worker); a leader cut off from the bucket stops answering before the standby takes over, and can never
 commit again (fenced). docs/proxy.md, "A standby"."""
-import contextlib
 import os
 import re
 import signal
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 import journal
@@ -264,64 +262,3 @@ def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
                     "--standby: needs --term-s above 0"):
         assert problem in bad.stderr, bad.stderr
 
-
-def serving(p) -> set[str]:
-    """The workers that asked this proxy for routed requests lately (its /v1/inference/stats)."""
-    return set(p.http.get("/v1/inference/stats").json()["serving_workers"])
-
-
-@pytest.mark.slow  # a real worker on the tiny model: its start is most of it
-@pytest.mark.timeout(900)
-def test_routed_inference_follows_the_new_leader(pair, bucket, run_name, tiny_model, tmp_path):
-    """A real rollout worker (no PROXY_URL: it finds the leader in proxy/endpoint.json, as launch_jobs.sh --standby
-    runs it) serves routed requests; one is answered, two are in flight (the worker stopped) when the leader is killed.
-    The raw client's connection fails at once (a clear error, no wait for --route.timeout-s); a ProxyClient retries by
-    itself. The worker's routed serving finds the new leader, and both requests, sent there again, are answered by
-    it; the answers the worker still held for the dead leader are refused as unknown, never handed to anyone."""
-    a = pair()
-    b = pair(standby=True)
-    env = {k: v for k, v in os.environ.items() if k != "PROXY_URL"}
-    env.update(RUN_NAME=run_name, PROXY_TOKEN=a.token, SPOOL_DIR=str(tmp_path / "spool"), OMP_NUM_THREADS="1")
-    log = tmp_path / "worker.log"
-    worker = subprocess.Popen([PY, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
-                               "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "wr", "--poll-s", "1",
-                               "--serve-per-round", "2"], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: worker.poll() is None and "wr" in serving(a), 300, every=0.5,
-                 msg=f"the worker to serve (exit {worker.poll()}): {log.read_text()[-2000:]}")
-        first = a.http.post("/v1/chat/completions", json=CHAT, timeout=120)
-        assert first.status_code == 200 and first.json()["worker_id"] == "wr", first.text
-
-        os.kill(worker.pid, signal.SIGSTOP)  # whatever it holds or is handed now stays unanswered until the kill
-        raw = Worker(lambda: a.http.post("/v1/chat/completions", json=CHAT, timeout=120))
-        follows = ProxyClient(a.url, a.token, patience_s=120, resolve=endpoint_resolver(bucket))
-        retried = Worker(follows.post, "/v1/chat/completions", CHAT)
-        raw.start()
-        retried.start()
-        wait_for(lambda: a.http.get("/v1/inference/stats").json()["requests"] == 3, 30, msg="both requests queued")
-        os.kill(a.proc.pid, signal.SIGKILL)
-        a.proc.wait()
-        t0 = time.monotonic()
-        with pytest.raises(httpx.TransportError):  # the connection closed under it: no answer, nothing to wait out
-            raw.join(30)
-        assert time.monotonic() - t0 < 5
-        os.kill(worker.pid, signal.SIGCONT)
-
-        wait_for(lambda: role(b) == "leader", 15, msg="the standby to take the lead")
-        wait_for(lambda: "wr" in serving(b), 120, msg="the worker's routed serving to find the new leader")
-        url = read_proxy_endpoint(bucket)["url"]  # where a client finds the leader
-        assert url == b.url
-        again = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=120, headers={"Authorization": f"Bearer {b.token}"})
-        assert again.status_code == 200 and again.json()["worker_id"] == "wr", again.text
-        answer = retried.join(150)
-        assert answer["worker_id"] == "wr" and follows.url == b.url
-        # greedy, same adapter (the base model): the same text from either proxy
-        assert {again.json()["choices"][0]["message"]["content"], answer["choices"][0]["message"]["content"]} == {
-            first.json()["choices"][0]["message"]["content"]}
-        st = b.http.get("/v1/inference/stats").json()
-        assert (st["requests"], st["answered"], st["waiting"], st["being_answered"]) == (2, 2, 0, 0), st
-        assert worker.poll() is None, log.read_text()[-2000:]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGCONT)
-        stop(worker)

@@ -1,9 +1,11 @@
 """Inference routing through the proxy (routing.py): the contract through the real proxy under uvicorn
 (the test plays the workers' side over HTTP), then end to end with a real rollout worker process on
-the tiny model answering a real client, and evaluate.py --live through it."""
+the tiny model answering a real client, and evaluate.py --live through it, both finding the leader in
+proxy/endpoint.json; then the leader killed, and the routed endpoint following the standby that takes over."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,8 +17,10 @@ import common
 import hf_engine
 import routing
 from conftest import ROOT, stop
+from proxy_client import ProxyClient, endpoint_resolver, read_proxy_endpoint
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
 from runlib import stand_in_trainer
+from test_proxy_failover import pair, role  # noqa: F401 - pair is a fixture: a leader, and a standby beside it
 
 CHAT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 16, "temperature": 0}
 
@@ -197,14 +201,60 @@ def adapter_v1(tiny_model, bucket, tmp_path):
     return model.eval()
 
 
+def serving(p) -> set[str]:
+    """The workers that asked this proxy for routed requests lately (its /v1/inference/stats)."""
+    return set(p.http.get("/v1/inference/stats").json()["serving_workers"])
+
+
+def takeover_with_requests_in_flight(leader, standby, bucket, worker, body: dict, want: str) -> None:
+    """The leader killed (kill -9) with two requests in flight (the worker stopped, so neither is answered first): the
+    raw client's connection fails at once (a clear error, no wait for --route.timeout-s), a ProxyClient retries by
+    itself. The worker's routed serving finds the new leader through proxy/endpoint.json; both requests, sent there
+    again, are answered by it with the same adapter (`want`: v1's greedy text). The answers the worker still held
+    for the dead leader are refused there as unknown, never handed to anyone."""
+    before = leader.http.get("/v1/inference/stats").json()["requests"]
+    os.kill(worker.pid, signal.SIGSTOP)  # whatever it holds or is handed now stays unanswered until the kill
+    try:
+        raw = Worker(lambda: leader.http.post("/v1/chat/completions", json=body, timeout=120))
+        follows = ProxyClient(leader.url, leader.token, patience_s=120, resolve=endpoint_resolver(bucket))
+        retried = Worker(follows.post, "/v1/chat/completions", body)
+        raw.start()
+        retried.start()
+        wait_for(lambda: leader.http.get("/v1/inference/stats").json()["requests"] == before + 2, 30,
+                 msg="both requests queued")
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(httpx.TransportError):  # the connection closed under it: no answer, nothing to wait out
+            raw.join(30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    wait_for(lambda: role(standby) == "leader", 15, msg="the standby to take the lead")
+    wait_for(lambda: "wr" in serving(standby), 120, msg="the worker's routed serving to find the new leader")
+    url = read_proxy_endpoint(bucket)["url"]  # where any client finds the leader
+    assert url == standby.url
+    again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {standby.token}"})
+    answer = retried.join(150)
+    assert follows.url == standby.url and again.status_code == 200, again.text
+    for d in (again.json(), answer):
+        assert (d["worker_id"], d["adapter_version"], d["choices"][0]["message"]["content"]) == ("wr", 1, want)
+    st = standby.http.get("/v1/inference/stats").json()
+    assert (st["requests"], st["answered"], st["waiting"], st["being_answered"]) == (2, 2, 0, 0), st
+
+
 @pytest.mark.timeout(1200)  # its own bounds (300 s for the worker's first round, evaluate 600 s) fire first, with the logs
-def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model, start_proxy, run_name, tmp_path,
-                                                                     adapter_v1):
+def test_routed_requests_answered_by_a_real_worker_evaluate_live_and_a_takeover(tiny_model, pair, bucket, run_name,
+                                                                                tmp_path, adapter_v1):
+    """A real worker and evaluate.py --live, neither given PROXY_URL (they find the leader in proxy/endpoint.json, as
+    `launch_jobs.sh --standby` runs them), through a leader with a standby beside it; then the leader is killed with
+    requests in flight and the routed endpoint follows (takeover_with_requests_in_flight)."""
     from transformers import AutoTokenizer
-    proxy = start_proxy("--group-size", "4")
+    proxy, standby = pair(), pair(standby=True)
     assert proxy.stats()["latest_version"] == 1  # adopted from adapters/latest.json at start
-    env = {**os.environ, "RUN_NAME": run_name, "PROXY_URL": proxy.url, "PROXY_TOKEN": proxy.token,
-           "SPOOL_DIR": str(tmp_path / "spool"), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "PROXY_URL"}
+    env.update(RUN_NAME=run_name, PROXY_TOKEN=proxy.token, SPOOL_DIR=str(tmp_path / "spool"), OMP_NUM_THREADS="1")
     log = tmp_path / "worker.log"
     worker = subprocess.Popen([sys.executable, str(ROOT / "rollout.py"), "--model", tiny_model, "--group-size", "4",
                                "--prompts-per-round", "1", "--max-new-tokens", "4", "--worker-id", "wr", "--poll-s", "1",
@@ -245,7 +295,8 @@ def test_routed_requests_answered_by_a_real_worker_and_evaluate_live(tiny_model,
             served = [int(m) for m in re.findall(r"(\d+) routed request\(s\) answered", log.read_text())]
             assert sum(served) >= 8 and max(served) <= 2   # never more than --serve-per-round between two rounds
             assert len(rounds()) > n_before                  # rollout rounds went on while serving
-            worker.terminate()  # SIGTERM: it finishes its round and exits cleanly
-            assert worker.wait(120) == 0, log.read_text()[-3000:]
+        takeover_with_requests_in_flight(proxy, standby, bucket, worker, body, want_v1["text"])
+        worker.terminate()  # SIGTERM: it finishes its round and exits cleanly
+        assert worker.wait(120) == 0, log.read_text()[-3000:]
     finally:
         stop(worker)
