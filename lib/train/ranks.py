@@ -41,6 +41,12 @@ class RanksLost(BaseException):
     training raised (train.forward_backward, the audit's culprits) do not catch it, and the rank stops (train.main)."""
 
 
+class LockstepLost(RanksLost):
+    """A forward or backward of a sharded model (--shard base) raised on this rank: the other ranks wait in that pass's
+    collectives, which this rank can no longer match, so the job ends (torchrun stops every rank) and its relaunch
+    resumes from the last checkpoint. The groups that reach the step are screened first (audit.group_problem)."""
+
+
 @contextmanager
 def collective(rank: int, world: int, what: str) -> Iterator[None]:
     """Run one collective: a RuntimeError there (how gloo and NCCL report a peer that is gone; DistBackendError is one)
@@ -67,6 +73,10 @@ class Ranks:
     def share(self, items: list) -> list:
         """This rank's share of `items` (round-robin, so every rank's share differs from another's by one at most)."""
         return items[self.rank::self.world]
+
+    def rounds(self, n: int, per: int) -> int:
+        """Micro-batches of `per` items the rank with the largest share of `n` items runs (rank 0's: share)."""
+        return -(-(-(-n // self.world)) // per)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (a pickled object: an order, a batch of groups)."""
@@ -111,6 +121,29 @@ class Ranks:
                 torch.distributed.broadcast(flat, src=0)
             for p, v in zip(params, torch.split(flat, [p.numel() for p in params])):
                 p.copy_(v.view_as(p))
+
+    def shard_base(self, model) -> None:
+        """FSDP2 over the frozen base: each decoder layer of the peft `model` one fully_shard unit and the decoder (the
+        module the trainer calls: models.completion_logprobs) the root, their weights split over the ranks. The LoRA
+        weights, the embeddings, the final norm and the head stay whole on every rank (ignored_params): LoRA's are
+        what rank 0's AdamW steps, saves and publishes and the audit swaps, as with a replicated base; the head is
+        called outside the decoder, and is tied to the embeddings in small models. Every unit then holds one dtype
+        (the base's), and each rank must run the same forwards (models.LOCKSTEP_ATTR; train.train_step)."""
+        if self.world == 1:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from models import LOCKSTEP_ATTR
+        lm = model.get_base_model()
+        decoder = lm.get_decoder()
+        in_layers = {id(p) for layer in decoder.layers for p in layer.parameters()}
+        whole = {p for p in model.parameters() if p.requires_grad or id(p) not in in_layers}
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
+        for layer in decoder.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=whole)
+        fully_shard(decoder, mesh=mesh, ignored_params=whole)
+        setattr(lm, LOCKSTEP_ATTR, True)
 
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
