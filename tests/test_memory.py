@@ -37,6 +37,7 @@ def test_counts_match_the_real_architecture(path, tmp_path):
 def test_the_docs_table_is_the_models_output():
     readme = (ROOT / "docs" / "memory.md").read_text()
     assert memory.table() in readme, "docs/memory.md's table differs from `python memory.py --table`: paste it again"
+    assert memory.rank_table() in readme, "docs/memory.md's per-rank table differs from `python memory.py --table`"
 
 
 def test_constants_agree_with_the_code_they_model():

@@ -81,9 +81,10 @@ def rank_pid(trainer, local_rank: int) -> int | None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model, start_proxy, run_name, tmp_path):
-    """A real run on the tiny model (proxy, worker, trainer): two ranks stopped by SIGTERM checkpoint and resume as one
-    process; one process's checkpoint resumes on two ranks; a rank killed with SIGKILL ends the trainer naming it;
-    the relaunch on two ranks resumes and finishes the run, its final version registered."""
+    """A real run on the tiny model (proxy, worker, trainer): two ranks, the base sharded (--shard base), stopped by
+    SIGTERM checkpoint and resume as one process; one process's checkpoint resumes on two sharded ranks; a rank killed
+    with SIGKILL ends the trainer naming it; the relaunch on two replicated ranks resumes and finishes the run, its
+    final version registered."""
     import re
     import signal
 
@@ -96,9 +97,9 @@ def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model,
     trainer = Role("trainer", [sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--batch-groups", "2",
                                "--lr", "1e-3", "--lease-wait-s", "2", "--no-skip-zero-std", "--max-steps", "8",
                                "--checkpoint-every", "1"], env, tmp_path)
-    two = ("--nproc-per-node", "2")
+    two, sharded = ("--nproc-per-node", "2"), ("--nproc-per-node", "2", "--shard", "base")
     try:
-        trainer.start(*two)
+        trainer.start(*sharded)
         wait_for(lambda: len(steps(trainer)) >= 1, 300, "a first step on two ranks", trainer, (trainer, worker))
         trainer.proc.send_signal(signal.SIGTERM)
         assert trainer.proc.wait(timeout=300) != 0
@@ -112,7 +113,7 @@ def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model,
         assert trainer.proc.wait(timeout=300) == 0 and "SIGTERM: checkpoint at step" in trainer.last_run()
         done = len(steps(trainer))
 
-        trainer.start(*two)  # two ranks: one process's checkpoint; then rank 1 dies
+        trainer.start(*sharded)  # two ranks: one process's checkpoint; then rank 1 dies
         wait_for(lambda: "resumed from checkpoint" in trainer.last_run() and len(steps(trainer)) > done, 300,
                  "a step on two ranks after one process", trainer, (trainer, worker))
         os.kill(rank_pid(trainer, 1), signal.SIGKILL)

@@ -3,7 +3,7 @@ from its config.json alone. Pure Python (no torch), so launch_hf.py can check a 
 before it creates anything; the tables of model sizes against Jobs flavors in docs/memory.md are its
 output.
 
-    python lib/jobs/memory.py --table                            # docs/memory.md's two tables (markdown)
+    python lib/jobs/memory.py --table                            # docs/memory.md's tables (markdown)
     python lib/jobs/memory.py --model Qwen/Qwen2.5-7B-Instruct   # one model: trainer and worker, per flavor
     python lib/jobs/memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
 
@@ -391,6 +391,27 @@ def table(lay: Layout = Layout()) -> str:
     return "\n".join(rows)
 
 
+RANK_FLAVORS = ["l4x4", "a100x4", "h200x2"]
+
+
+def rank_table(lay: Layout = Layout()) -> str:
+    """Markdown: the trainer per rank on flavors of several GPUs (bf16, checkpointing, LoRA r=16), a replica against
+    the base sharded over the ranks, and what the launcher runs there (shard_base)."""
+    rows = ["| model | flavor | weights a replica / sharded | GiB per rank, a replica | GiB per rank, sharded | "
+            "the launcher runs |", "|---|---|---|---|---|---|"]
+    t = Trainer("bfloat16")
+    for name in TABLE_MODELS:
+        a = Arch.from_config(config_for(name, hub=False)[0])
+        for f in RANK_FLAVORS:
+            sharded = replace(t, shards=flavor_gpus(f))
+            rep, shd = (trainer_memory(a, x, lay)["total"] / GiB for x in (t, sharded))
+            runs = (("sharded" if shard_base(a, t, f, lay) else "replicas") if trainer_verdict(a, sharded, f, lay)[0]
+                    else "refused (--load-in-4bit, replicas)")
+            rows.append(f"| {name.split('/')[1]} | {f} ({flavor_gpus(f)} x {flavor_gib(f):.1f} GiB) | "
+                        f"{weight_bytes(a, t) / GiB:.1f} / {weight_bytes(a, sharded) / GiB:.1f} | {rep:.1f} | {shd:.1f} | {runs} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # the launcher's check of a run's layout (launch_hf.py)
 
@@ -518,7 +539,7 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", action="store_true", help="print docs/memory.md's two tables (markdown)")
+    p.add_argument("--table", action="store_true", help="print docs/memory.md's tables (markdown)")
     p.add_argument("--model", help="Hub id, local folder or local:SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--load-in-4bit", action="store_true")
@@ -529,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flavor", default=None, help="only this flavor")
     args = p.parse_args(argv)
     if args.table or not args.model:
-        print(table())
+        print(table() + "\n\n" + rank_table())
         return
     cfg, src = config_for(args.model)
     if cfg is None:

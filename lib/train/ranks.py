@@ -9,19 +9,18 @@ One rank per GPU (NCCL) on a machine with GPUs, else CPU ranks (gloo). A job on 
 `uv run train.py ... --nproc-per-node N` (hf jobs uv run runs a script, whose PEP 723 header uv reads): train.py then
 starts torchrun itself, through torch.distributed.run, the code behind the torchrun command.
 
-Layout: the base model is replicated, one full copy per rank (frozen), and so are the LoRA weights. A step's groups are
-split across the ranks (a group's completions stay together); each rank forms its share of the one-process loss (the
-token mean's normaliser is the count over the whole batch, which every rank is handed), the LoRA gradients are summed
-across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
+Layout: the base model is replicated, one full copy per rank (frozen), or with --shard base (a base a replica of which
+does not fit one GPU: memory.shard_base) its decoder layers are sharded over the ranks by FSDP2 (Ranks.shard_base);
+the LoRA weights are whole on every rank either way. A step's groups are split across the ranks (a group's
+completions stay together); each rank forms its share of the one-process loss (the token mean's normaliser is the
+count over the whole batch, which every rank is handed), the LoRA gradients are summed across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
 steps AdamW (so the optimizer state, the checkpoint and the published adapter are exactly one process's) and
 broadcasts the updated LoRA weights, so the replicas cannot drift apart.
 
-Why replicated and not sharded with FSDP2 (torch.distributed.fsdp.fully_shard, which runs here on CPU under gloo as
-well as on CUDA under NCCL): a sharded model all-gathers each layer's weights in every forward, so every rank must
-run every forward in lockstep; the trainer's audit (lib/train/audit.py: a participant's group recomputed under the
-version that sampled it, on rank 0) and each rank's own number of micro-batches would then deadlock. A LoRA run's
-base fits one device whenever the one-process trainer fits (docs/memory.md), which is every preset; sharding is what
-a base too large for one device would need, and is not built (docs/DESIGN.md).
+Why replicate where it fits: a replica runs only its own share's forwards and meets the other ranks once a step. A
+sharded base all-gathers each layer in every forward and backward, so every rank must run every forward in lockstep:
+train.train_step pads the shorter shares with zero-weight micro-batches, and the audit's recomputes (lib/train/audit.py,
+rank 0's) are run by every rank (docs/DESIGN.md#the-trainers-ranks).
 """
 from __future__ import annotations
 
