@@ -34,7 +34,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 # less what ECC and the driver keep), its compute capability (whether it computes in bf16: flavor_bf16;
 # T4: no), and $/hour (costs.PRICES), and its number of GPUs. Memory is per GPU: a worker uses one, and the
 # trainer one per rank (lib/train/ranks.py: train.py --nproc-per-node, one rank per GPU of its flavor), each rank a
-# whole replica of the model, so a rank needs what the one-process trainer needs (docs/memory.md#per-rank).
+# whole replica of the model (what the one-process trainer needs), or its share of a sharded base (shard_base,
+# weight_bytes; docs/memory.md#per-rank).
 FLAVORS = {
     "t4-small": ("T4", 15360 / 1024, (7, 5), 1), "t4-medium": ("T4", 15360 / 1024, (7, 5), 1),
     "l4x1": ("L4", 23034 / 1024, (8, 9), 1), "a10g-small": ("A10G", 23028 / 1024, (8, 6), 1),
@@ -54,7 +55,8 @@ def flavor_gpus(flavor: str) -> int:
 
 
 def single_gpu_flavors() -> list[str]:
-    """The flavors advice suggests, smallest first: more GPUs give a rank no more memory (each holds a replica)."""
+    """The flavors advice suggests first, smallest first: more GPUs give a replica no more memory (trainer_advice
+    then tries flavors of several GPUs with the base sharded)."""
     return sorted((f for f in FLAVORS if flavor_gpus(f) == 1), key=flavor_gib)
 
 
