@@ -175,7 +175,9 @@ def build_model(args: Args, ranks: Ranks = Ranks()):
     if args.shard == "base" and args.load_in_4bit:
         raise SystemExit("--shard base with --load-in-4bit: FSDP2 does not shard bitsandbytes' 4-bit weights here "
                          "(untested, docs/DESIGN.md#the-trainers-ranks); use one of them")
-    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)  # a 4-bit base brings bitsandbytes in
+    # a base to shard is loaded in host memory: the whole of it may not fit one GPU (Ranks.shard_base places it)
+    sharded = args.shard == "base" and ranks.world > 1
+    base, tok = load_base(args.model, args.dtype, args.load_in_4bit, on_cpu=sharded)  # 4-bit brings bitsandbytes in
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     with peft_calls():  # without bitsandbytes unless the 4-bit base imported it
         from peft import LoraConfig, get_peft_model
@@ -189,7 +191,7 @@ def build_model(args: Args, ranks: Ranks = Ranks()):
             p.data = p.data.float()
     ckpt = args.gradient_checkpointing == "on" or (args.gradient_checkpointing == "auto" and torch.cuda.is_available())
     enable_checkpointing(model, ckpt)
-    if args.shard == "base":
+    if sharded:
         ranks.shard_base(model)
     model.train()
     return model, tok

@@ -431,15 +431,16 @@ def lora_views(model) -> dict[str, torch.Tensor]:
     return _VIEWS[model]
 
 
-def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
-    """(model, tokenizer) in eval mode, on the GPU when there is one; `name` is LOCAL_MODEL, a local
+def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False, on_cpu: bool = False):
+    """(model, tokenizer) in eval mode, on the GPU when there is one (on_cpu: in host memory, for a base that
+    ranks.Ranks.shard_base then places on the GPUs a shard at a time); `name` is LOCAL_MODEL, a local
     dir or a Hub id. dtype: see resolve_dtype. load_in_4bit: the projections in bitsandbytes NF4
     (double-quantized; QLoRA), computing in `dtype`; embeddings, norms and the head stay in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_path(name)
     dt = resolve_dtype(dtype)
     # the current GPU: under torchrun each rank's own (lib/train/ranks.py sets it)
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and not on_cpu else "cpu"
     tok = AutoTokenizer.from_pretrained(path)
     if load_in_4bit:
         from transformers import BitsAndBytesConfig

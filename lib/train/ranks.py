@@ -127,9 +127,9 @@ class Ranks:
         weights, the embeddings, the final norm and the head stay whole on every rank (ignored_params): LoRA's are
         what rank 0's AdamW steps, saves and publishes and the audit swaps, as with a replicated base; the head is
         called outside the decoder, and is tied to the embeddings in small models. Every unit then holds one dtype
-        (the base's), and each rank must run the same forwards (models.LOCKSTEP_ATTR; train.train_step)."""
-        if self.world == 1:
-            return
+        (the base's), and each rank must run the same forwards (models.LOCKSTEP_ATTR; train.train_step).
+        `model` comes in host memory (models.load_base on_cpu): fully_shard moves each layer's shard to this rank's
+        device as it splits it, and the whole weights and the buffers are moved after."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -138,15 +138,28 @@ class Ranks:
         decoder = lm.get_decoder()
         in_layers = {id(p) for layer in decoder.layers for p in layer.parameters()}
         whole = {p for p in model.parameters() if p.requires_grad or id(p) not in in_layers}
-        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (self.world,))
+        cuda = torch.cuda.is_available()
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
         for layer in decoder.layers:
             fully_shard(layer, mesh=mesh, ignored_params=whole)
         fully_shard(decoder, mesh=mesh, ignored_params=whole)
+        on_device(model, whole, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         setattr(lm, LOCKSTEP_ATTR, True)
 
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def on_device(model, params: set, device: torch.device) -> None:
+    """`params` (the weights FSDP2 leaves whole) and every buffer of `model` (rotary tables, ...) moved to `device`,
+    each parameter keeping its identity (the optimizer and models.lora_views hold them)."""
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(device)
+    for name, buf in list(model.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf.to(device))
 
 
 def join(timeout_h: float = 24.0) -> Ranks:
