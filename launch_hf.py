@@ -244,11 +244,16 @@ def sources(args: Args) -> dict[str, Path]:
     return {n: ours[n[:-3]] for n in sorted(names)}
 
 
-def trainer_ranks(args: Args) -> list[str]:
+def trainer_ranks(args: Args, hub: bool = True) -> list[str]:
     """One trainer rank per GPU of the trainer's flavor: train.py starts itself under torchrun with that many
-    (lib/train/ranks.py); none on a flavor of one GPU."""
+    (lib/train/ranks.py), and --shard base where a replica of the base does not fit one of its GPUs
+    (memory.shard_options); none on a flavor of one GPU."""
     n = memory.flavor_gpus(args.trainer_flavor)
-    return ["--nproc-per-node", str(n)] if n > 1 else []
+    if n == 1:
+        return []
+    return ["--nproc-per-node", str(n), *memory.shard_options(
+        args.model, args.max_new_tokens, args.group_size, args.trainer_flavor, [*role_options(args, "train"), *args.train_arg],
+        [*role_options(args, "rollout"), *args.rollout_arg], hub, args.task)]
 
 
 def plan(args: Args, namespace: str) -> list[JobSpec]:

@@ -59,10 +59,10 @@ from common import (Bucket, ConflictError, finite_number, grpo_loss, group_advan
 from audit import Auditor, Options as AuditOptions
 from batches import Batches
 from metrics import Metrics
-from models import (LOCAL_MODEL, completion_logprobs, enable_checkpointing, load_base, pad_right, peft_calls,
-                    resolve_dtype)
+from models import (LOCAL_MODEL, LOCKSTEP_ATTR, completion_logprobs, enable_checkpointing, load_base, pad_right,
+                    peft_calls, resolve_dtype)
 from proxy_client import ProxyClient, ProxyError
-from ranks import Ranks, join
+from ranks import LockstepLost, Ranks, join
 from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
 from runconfig import record_config
 
@@ -146,6 +146,10 @@ class Args:
     nproc_per_node: int = 1
     """trainer processes, one per device: above 1, train.py starts itself under torchrun (lib/train/ranks.py), one
     rank per GPU (NCCL), or CPU ranks (gloo) on a machine without one; rank 0 talks to the proxy and the bucket"""
+    shard: Literal["replicate", "base"] = "replicate"
+    """with --nproc-per-node above 1: replicate (every rank holds the whole base) or base (FSDP2 splits the frozen
+    base's decoder layers over the ranks, for a base too large for one GPU; the launcher sets it where the memory
+    model says so: memory.shard_base). Which, and why: docs/DESIGN.md#the-trainers-ranks"""
     threads: int = 0
     """torch threads (0: torch's default, i.e. OMP_NUM_THREADS; the local launcher sets 1 per process)"""
     seed: int = 0
@@ -165,8 +169,15 @@ class Args:
     """create the --push-to-hub repository private (an existing one keeps its visibility)"""
 
 
-def build_model(args: Args):
-    base, tok = load_base(args.model, args.dtype, args.load_in_4bit)  # a 4-bit base brings bitsandbytes in
+def build_model(args: Args, ranks: Ranks = Ranks()):
+    """The peft model (LoRA on the frozen base) and its tokenizer; with --shard base under several ranks, the base's
+    decoder layers sharded over them (Ranks.shard_base)."""
+    if args.shard == "base" and args.load_in_4bit:
+        raise SystemExit("--shard base with --load-in-4bit: FSDP2 does not shard bitsandbytes' 4-bit weights here "
+                         "(untested, docs/DESIGN.md#the-trainers-ranks); use one of them")
+    # a base to shard is loaded in host memory: the whole of it may not fit one GPU (Ranks.shard_base places it)
+    sharded = args.shard == "base" and ranks.world > 1
+    base, tok = load_base(args.model, args.dtype, args.load_in_4bit, on_cpu=sharded)  # 4-bit brings bitsandbytes in
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     with peft_calls():  # without bitsandbytes unless the 4-bit base imported it
         from peft import LoraConfig, get_peft_model
@@ -180,6 +191,8 @@ def build_model(args: Args):
             p.data = p.data.float()
     ckpt = args.gradient_checkpointing == "on" or (args.gradient_checkpointing == "auto" and torch.cuda.is_available())
     enable_checkpointing(model, ckpt)
+    if sharded:
+        ranks.shard_base(model)
     model.train()
     return model, tok
 
@@ -356,12 +369,17 @@ def train_step(model, groups: list[dict], args: Args, version: int, fresh_weight
     keep = [i for i, g in enumerate(groups) if trainable(g, args)]
     # only the tokens the policy sampled are trained on: an episode's environment tokens are context
     n_tok = sum(sampled_tokens(groups[i]) for i in keep)
+    # a sharded base (Ranks.shard_base): every rank runs as many micro-batches as the largest share needs
+    lockstep = Lockstep(ranks.rounds(len(keep), args.micro_groups), keep[0]) if lockstep_model(model) and keep else None
     try:
         tally = local_pass(model, groups, ranks.share(keep), len(keep), n_tok, temps, args, version, fresh_weights,
-                           judge, onpolicy_dev is not None)
+                           judge, onpolicy_dev is not None, lockstep)
     except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, or the others wait forever
         if ranks.world == 1:
             raise
+        if lockstep is not None:  # the others wait in this pass's collectives: no rank can reach the gather
+            raise LockstepLost(f"trainer rank {ranks.rank} of {ranks.world}: a forward/backward of the sharded base "
+                               f"raised {type(e).__name__}: {str(e)[:500]}") from e
         tally, own = Tally(error=f"{type(e).__name__}: {str(e)[:500]}"), e
     tallies = ranks.gather(tally)
     if errors := [f"rank {r}: {t.error}" for r, t in enumerate(tallies) if t.error is not None]:
@@ -405,16 +423,49 @@ def merge_tallies(tallies: list[Tally], by_lag: ByStaleness, judge: Verdicts | N
     return stats
 
 
+class Lockstep(NamedTuple):
+    """A sharded base's step (train_step): every rank runs `rounds` micro-batches; a rank with fewer groups runs the
+    rest on group `spare` (any trainable one) at weight zero (idle_pass)."""
+    rounds: int
+    spare: int
+
+
+def lockstep_model(model) -> bool:
+    """Whether `model`'s base is sharded over the ranks (Ranks.shard_base): each of its forwards is collective."""
+    return getattr(model.get_base_model(), LOCKSTEP_ATTR, False)
+
+
+def idle_pass(model, prompts: list, ids: list, row_t: list, args: Args, logp: torch.Tensor | None = None) -> None:
+    """A micro-batch's decoder calls at weight zero (a sharded base's lockstep): the forward (unless `logp`, its
+    result, is given), the reference forward with beta > 0, and a backward that adds exactly zero to every gradient
+    (the gradient of 0 * sum(logp), whatever the advantages or logprobs hold)."""
+    if logp is None:
+        logp, _ = completion_logprobs(model, prompts, ids, row_t, pad=0)
+    if args.beta > 0:
+        with torch.no_grad(), model.disable_adapter():
+            completion_logprobs(model, prompts, ids, row_t, pad=0)
+    (logp.sum() * 0.0).backward()
+
+
 def local_pass(model, groups: list[dict], mine: list[int], n_groups: int, n_tok: int, temps: list, args: Args,
-               version: int, fresh_weights: bool, judge: Verdicts | None, want_dev: bool) -> Tally:
+               version: int, fresh_weights: bool, judge: Verdicts | None, want_dev: bool,
+               lockstep: Lockstep | None = None) -> Tally:
     """The forward/backward of this rank's groups `mine` (indices into `groups`), micro-batch by micro-batch, each
-    weighted by its share of the whole batch's `n_tok` tokens (or `n_groups` groups, --loss-agg grpo): train_step."""
+    weighted by its share of the whole batch's `n_tok` tokens (or `n_groups` groups, --loss-agg grpo): train_step.
+    lockstep (a sharded base): `lockstep.rounds` micro-batches whatever this rank's share, the missing ones and those
+    the judge empties run at weight zero (idle_pass), so every rank makes the same collective calls."""
     G = len(groups[0]["completions"])
     adv = group_advantages([[c["reward"] for c in g["completions"]] for g in groups], scale_std=args.scale_std)  # [B, G]
     tally, by_lag = Tally(), ByStaleness([], [], version)
     onpolicy_dev = tally.onpolicy_dev if want_dev else None
-    for s in range(0, len(mine), args.micro_groups):
+    rounds = lockstep.rounds if lockstep else -(-len(mine) // args.micro_groups)
+    for s in range(0, rounds * args.micro_groups, args.micro_groups):
         mb = mine[s:s + args.micro_groups]
+        if not mb:
+            spare = groups[lockstep.spare]
+            idle_pass(model, [spare["prompt_ids"]], [c["token_ids"] for c in spare["completions"]],
+                      [temps[lockstep.spare]] * G, args)
+            continue
         prompts = [groups[i]["prompt_ids"] for i in mb]
         ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
         row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
@@ -438,6 +489,8 @@ def local_pass(model, groups: list[dict], mine: list[int], n_groups: int, n_tok:
                                 dtype=torch.long, device=logp.device)
             mb = [i for j, i in enumerate(mb) if j not in out_now]
             if not mb:
+                if lockstep:
+                    idle_pass(model, prompts, ids, row_t, args, logp)
                 continue
             logp, mask, behav, lags, dev = logp[rows], mask[rows], behav[rows], lags[rows], dev[rows]
             prompts = [groups[i]["prompt_ids"] for i in mb]
@@ -701,10 +754,11 @@ def start(args: Args, stop: threading.Event, ranks: Ranks = Ranks()) -> Trainer:
     metrics = Metrics(bucket, "train", report_to=args.report_to, trackio_project=args.trackio_project,
                       trackio_space=args.trackio_space, config=config["args"])
     owner.on_lost = metrics.discard  # the new owner writes metrics/train.jsonl from now on
-    model, tok = build_model(args)
+    model, tok = build_model(args, ranks)
     auditor = Auditor(args.audit, args.task, tok, bucket, client, args.micro_groups,
                       partial(group_temperature, default=args.temperature), partial(trainable, args=args), say,
                       dtype=resolve_dtype(args.dtype))
+    auditor.lockstep = ranks if lockstep_model(model) else None
     auditor.weights.keep = min(max_staleness, 64) + 1  # the versions a leased group may have been sampled by
     open_dataset(client, auditor)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -752,24 +806,31 @@ def same_weights(t: Trainer) -> None:
 
 
 def follow(ranks: Ranks, args: Args) -> None:
-    """A rank other than 0: a replica of the model that trains its share of each batch rank 0 hands it (step_on_ranks)
-    and takes rank 0's weights after each update (same_weights), until rank 0 says stop (None). It talks to nothing
-    but the process group; its judge is the audit's rule, so it leaves out what rank 0 would (Auditor.judge)."""
+    """A rank other than 0: a replica of the model (or its shard of the base: --shard base) that trains its share of
+    each batch rank 0 hands it (step_on_ranks) and takes rank 0's weights after each update (same_weights), until rank
+    0 says stop (None); on a sharded base it also runs rank 0's audit recomputes with it (Auditor.follow_recompute).
+    It talks to nothing but the process group; its judge is the audit's rule, so it leaves out what rank 0 would
+    (Auditor.judge)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tok = build_model(args)
+    model, tok = build_model(args, ranks)
     params = [p for p in model.parameters() if p.requires_grad]
-    rule = Auditor(args.audit, args.task, tok, None, None, args.micro_groups, partial(group_temperature, default=args.temperature),
-                   partial(trainable, args=args), say, dtype=resolve_dtype(args.dtype)).judge  # judges only: no bucket, no proxy
+    auditor = Auditor(args.audit, args.task, tok, None, None, args.micro_groups,  # judges only: no bucket, no proxy
+                      partial(group_temperature, default=args.temperature), partial(trainable, args=args), say,
+                      dtype=resolve_dtype(args.dtype))
+    auditor.lockstep = ranks if lockstep_model(model) else None
     while (order := ranks.broadcast()) is not None:
         if order == "weights":
             ranks.same_weights(params)
             continue
+        if "recompute" in order:
+            auditor.follow_recompute(model, order)
+            continue
         model.zero_grad(set_to_none=True)
         try:
             train_step(model, order["groups"], args, order["version"], order["fresh"],
-                       judge=Verdicts(rule) if order["judged"] else None, ranks=ranks)
+                       judge=Verdicts(auditor.judge) if order["judged"] else None, ranks=ranks)
         except StepError:
             pass  # rank 0 raised it too, and decides what follows (learn)
         model.zero_grad(set_to_none=True)

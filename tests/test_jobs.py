@@ -564,26 +564,32 @@ def test_documented_commands_ship_what_their_script_imports_and_pass_what_it_nee
     assert {"proxy.py", "rollout.py", "train.py", "evaluate.py"} <= scripts_seen, scripts_seen
 
 
-@pytest.mark.parametrize("flavor, gpus", [("h200x2", 2), ("a100x4", 4), ("a10g-small", 1)])
-def test_a_trainer_flavor_of_several_gpus_runs_one_rank_per_gpu(tmp_path, flavor, gpus):
+BIG = ("--model", "Qwen/Qwen2.5-14B-Instruct", "--rollout-flavor", "l40sx1", "--rollout-arg=--vllm-gpu-memory-utilization",
+       "--rollout-arg=0.9")  # a base a replica of which fits no L4: sharded over the ranks (memory.shard_base)
+
+
+@pytest.mark.parametrize("flavor, gpus, more, shard", [("h200x2", 2, (), "replicate"), ("a100x4", 4, (), "replicate"),
+                                                       ("a10g-small", 1, (), "replicate"), ("l4x4", 4, BIG, "base")])
+def test_a_trainer_flavor_of_several_gpus_runs_one_rank_per_gpu(tmp_path, flavor, gpus, more, shard):
     """--trainer-flavor with N GPUs: the trainer's printed command (--dry-run and --print-command, the same line) runs
     train.py with --nproc-per-node N, which train.py's own parser reads and the real `hf jobs uv run` CLI passes to
-    the script untouched (train.py then starts itself under torchrun: lib/train/ranks.py); one GPU: no option."""
+    the script untouched (train.py then starts itself under torchrun: lib/train/ranks.py); one GPU: no option. A
+    base too large for one of its GPUs gets --shard base."""
     import tyro
 
     import train
     env_extra = {**SECRETS, "PROXY_HF_TOKEN": SECRETS["HF_TOKEN"], "HF_HOME": str(tmp_path)}
-    dry = run_launcher("--dry-run", "--run", "ranks1", "--namespace", "my-org", "--trainer-flavor", flavor,
+    dry = run_launcher("--dry-run", "--run", "ranks1", "--namespace", "my-org", "--trainer-flavor", flavor, *more,
                        env_extra=dict(env_extra))
     printed = run_launcher("--print-command", "trainer", "--run", "ranks1", "--namespace", "my-org", "--trainer-flavor",
-                           flavor, env_extra=dict(env_extra))
+                           flavor, *more, env_extra=dict(env_extra))
     assert dry.returncode == 0 and printed.returncode == 0, dry.stderr + printed.stderr
     line = next(x for x in hf_lines(dry.stdout) if "role=trainer" in x)
     assert hf_lines(printed.stdout) == [line]
     cmd = shlex.split(line)
     after = cmd[cmd.index("train.py") + 1:]
     args = tyro.cli(train.Args, args=after[next(i for i, a in enumerate(after) if a.startswith("-")):])
-    assert args.nproc_per_node == gpus and cmd[cmd.index("--flavor") + 1] == flavor
+    assert args.nproc_per_node == gpus and cmd[cmd.index("--flavor") + 1] == flavor and args.shard == shard
     assert ("--nproc-per-node" in after) == (gpus > 1)
     env = {**os.environ, **env_extra, "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
            "HF_ENDPOINT": "http://127.0.0.1:9"}

@@ -18,8 +18,9 @@ from conftest import ROOT
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "lib" / "jobs" / "configs" / "*.json"))), ids=os.path.basename)
 def test_counts_match_the_real_architecture(path, tmp_path):
-    """Parameters and LoRA (r=16, all-linear) parameters equal those of the model transformers and
-    peft build from the same config.json (on the meta device: no memory, no download)."""
+    """Parameters, those of the decoder layers (what --shard base splits) and LoRA (r=16, all-linear) parameters equal
+    those of the model transformers and peft build from the same config.json (on the meta device: no memory, no
+    download)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = json.load(open(path))
@@ -28,6 +29,7 @@ def test_counts_match_the_real_architecture(path, tmp_path):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
     arch = memory.Arch.from_config(cfg)
     assert sum(p.numel() for p in model.parameters()) == arch.params()
+    assert sum(p.numel() for p in model.get_decoder().layers.parameters()) == arch.layers * arch.layer_params()
     peft_model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
     assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == arch.lora_params(16)
 
@@ -35,6 +37,7 @@ def test_counts_match_the_real_architecture(path, tmp_path):
 def test_the_docs_table_is_the_models_output():
     readme = (ROOT / "docs" / "memory.md").read_text()
     assert memory.table() in readme, "docs/memory.md's table differs from `python memory.py --table`: paste it again"
+    assert memory.rank_table() in readme, "docs/memory.md's per-rank table differs from `python memory.py --table`"
 
 
 def test_constants_agree_with_the_code_they_model():
@@ -105,6 +108,27 @@ def test_trainer_args_are_read_from_train_arg(offline, capsys):
     # a T4 has no bf16: auto means float32 there, and the check says so
     out = dry_run(capsys, "--trainer-flavor", "t4-small")
     assert "on t4-small (T4, 15.0 GiB)" in out and "(float32, checkpointing on" in out
+
+
+def test_a_base_too_large_for_one_gpu_of_the_flavor_is_sharded_over_its_ranks(offline, capsys):
+    """memory.shard_base: Qwen2.5-14B in bf16 does not fit one L4 as a replica, so on l4x4 the launcher runs
+    the trainer with --shard base and the fit check counts a rank's share of the base; a 1.5B model on h200x2 stays
+    replicated, and so does a 4-bit base; the person's --train-arg=--shard=replicate is obeyed, and refused there."""
+    cfg = json.load(open(ROOT / "lib" / "jobs" / "configs" / "Qwen--Qwen2.5-14B-Instruct.json"))
+    a, t = memory.Arch.from_config(cfg), memory.Trainer("bfloat16")
+    assert memory.shard_base(a, t, "l4x4") and not memory.shard_base(a, t, "a100-large")
+    assert not memory.shard_base(a, memory.Trainer("bfloat16", four_bit=True), "l4x4")
+    whole, four = (memory.weight_bytes(a, memory.Trainer("bfloat16", shards=n)) for n in (1, 4))
+    assert whole / 4 < four < whole / 2  # the layers divided by 4; embeddings, head and two gathered layers whole
+    roll = ("--rollout-flavor", "l40sx1", "--rollout-arg=--vllm-gpu-memory-utilization", "--rollout-arg=0.9")
+    out = dry_run(capsys, "--model", "Qwen/Qwen2.5-14B-Instruct", "--trainer-flavor", "l4x4", *roll)
+    assert "per rank (4 ranks, the base sharded) on l4x4" in out and " --nproc-per-node 4 --shard base " in out
+    with pytest.raises(SystemExit) as e:
+        dry_run(capsys, "--model", "Qwen/Qwen2.5-14B-Instruct", "--trainer-flavor", "l4x4", *roll,
+                "--train-arg=--shard", "--train-arg=replicate")
+    assert "per rank (4 ranks, each a replica)" in str(e.value)
+    out = dry_run(capsys, "--model", "Qwen/Qwen2.5-1.5B-Instruct", "--trainer-flavor", "h200x2")
+    assert "per rank (2 ranks, each a replica)" in out and "--shard" not in out
 
 
 def test_unknown_model_offline_is_not_blocked(offline, capsys, tiny_model):

@@ -1,6 +1,9 @@
-"""The trainer under torchrun: two CPU ranks (gloo) take the one-process step. tests/support/ranks_step.py runs one
-update (train.learn) on the same batch for every objective, once as one process and once as two ranks; the gradients,
-the gradient norm, the step's metrics and the adapter it would publish must agree within float tolerance."""
+"""The trainer under torchrun: two CPU ranks (gloo) take the one-process step, the base replicated or sharded (FSDP2,
+--shard base). tests/support/ranks_step.py runs one update (train.learn) on the same batch for every objective, once as
+one process and as two ranks in each mode; the gradients, the gradient norm, the step's metrics and the adapter it
+would publish must agree within float tolerance. So must an update whose batch has a group with a NaN reward (the
+ranks hold 3 and 2 micro-batches, and learn's per-group culprit search runs) and the audit's recompute under the
+versions that sampled each group, falling back group by group past a group whose forward raises."""
 import os
 import subprocess
 import sys
@@ -23,18 +26,20 @@ def run(cmd: list[str], tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def steps(tiny_model, tmp_path_factory):
-    """The folder both runs wrote to: OBJECTIVE-1 (one process) and OBJECTIVE-2 (two ranks), each .pt and adapter."""
+    """The folder every run wrote to: NAME-1 (one process), NAME-2 (two ranks, replicated), NAME-2-base (two ranks, the
+    base sharded), each .pt and adapter; NAME an objective, poisoned or audit."""
     out = tmp_path_factory.mktemp("ranks")
     run([sys.executable, SCRIPT, tiny_model, str(out)], out)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port())]
-    run([*torchrun, SCRIPT, tiny_model, str(out)], out)
+    run([*torchrun, SCRIPT, tiny_model, str(out), "replicate", "base"], out)
     return out
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
-def test_two_ranks_take_the_one_process_step(steps, objective):
-    one, two = torch.load(steps / f"{objective}-1.pt"), torch.load(steps / f"{objective}-2.pt")
+@pytest.mark.parametrize("ranks", ["2", "2-base"])
+@pytest.mark.parametrize("objective", [*OBJECTIVES, "poisoned"])
+def test_two_ranks_take_the_one_process_step(steps, objective, ranks):
+    one, two = torch.load(steps / f"{objective}-1.pt"), torch.load(steps / f"{objective}-{ranks}.pt")
     assert one["grads"].keys() == two["grads"].keys() and one["grads"]
     for name, g in one["grads"].items():
         assert g.abs().sum() > 0, name  # every LoRA weight has a gradient: the comparison below means something
@@ -44,10 +49,20 @@ def test_two_ranks_take_the_one_process_step(steps, objective):
     for k, v in one["stats"].items():  # loss, tokens, on-policy ratio, per-staleness diagnostics...
         assert two["stats"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), k
     assert one["stats"]["tokens"] > 0 and "ratio/onpolicy_mean" in one["stats"] and "stale/1/ratio_dev_mean" in one["stats"]
-    a, b = (load_file(steps / f"{objective}-{n}" / "adapter_model.safetensors") for n in (1, 2))
+    assert ("groups/unfit" in one["stats"]) == (objective == "poisoned")  # the culprit search ran where it should
+    a, b = (load_file(steps / f"{objective}-{n}" / "adapter_model.safetensors") for n in (1, ranks))
     assert a.keys() == b.keys() and a
     for name, w in a.items():
         assert torch.allclose(b[name], w, atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("ranks", ["2", "2-base"])
+def test_the_audits_recompute_on_two_ranks_is_the_one_process_one(steps, ranks):
+    one, two = torch.load(steps / "audit-1.pt"), torch.load(steps / f"audit-{ranks}.pt")
+    assert one["failed"].keys() == two["failed"].keys() == {"g00000007"}  # its own forward raised: the fallback ran
+    assert one["devs"].keys() == two["devs"].keys() and any(n for _, _, n in one["devs"].values())
+    for gid, (s, mx, n) in one["devs"].items():
+        assert two["devs"][gid][2] == n and two["devs"][gid][:2] == pytest.approx([s, mx], rel=1e-5, abs=1e-6), gid
 
 
 def rank_pid(trainer, local_rank: int) -> int | None:
@@ -66,9 +81,10 @@ def rank_pid(trainer, local_rank: int) -> int | None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model, start_proxy, run_name, tmp_path):
-    """A real run on the tiny model (proxy, worker, trainer): two ranks stopped by SIGTERM checkpoint and resume as one
-    process; one process's checkpoint resumes on two ranks; a rank killed with SIGKILL ends the trainer naming it;
-    the relaunch on two ranks resumes and finishes the run, its final version registered."""
+    """A real run on the tiny model (proxy, worker, trainer): two ranks, the base sharded (--shard base), stopped by
+    SIGTERM checkpoint and resume as one process; one process's checkpoint resumes on two sharded ranks; a rank killed
+    with SIGKILL ends the trainer naming it; the relaunch on two replicated ranks resumes and finishes the run, its
+    final version registered."""
     import re
     import signal
 
@@ -81,9 +97,9 @@ def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model,
     trainer = Role("trainer", [sys.executable, str(ROOT / "train.py"), "--model", tiny_model, "--batch-groups", "2",
                                "--lr", "1e-3", "--lease-wait-s", "2", "--no-skip-zero-std", "--max-steps", "8",
                                "--checkpoint-every", "1"], env, tmp_path)
-    two = ("--nproc-per-node", "2")
+    two, sharded = ("--nproc-per-node", "2"), ("--nproc-per-node", "2", "--shard", "base")
     try:
-        trainer.start(*two)
+        trainer.start(*sharded)
         wait_for(lambda: len(steps(trainer)) >= 1, 300, "a first step on two ranks", trainer, (trainer, worker))
         trainer.proc.send_signal(signal.SIGTERM)
         assert trainer.proc.wait(timeout=300) != 0
@@ -97,7 +113,7 @@ def test_ranks_stop_together_die_clearly_and_resume_on_another_count(tiny_model,
         assert trainer.proc.wait(timeout=300) == 0 and "SIGTERM: checkpoint at step" in trainer.last_run()
         done = len(steps(trainer))
 
-        trainer.start(*two)  # two ranks: one process's checkpoint; then rank 1 dies
+        trainer.start(*sharded)  # two ranks: one process's checkpoint; then rank 1 dies
         wait_for(lambda: "resumed from checkpoint" in trainer.last_run() and len(steps(trainer)) > done, 300,
                  "a step on two ranks after one process", trainer, (trainer, worker))
         os.kill(rank_pid(trainer, 1), signal.SIGKILL)

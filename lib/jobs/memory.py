@@ -3,7 +3,7 @@ from its config.json alone. Pure Python (no torch), so launch_hf.py can check a 
 before it creates anything; the tables of model sizes against Jobs flavors in docs/memory.md are its
 output.
 
-    python lib/jobs/memory.py --table                            # docs/memory.md's two tables (markdown)
+    python lib/jobs/memory.py --table                            # docs/memory.md's tables (markdown)
     python lib/jobs/memory.py --model Qwen/Qwen2.5-7B-Instruct   # one model: trainer and worker, per flavor
     python lib/jobs/memory.py --model Qwen/Qwen2.5-14B-Instruct --load-in-4bit --lora-r 64 --flavor a10g-small
 
@@ -34,7 +34,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 # less what ECC and the driver keep), its compute capability (whether it computes in bf16: flavor_bf16;
 # T4: no), and $/hour (costs.PRICES), and its number of GPUs. Memory is per GPU: a worker uses one, and the
 # trainer one per rank (lib/train/ranks.py: train.py --nproc-per-node, one rank per GPU of its flavor), each rank a
-# whole replica of the model, so a rank needs what the one-process trainer needs (docs/memory.md#per-rank).
+# whole replica of the model (what the one-process trainer needs), or its share of a sharded base (shard_base,
+# weight_bytes; docs/memory.md#per-rank).
 FLAVORS = {
     "t4-small": ("T4", 15360 / 1024, (7, 5), 1), "t4-medium": ("T4", 15360 / 1024, (7, 5), 1),
     "l4x1": ("L4", 23034 / 1024, (8, 9), 1), "a10g-small": ("A10G", 23028 / 1024, (8, 6), 1),
@@ -54,7 +55,8 @@ def flavor_gpus(flavor: str) -> int:
 
 
 def single_gpu_flavors() -> list[str]:
-    """The flavors advice suggests, smallest first: more GPUs give a rank no more memory (each holds a replica)."""
+    """The flavors advice suggests first, smallest first: more GPUs give a replica no more memory (trainer_advice
+    then tries flavors of several GPUs with the base sharded)."""
     return sorted((f for f in FLAVORS if flavor_gpus(f) == 1), key=flavor_gib)
 
 
@@ -107,11 +109,15 @@ class Arch:
     def linear_params(self) -> int:
         return self.layers * sum(i * o for i, o in self.linears())
 
-    def params(self) -> int:
+    def layer_params(self) -> int:
+        """One decoder layer's: projections, norms, biases (what --shard base splits over the ranks)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         per_layer = 2 * self.hidden + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        return sum(i * o for i, o in self.linears()) + per_layer
+
+    def params(self) -> int:
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.linear_params() + self.layers * per_layer + embed + self.hidden
+        return self.layers * self.layer_params() + embed + self.hidden
 
     def lora_params(self, r: int) -> int:
         return self.layers * sum(r * (i + o) for i, o in self.linears())
@@ -147,6 +153,21 @@ class Trainer:
     four_bit: bool = False
     checkpointing: bool = True
     lora_r: int = 16
+    shards: int = 1
+    """ranks the base's decoder layers are split over (train.py --shard base: FSDP2); 1: each rank a replica"""
+
+
+def weight_bytes(a: Arch, t: Trainer) -> float:
+    """The base's bytes on one rank. Sharded (t.shards > 1): its decoder layers divided by the ranks, plus two layers
+    whole (FSDP2 gathers the layer it computes and prefetches the next), the embeddings, head and final norm whole
+    (ranks.shard_base keeps them on every rank)."""
+    b = _bytes(t.dtype)
+    if t.four_bit:
+        return a.linear_params() * NF4_BYTES + (a.params() - a.linear_params()) * b
+    rest = (a.params() - a.layers * a.layer_params()) * b
+    if t.shards > 1:
+        return a.layers * a.layer_params() * b / t.shards + 2 * a.layer_params() * b + rest
+    return a.params() * b
 
 
 def _bytes(dtype: str) -> int:
@@ -174,7 +195,8 @@ def layer_bytes_per_token(a: Arch, b: int, r: int) -> int:
 def trainer_memory(a: Arch, t: Trainer, lay: Layout = Layout(), cuda: bool = True) -> dict[str, float]:
     """Peak bytes of one trainer, by part. Micro-batch: P prompts of Lp tokens, N = P*G completions of T.
 
-    weights      the base model (4-bit: the projections in NF4, embeddings, head and norms in dtype)
+    weights      the base model (4-bit: the projections in NF4, embeddings, head and norms in dtype); sharded over
+                 t.shards ranks: weight_bytes
     lora         adapter weights, gradients and AdamW's two moments, all float32: 16 bytes a parameter
     activations  without checkpointing: every layer's saved tensors for prompt and completion tokens, the
                  attention's keys/values (repeated to all heads, prompt included, per completion row),
@@ -187,10 +209,7 @@ def trainer_memory(a: Arch, t: Trainer, lay: Layout = Layout(), cuda: bool = Tru
     P, G, Lp, T = lay.micro_groups, lay.group_size, lay.prompt_tokens, lay.new_tokens
     N, nc, n_p = P * G, P * G * T, P * Lp
     D, Q, KV = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
-    if t.four_bit:
-        weights = a.linear_params() * NF4_BYTES + (a.params() - a.linear_params()) * b
-    else:
-        weights = a.params() * b
+    weights = weight_bytes(a, t)
     lora = a.lora_params(t.lora_r) * 16
     per_tok = layer_bytes_per_token(a, b, t.lora_r)
     attn_kv = 2 * b * Q * (N * (Lp + T) + n_p)            # SDPA's keys/values per layer (repeat_kv to Q heads)
@@ -242,6 +261,14 @@ def trainer_verdict(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) ->
     return need <= flavor_gib(flavor), need
 
 
+def shard_base(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> bool:
+    """The rule for train.py's --shard on a trainer flavor (the launcher passes --shard base where it holds): split
+    the base over the ranks (FSDP2) only where the flavor has several GPUs, a replica does not fit one of them, and the
+    base is not 4-bit (bitsandbytes' weights are not sharded here). Elsewhere each rank holds a replica, which needs no
+    lockstep between the ranks and one all-reduce a step (docs/DESIGN.md#the-trainers-ranks)."""
+    return flavor_gpus(flavor) > 1 and not t.four_bit and not trainer_verdict(a, replace(t, shards=1), flavor, lay)[0]
+
+
 def worker_verdict(a: Arch, flavor: str, utilization: float, lora_r: int = 16, lay: Layout = Layout()) -> tuple[str, float]:
     """('fits' | 'slow' | 'no', GiB the engine needs for a full round). 'slow': it starts, but a round
     of rollout_seqs sequences does not fit in its KV cache at once (vLLM queues the rest)."""
@@ -273,10 +300,15 @@ def trainer_advice(a: Arch, t: Trainer, flavor: str, lay: Layout = Layout()) -> 
             if trainer_verdict(a, tt, flavor, ll)[0]:
                 return f"{train_args(opts)} fits on {flavor} ({trainer_memory(a, tt, ll)['total'] / GiB:.1f} GiB)"
     for f in single_gpu_flavors():
-        ft = replace(t, dtype="float32") if not flavor_bf16(f) and t.dtype == "bfloat16" else t
+        ft = replace(t, dtype="float32", shards=1) if not flavor_bf16(f) and t.dtype == "bfloat16" else replace(t, shards=1)
         if trainer_verdict(a, ft, f, lay)[0]:
             return f"--trainer-flavor {f} ({FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB) fits"
-    return "no single-GPU flavor holds this trainer"
+    several = sorted((f for f in FLAVORS if flavor_gpus(f) > 1), key=lambda f: (flavor_gib(f), flavor_gpus(f)))
+    for f in several:
+        if not t.four_bit and trainer_verdict(a, replace(t, shards=flavor_gpus(f)), f, lay)[0]:
+            return (f"--trainer-flavor {f} ({flavor_gpus(f)} x {FLAVORS[f][0]}, {flavor_gib(f):.1f} GiB each) fits, "
+                    "the base sharded over its ranks")
+    return "no flavor holds this trainer"
 
 
 def worker_advice(a: Arch, flavor: str, utilization: float, lora_r: int, lay: Layout = Layout()) -> str:
@@ -361,6 +393,27 @@ def table(lay: Layout = Layout()) -> str:
     return "\n".join(rows)
 
 
+RANK_FLAVORS = ["l4x4", "a100x4", "h200x2"]
+
+
+def rank_table(lay: Layout = Layout()) -> str:
+    """Markdown: the trainer per rank on flavors of several GPUs (bf16, checkpointing, LoRA r=16), a replica against
+    the base sharded over the ranks, and what the launcher runs there (shard_base)."""
+    rows = ["| model | flavor | weights a replica / sharded | GiB per rank, a replica | GiB per rank, sharded | "
+            "the launcher runs |", "|---|---|---|---|---|---|"]
+    t = Trainer("bfloat16")
+    for name in TABLE_MODELS:
+        a = Arch.from_config(config_for(name, hub=False)[0])
+        for f in RANK_FLAVORS:
+            sharded = replace(t, shards=flavor_gpus(f))
+            rep, shd = (trainer_memory(a, x, lay)["total"] / GiB for x in (t, sharded))
+            runs = (("sharded" if shard_base(a, t, f, lay) else "replicas") if trainer_verdict(a, sharded, f, lay)[0]
+                    else "refused (--load-in-4bit, replicas)")
+            rows.append(f"| {name.split('/')[1]} | {f} ({flavor_gpus(f)} x {flavor_gib(f):.1f} GiB) | "
+                        f"{weight_bytes(a, t) / GiB:.1f} / {weight_bytes(a, sharded) / GiB:.1f} | {rep:.1f} | {shd:.1f} | {runs} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # the launcher's check of a run's layout (launch_hf.py)
 
@@ -383,44 +436,84 @@ def _flag_values(argv: list[str], spec: dict[str, type]) -> dict:
     return {k: v for k, v in vars(known).items() if v is not None}
 
 
-def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavor: str, train_argv: list[str],
-                 rollout_flavor: str, rollout_argv: list[str], hub: bool = True, task: str = "") -> tuple[list[str], list[str]]:
-    """Will a run's trainer and rollout workers fit their GPUs? From the model's config.json and the
-    options the launcher passes to train.py (train_argv) and rollout.py (rollout_argv). Returns
-    (notes: what fits, or why it cannot be judged; problems: what does not fit, each with advice).
-    An environment of several turns (`task`) trains episodes of up to rollout.py's --max-episode-tokens
-    (sampled and environment tokens), not of --max-new-tokens: those are the completions counted."""
+@dataclass(frozen=True)
+class Setup:
+    """A run's trainer as the memory model counts it (trainer_setup)."""
+    arch: Arch
+    trainer: Trainer
+    lay: Layout
+    source: str   # where config.json came from
+
+
+def trainer_setup(model: str, max_new_tokens: int, group_size: int, flavor: str, train_argv: list[str],
+                  rollout_argv: list[str] = (), hub: bool = True, task: str = "") -> Setup | str:
+    """The trainer of `model` on a `flavor` of FLAVORS, from the options the launcher passes to train.py (train_argv)
+    and rollout.py (rollout_argv), or why it cannot be judged. Its base is sharded over the flavor's GPUs where the
+    person passes --shard base, or passes no --shard and shard_base's rule says so. An environment of several turns
+    (`task`) trains episodes of up to rollout.py's --max-episode-tokens (sampled and environment tokens), not of
+    --max-new-tokens: those are the completions counted."""
     cfg, source = config_for(model, hub=hub)
     if cfg is None:
-        return [f"memory check: cannot judge {model} ({source}); not checked"], []
+        return f"cannot judge {model} ({source})"
     try:
         arch = Arch.from_config(cfg)
     except ValueError as e:
-        return [f"memory check: cannot judge {model} ({e}); not checked"], []
-    notes, problems = [], []
+        return f"cannot judge {model} ({e})"
     t = _flag_values(train_argv, {"--dtype": str, "--load-in-4bit": bool, "--gradient-checkpointing": str,
-                                      "--lora-r": int, "--micro-groups": int})
+                                  "--lora-r": int, "--micro-groups": int, "--shard": str})
     if is_environment(task):  # rollout.py's default for --max-episode-tokens is 256
         max_new_tokens = _flag_values(rollout_argv, {"--max-episode-tokens": int}).get("max_episode_tokens", 256)
-    lay = Layout(new_tokens=max_new_tokens, group_size=group_size,
-                        micro_groups=t.get("micro_groups", Layout.micro_groups))
-    lora_r = t.get("lora_r", 16)
+    lay = Layout(new_tokens=max_new_tokens, group_size=group_size, micro_groups=t.get("micro_groups", Layout.micro_groups))
+    dtype = t.get("dtype", "auto")
+    if dtype == "auto":  # models.resolve_dtype on that GPU: the same rule
+        dtype = "bfloat16" if flavor not in FLAVORS or flavor_bf16(flavor) else "float32"
+    trainer = Trainer(dtype, bool(t.get("load_in_4bit")), t.get("gradient_checkpointing", "auto") != "off",
+                      t.get("lora_r", 16))
+    shard = t.get("shard") == "base" if "shard" in t else shard_base(arch, trainer, flavor, lay)
+    if shard and flavor_gpus(flavor) > 1:
+        trainer = replace(trainer, shards=flavor_gpus(flavor))
+    return Setup(arch, trainer, lay, source)
+
+
+def shard_options(model: str, max_new_tokens: int, group_size: int, flavor: str, train_argv: list[str],
+                  rollout_argv: list[str] = (), hub: bool = True, task: str = "") -> list[str]:
+    """What the launcher adds to the trainer's command: --shard base where shard_base's rule says so and the person
+    passed no --shard of their own (trainer_setup); nothing for a model it cannot judge (a replica, as ever)."""
+    if flavor not in FLAVORS or flavor_gpus(flavor) == 1 or "--shard" in train_argv:
+        return []
+    got = trainer_setup(model, max_new_tokens, group_size, flavor, train_argv, rollout_argv, hub, task)
+    return ["--shard", "base"] if isinstance(got, Setup) and got.trainer.shards > 1 else []
+
+
+def trainer_line(model: str, flavor: str, s: Setup) -> str:
+    """The fit check's line on the trainer: GiB per rank by part, and the setup they were counted for."""
+    t, lay, parts = s.trainer, s.lay, trainer_memory(s.arch, s.trainer, s.lay)
+    n = flavor_gpus(flavor)
+    ranks = f" per rank ({n} ranks, {'the base sharded' if t.shards > 1 else 'each a replica'})" if n > 1 else ""
+    return (f"trainer: {model} needs about {parts['total'] / GiB:.1f} GiB{ranks} on {flavor} "
+            f"({FLAVORS[flavor][0]}, {flavor_gib(flavor):.1f} GiB): "
+            + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if k != "total")
+            + f" ({t.dtype}{', 4-bit' if t.four_bit else ''}, checkpointing "
+              f"{'on' if t.checkpointing else 'off'}, LoRA r={t.lora_r}, {lay.micro_groups} x {lay.group_size} "
+              f"completions of {lay.new_tokens} tokens per micro-batch; config from {s.source})")
+
+
+def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavor: str, train_argv: list[str],
+                 rollout_flavor: str, rollout_argv: list[str], hub: bool = True, task: str = "") -> tuple[list[str], list[str]]:
+    """Will a run's trainer and rollout workers fit their GPUs? From the model's config.json and the
+    options the launcher passes to train.py (train_argv) and rollout.py (rollout_argv), counted as trainer_setup
+    counts them. Returns (notes: what fits, or why it cannot be judged; problems: what does not fit, each with
+    advice)."""
+    setup = trainer_setup(model, max_new_tokens, group_size, trainer_flavor, train_argv, rollout_argv, hub, task)
+    if isinstance(setup, str):
+        return [f"memory check: {setup}; not checked"], []
+    arch, lay, lora_r = setup.arch, setup.lay, setup.trainer.lora_r
+    notes, problems = [], []
     flavor = trainer_flavor
     if flavor in FLAVORS:
-        dtype = t.get("dtype", "auto")
-        if dtype == "auto":  # models.resolve_dtype on that GPU: the same rule
-            dtype = "bfloat16" if flavor_bf16(flavor) else "float32"
-        trainer = Trainer(dtype, bool(t.get("load_in_4bit")), t.get("gradient_checkpointing", "auto") != "off",
-                                 lora_r)
+        trainer = setup.trainer
         ok, _ = trainer_verdict(arch, trainer, flavor, lay)
-        parts = trainer_memory(arch, trainer, lay)
-        ranks = f" per rank ({flavor_gpus(flavor)} ranks, each a replica)" if flavor_gpus(flavor) > 1 else ""
-        line = (f"trainer: {model} needs about {parts['total'] / GiB:.1f} GiB{ranks} on {flavor} "
-                f"({FLAVORS[flavor][0]}, {flavor_gib(flavor):.1f} GiB): "
-                + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if k != "total")
-                + f" ({dtype}{', 4-bit' if trainer.four_bit else ''}, checkpointing "
-                  f"{'on' if trainer.checkpointing else 'off'}, LoRA r={lora_r}, {lay.micro_groups} x {lay.group_size} "
-                  f"completions of {lay.new_tokens} tokens per micro-batch; config from {source})")
+        line = trainer_line(model, flavor, setup)
         if ok:
             notes.append("memory check: " + line)
         else:
@@ -448,7 +541,7 @@ def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavo
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--table", action="store_true", help="print docs/memory.md's two tables (markdown)")
+    p.add_argument("--table", action="store_true", help="print docs/memory.md's tables (markdown)")
     p.add_argument("--model", help="Hub id, local folder or local:SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--load-in-4bit", action="store_true")
@@ -459,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flavor", default=None, help="only this flavor")
     args = p.parse_args(argv)
     if args.table or not args.model:
-        print(table())
+        print(table() + "\n\n" + rank_table())
         return
     cfg, src = config_for(args.model)
     if cfg is None:

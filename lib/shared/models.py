@@ -127,7 +127,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     if checkpoint and torch.is_grad_enabled():
         return checkpointed_logprobs(lm, prompts, completions, temps, pad)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
-    cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
+    cids, cmask = completion_ids(lm, completions, pad)
     hidden = h_last[:, None]
     if cids.shape[1] > 1:
         # feed all but the last token: its output would predict beyond the completion
@@ -145,7 +145,8 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     # LOGITS_AT_ONCE positions, so that what one group carries (4 x 4,096 tokens) cannot set the memory
     lp = _token_logprobs(head, h, t, row_t) if len(t) <= LOGITS_AT_ONCE else _chunked_token_logprobs(head, h, t, row_t)
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
-    return logp, cmask
+    width = max(len(c) for c in completions)  # (without completion_ids' lockstep column)
+    return logp[:, :width], cmask[:, :width]
 
 
 def _token_logprobs(head, hidden: torch.Tensor, ids: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
@@ -181,6 +182,19 @@ LOGITS_CHUNK = 256  # tokens per checkpointed lm_head + log_softmax chunk: 256 x
 # without checkpointing, positions whose logits are computed at once (a local micro-batch has ~400); beyond it,
 # chunks of LOGITS_CHUNK: 4,096 x 49k (SmolLM2) x 4 B x 2 (logits, log_softmax) = 1.6 GB at most
 LOGITS_AT_ONCE = 4096
+
+
+LOCKSTEP_ATTR = "async_grpo_lockstep"  # set by ranks.shard_base on a model whose decoder layers FSDP2 shards
+
+
+def completion_ids(lm, completions: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The completions padded right (ids, mask) on the model's device. A model sharded across ranks (LOCKSTEP_ATTR) makes
+    every rank run the same decoder calls, so a micro-batch of one-token completions gets one masked pad column: the
+    completion pass (skipped for one token) then runs on every rank alike; the real tokens' logprobs are unchanged."""
+    cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
+    if cids.shape[1] == 1 and getattr(lm, LOCKSTEP_ATTR, False):
+        cids, cmask = torch.nn.functional.pad(cids, (0, 1), value=pad), torch.nn.functional.pad(cmask, (0, 1))
+    return cids, cmask
 
 
 def enable_checkpointing(model, on: bool = True) -> None:
@@ -240,7 +254,7 @@ def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[i
                       use_cache=True, **cache_kw(decoder, cache))
         h_last = out.last_hidden_state[:, -1].repeat_interleave(G, dim=0)
         pmask, next_pos = pmask.repeat_interleave(G, dim=0), pmask.sum(1).repeat_interleave(G)
-        cids, cmask = (t.to(lm.device) for t in pad_right(completions, pad))
+        cids, cmask = completion_ids(lm, completions, pad)
         hidden = h_last[:, None]
         if cids.shape[1] > 1:
             shared = Cache(layers=[Layer(k.repeat_interleave(G, dim=0), v.repeat_interleave(G, dim=0))
@@ -253,7 +267,8 @@ def checkpointed_logprobs(lm, prompts: list[list[int]], completions: list[list[i
     sel = cmask.bool()
     lp = _chunked_token_logprobs(lm.get_output_embeddings(), hidden[sel], cids[sel], temps[:, None].expand(sel.shape)[sel])
     logp = torch.zeros(cids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
-    return logp, cmask
+    width = max(len(c) for c in completions)  # (without completion_ids' lockstep column)
+    return logp[:, :width], cmask[:, :width]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,15 +431,16 @@ def lora_views(model) -> dict[str, torch.Tensor]:
     return _VIEWS[model]
 
 
-def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False):
-    """(model, tokenizer) in eval mode, on the GPU when there is one; `name` is LOCAL_MODEL, a local
+def load_base(name: str, dtype: str = "auto", load_in_4bit: bool = False, on_cpu: bool = False):
+    """(model, tokenizer) in eval mode, on the GPU when there is one (on_cpu: in host memory, for a base that
+    ranks.Ranks.shard_base then places on the GPUs a shard at a time); `name` is LOCAL_MODEL, a local
     dir or a Hub id. dtype: see resolve_dtype. load_in_4bit: the projections in bitsandbytes NF4
     (double-quantized; QLoRA), computing in `dtype`; embeddings, norms and the head stay in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_path(name)
     dt = resolve_dtype(dtype)
     # the current GPU: under torchrun each rank's own (lib/train/ranks.py sets it)
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() and not on_cpu else "cpu"
     tok = AutoTokenizer.from_pretrained(path)
     if load_in_4bit:
         from transformers import BitsAndBytesConfig

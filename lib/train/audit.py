@@ -185,6 +185,9 @@ class Auditor:
         self.rng = random.SystemRandom()  # which groups are audited: nothing a participant can predict
         self.suspects: set[str] = set()    # participants with a failed check: every group of theirs is audited
         self._task = None
+        # rank 0's ranks (lib/train/ranks.py) when the base is sharded over them: each recompute's forwards are then
+        # run by every rank (broadcast here, run by the others' follow_recompute), rank 0 alone using the result
+        self.lockstep = None
 
     def recall(self) -> None:
         """The participants the proxy counts a failed check against (since the owner last reinstated them) are
@@ -244,6 +247,18 @@ class Auditor:
                     f"{mean:.2e} on average over {n} sampled tokens, {dev_max:.2e} at most (limits "
                     f"{self.opts.max_dev_mean:g}, {self.opts.max_dev_token:g})")
         return None
+
+    def swapped_versions(self, groups: list[dict], version: int, fresh: bool) -> set[int]:
+        """The versions whose weights recompute() swaps in for `groups`: every one that sampled a token of theirs but
+        the one the model holds (`version`, when `fresh`)."""
+        return {v for g in groups for v in versions_sampled(g)} - ({version} if fresh else set())
+
+    def follow_recompute(self, model, order: dict) -> None:
+        """A rank other than 0 runs rank 0's recompute with it, on a sharded base (the order recompute_each
+        broadcasts: the groups and the weights of every version it swaps in); rank 0 alone uses the result."""
+        self.weights.kept = OrderedDict(order["weights"])  # (None: a version rank 0 could not read back)
+        self.weights.keep = len(self.weights.kept) + 1
+        self.recompute_each(model, order["recompute"], order["version"], order["fresh"], {})
 
     def recompute(self, model, groups: list[dict], version: int, fresh: bool) -> tuple[dict[str, list], int]:
         """{group_id: [sum |dev|, max |dev|, tokens]} over each group's sampled tokens, each under the version that
@@ -310,12 +325,18 @@ class Auditor:
             return "reward", why
         return None
 
-    def _recompute_each(self, model, groups: list[dict], version: int, fresh: bool, failed: dict) -> tuple[dict, int]:
+    def recompute_each(self, model, groups: list[dict], version: int, fresh: bool, failed: dict) -> tuple[dict, int]:
         """recompute(), and where the batch's forward raises, group by group: a group whose own forward raises fails
-        (check `invalid`) and the others are judged as ever."""
+        (check `invalid`) and the others are judged as ever. On a sharded base every rank runs the same forwards on
+        the same groups (follow_recompute), so a group's forward raises on every rank alike and they fall back together;
+        after each such error the ranks meet once (peers_alive), so that a rank gone is not blamed on a group."""
+        if self.lockstep is not None and self.lockstep.leader and groups:
+            weights = {v: self.weights.get(v, model) for v in sorted(self.swapped_versions(groups, version, fresh))}
+            self.lockstep.broadcast({"recompute": groups, "version": version, "fresh": fresh, "weights": weights})
         try:
             return self.recompute(model, groups, version, fresh)
         except Exception:  # noqa: BLE001 - one of them; which is found below
+            self.peers_alive()
             devs, lost = {}, 0
             for g in groups:
                 try:
@@ -323,8 +344,15 @@ class Auditor:
                     devs.update(d)
                     lost += n
                 except Exception as e:  # noqa: BLE001 - what the group carries made its forward raise
+                    self.peers_alive()
                     failed[g["group_id"]] = ("invalid", f"recomputing its logprobs raised {type(e).__name__}: {e}")
             return devs, lost
+
+    def peers_alive(self) -> None:
+        """On a sharded base: every rank meets here after a recompute raised (ranks.RanksLost when one is gone: the
+        error was its, not a group's)."""
+        if self.lockstep is not None:
+            self.lockstep.gather(None)
 
     def check(self, got: dict, groups: list[dict], model, version: int, fresh: bool) -> tuple[list[dict], dict]:
         """The groups of a leased batch to train on, and the audit's metrics. `fresh`: the model holds exactly
@@ -345,7 +373,7 @@ class Auditor:
         free = lambda g: fresh and self.trains(g) and versions_sampled(g) == {version}  # noqa: E731
         audit = [g for g in theirs if g["group_id"] not in failed and not free(g)
                  and (g["participant"] in self.suspects or (self.trains(g) and self.rng.random() < self.opts.logprob_share))]
-        devs, lost = self._recompute_each(model, audit, version, fresh, failed)
+        devs, lost = self.recompute_each(model, audit, version, fresh, failed)
         worst = [0.0, 0.0]
         for gid, (s, mx, n) in devs.items():
             worst = [nan_max(worst[0], s / max(n, 1)), nan_max(worst[1], mx)]

@@ -9,19 +9,18 @@ One rank per GPU (NCCL) on a machine with GPUs, else CPU ranks (gloo). A job on 
 `uv run train.py ... --nproc-per-node N` (hf jobs uv run runs a script, whose PEP 723 header uv reads): train.py then
 starts torchrun itself, through torch.distributed.run, the code behind the torchrun command.
 
-Layout: the base model is replicated, one full copy per rank (frozen), and so are the LoRA weights. A step's groups are
-split across the ranks (a group's completions stay together); each rank forms its share of the one-process loss (the
-token mean's normaliser is the count over the whole batch, which every rank is handed), the LoRA gradients are summed
-across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
+Layout: the base model is replicated, one full copy per rank (frozen), or with --shard base (a base a replica of which
+does not fit one GPU: memory.shard_base) its decoder layers are sharded over the ranks by FSDP2 (Ranks.shard_base);
+the LoRA weights are whole on every rank either way. A step's groups are split across the ranks (a group's
+completions stay together); each rank forms its share of the one-process loss (the token mean's normaliser is the
+count over the whole batch, which every rank is handed), the LoRA gradients are summed across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
 steps AdamW (so the optimizer state, the checkpoint and the published adapter are exactly one process's) and
 broadcasts the updated LoRA weights, so the replicas cannot drift apart.
 
-Why replicated and not sharded with FSDP2 (torch.distributed.fsdp.fully_shard, which runs here on CPU under gloo as
-well as on CUDA under NCCL): a sharded model all-gathers each layer's weights in every forward, so every rank must
-run every forward in lockstep; the trainer's audit (lib/train/audit.py: a participant's group recomputed under the
-version that sampled it, on rank 0) and each rank's own number of micro-batches would then deadlock. A LoRA run's
-base fits one device whenever the one-process trainer fits (docs/memory.md), which is every preset; sharding is what
-a base too large for one device would need, and is not built (docs/DESIGN.md).
+Why replicate where it fits: a replica runs only its own share's forwards and meets the other ranks once a step. A
+sharded base all-gathers each layer in every forward and backward, so every rank must run every forward in lockstep:
+train.train_step pads the shorter shares with zero-weight micro-batches, and the audit's recomputes (lib/train/audit.py,
+rank 0's) are run by every rank (docs/DESIGN.md#the-trainers-ranks).
 """
 from __future__ import annotations
 
@@ -39,6 +38,12 @@ class RanksLost(BaseException):
     """A collective of the process group failed: another rank died or cannot be reached. No group of a batch is to blame,
     so it derives from BaseException, as SystemExit does: the handlers that judge a batch's groups by what their
     training raised (train.forward_backward, the audit's culprits) do not catch it, and the rank stops (train.main)."""
+
+
+class LockstepLost(RanksLost):
+    """A forward or backward of a sharded model (--shard base) raised on this rank: the other ranks wait in that pass's
+    collectives, which this rank can no longer match, so the job ends (torchrun stops every rank) and its relaunch
+    resumes from the last checkpoint. The groups that reach the step are screened first (audit.group_problem)."""
 
 
 @contextmanager
@@ -67,6 +72,10 @@ class Ranks:
     def share(self, items: list) -> list:
         """This rank's share of `items` (round-robin, so every rank's share differs from another's by one at most)."""
         return items[self.rank::self.world]
+
+    def rounds(self, n: int, per: int) -> int:
+        """Micro-batches of `per` items the rank with the largest share of `n` items runs (rank 0's: share)."""
+        return -(-(-(-n // self.world)) // per)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (a pickled object: an order, a batch of groups)."""
@@ -112,9 +121,45 @@ class Ranks:
             for p, v in zip(params, torch.split(flat, [p.numel() for p in params])):
                 p.copy_(v.view_as(p))
 
+    def shard_base(self, model) -> None:
+        """FSDP2 over the frozen base: each decoder layer of the peft `model` one fully_shard unit and the decoder (the
+        module the trainer calls: models.completion_logprobs) the root, their weights split over the ranks. The LoRA
+        weights, the embeddings, the final norm and the head stay whole on every rank (ignored_params): LoRA's are
+        what rank 0's AdamW steps, saves and publishes and the audit swaps, as with a replicated base; the head is
+        called outside the decoder, and is tied to the embeddings in small models. Every unit then holds one dtype
+        (the base's), and each rank must run the same forwards (models.LOCKSTEP_ATTR; train.train_step).
+        `model` comes in host memory (models.load_base on_cpu): fully_shard moves each layer's shard to this rank's
+        device as it splits it, and the whole weights and the buffers are moved after."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from models import LOCKSTEP_ATTR
+        lm = model.get_base_model()
+        decoder = lm.get_decoder()
+        in_layers = {id(p) for layer in decoder.layers for p in layer.parameters()}
+        whole = {p for p in model.parameters() if p.requires_grad or id(p) not in in_layers}
+        cuda = torch.cuda.is_available()
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+        for layer in decoder.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=whole)
+        fully_shard(decoder, mesh=mesh, ignored_params=whole)
+        on_device(model, whole, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+        setattr(lm, LOCKSTEP_ATTR, True)
+
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def on_device(model, params: set, device: torch.device) -> None:
+    """`params` (the weights FSDP2 leaves whole) and every buffer of `model` (rotary tables, ...) moved to `device`,
+    each parameter keeping its identity (the optimizer and models.lora_views hold them)."""
+    with torch.no_grad():
+        for p in params:
+            p.data = p.data.to(device)
+    for name, buf in list(model.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buf.to(device))
 
 
 def join(timeout_h: float = 24.0) -> Ranks:

@@ -1,15 +1,19 @@
-"""One trainer update (train.learn) on a fixed batch, for every objective, as one process or as N ranks under torchrun;
-rank 0 writes what the update made: the gradients (after the all-reduce and the clip), the gradient norm, the step's
-metrics and the adapter it would publish (what train.publish saves). tests/test_trainer_ranks.py runs it both ways.
+"""One trainer update (train.learn) on a fixed batch, for every objective, as one process or as N ranks under torchrun
+(the base replicated, or sharded with --shard base); rank 0 writes what the update made: the gradients (after the
+all-reduce and the clip), the gradient norm, the step's metrics and the adapter it would publish (what train.publish
+saves). Then, once: the update on a batch with a group whose NaN reward makes the step fail (the ranks then hold
+different numbers of micro-batches, and learn's per-group culprit search runs), and the audit's recompute under the
+versions that sampled each group, with a group whose forward raises (so it recomputes group by group).
+tests/test_trainer_ranks.py runs it every way.
 
     python tests/support/ranks_step.py TINY_MODEL OUT                                   # one process
-    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 tests/support/ranks_step.py TINY_MODEL OUT
+    torchrun --nproc-per-node 2 --master-addr 127.0.0.1 tests/support/ranks_step.py TINY_MODEL OUT replicate base
 """
 from __future__ import annotations
 
 import math
-import os
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -53,10 +57,22 @@ def batch(model) -> list[dict]:
             group(model, 5, [1.0, 0.0, 0.0, 0.0], shift=-0.3, n_tok=2, version=1)]
 
 
+def poisoned(model) -> list[dict]:
+    """batch() and a sixth group whose NaN reward makes the step's loss NaN: five trainable groups, three on rank 0."""
+    return [*batch(model), group(model, 6, [1.0, math.nan, 0.0, 0.0], version=1)]
+
+
+def audited(model) -> list[dict]:
+    """batch() as participants' groups, and one carrying a token id past the vocabulary: its forward raises."""
+    bad = group(model, 7, [1.0, 0.0, 1.0, 0.0])
+    bad["completions"][0]["token_ids"][-1] = 10 ** 6
+    return [{**g, "participant": "p"} for g in (*batch(model), bad)]
+
+
 def trainer(args: train.Args, ranks) -> train.Trainer:
     """Rank 0's trainer with what learn() uses: the model, AdamW, the audit's judge; no proxy, no bucket."""
     torch.manual_seed(args.seed)
-    model, tok = train.build_model(args)
+    model, tok = train.build_model(args, ranks)
     perturbed(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr)
@@ -64,28 +80,64 @@ def trainer(args: train.Args, ranks) -> train.Trainer:
     auditor = Auditor(args.audit, args.task, tok, None, None, args.micro_groups,
                       partial(train.group_temperature, default=args.temperature), partial(train.trainable, args=args),
                       dtype=resolve_dtype(args.dtype))
+    auditor.lockstep = ranks if train.lockstep_model(model) else None  # (as train.start)
     return train.Trainer(args, None, None, None, None, model, params, opt, sched, auditor, 0, None, None, None,
                          step=0, version=2, since_publish=0, checkpointed=0, ranks=ranks)
 
 
-def main(model_path: str, out: Path) -> None:
+def batches(args: train.Args) -> dict[str, list[dict]]:
+    """The groups of every update and of the audit, their behaviour logprobs those of the trainer's starting weights,
+    computed by a model of rank 0's own (a sharded model's forwards take every rank)."""
+    torch.manual_seed(args.seed)
+    model, _ = train.build_model(replace(args, shard="replicate"))
+    perturbed(model)
+    return {"batch": batch(model), "poisoned": poisoned(model), "audited": audited(model)}
+
+
+def update(t: train.Trainer, groups: list[dict], out: Path, name: str) -> None:
+    """learn() on `groups`; writes name.pt (gradients, norm, metrics) and the adapter under name/."""
+    train.same_weights(t)
+    st, norm = train.learn(t, {"fresh": groups, "batch_id": "b", "audit": {}})
+    assert math.isfinite(norm) and st["groups/trained"] == 4, (norm, st)
+    grads = {n: p.grad.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+    t.model.save_pretrained(out / name)
+    torch.save({"grads": grads, "grad_norm": norm, "stats": st}, out / f"{name}.pt")
+
+
+def recomputed(t: train.Trainer, groups: list[dict], out: Path, name: str) -> None:
+    """The audit's recompute of `groups` (audited()'s) under the versions that sampled them (0: the base; 1: the weights
+    held, remembered as version 1; 2, held, for the groups the step does not train); writes name.pt."""
+    t.auditor.weights.remember(1, t.model)
+    failed: dict = {}
+    devs, lost = t.auditor.recompute_each(t.model, groups, 2, True, failed)
+    assert set(failed) == {"g00000007"} and len(devs) == 5 and not lost, (failed, devs, lost)
+    torch.save({"devs": devs, "failed": failed}, out / f"{name}.pt")
+
+
+def main(model_path: str, out: Path, shards: list[str]) -> None:
     ranks = train.join()
+    for shard in shards:
+        steps(ranks, model_path, out, shard)
+    ranks.close()
+
+
+def steps(ranks, model_path: str, out: Path, shard: str) -> None:
+    """Every update and the audit's recompute with --shard `shard`, written as NAME-WORLD[-base].pt."""
+    tag = f"{ranks.world}" + ("-base" if shard == "base" else "")
     for objective in OBJECTIVES:
-        args = train.Args(model=model_path, proxy_token="x", loss=objective, micro_groups=2, threads=1, max_grad_norm=0.5)
+        args = train.Args(model=model_path, proxy_token="x", loss=objective, micro_groups=2, threads=1, max_grad_norm=0.5,
+                          shard=shard)
         if not ranks.leader:
             train.follow(ranks, args)
             continue
-        t = trainer(args, ranks)
-        train.same_weights(t)
-        st, norm = train.learn(t, {"fresh": batch(t.model), "batch_id": "b", "audit": {}})
-        assert math.isfinite(norm) and st["groups/trained"] == 4, (norm, st)
-        grads = {n: p.grad.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
-        t.model.save_pretrained(out / f"{objective}-{ranks.world}")
-        torch.save({"grads": grads, "grad_norm": norm, "stats": st}, out / f"{objective}-{ranks.world}.pt")
+        groups, t = batches(args), trainer(args, ranks)
+        update(t, groups["batch"], out, f"{objective}-{tag}")
+        if objective == OBJECTIVES[0]:
+            update(t, groups["poisoned"], out, f"poisoned-{tag}")
+            recomputed(t, groups["audited"], out, f"audit-{tag}")
         ranks.broadcast(None)
-    ranks.close()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:] or ["replicate"])
