@@ -344,15 +344,16 @@ def autoscale_bounds(args: Args) -> dict | None:
         raise SystemExit(f"preset {preset.label}'s autoscale: {e}") from None
 
 
-def cost_per_hour(args: Args) -> float:
+def cost_line(args: Args) -> str:
+    """What the run's jobs cost while they run, as printed: 'about $X/hour', or which flavors have no price."""
     args = with_preset(args)
     flavors = [*[args.proxy_flavor] * (2 if args.standby else 1), *[args.rollout_flavor] * args.workers,
                args.trainer_flavor]
     flavors += [args.supervisor_flavor] if args.supervise else []
-    unknown = [f for f in flavors if f not in PRICES]
+    unknown = sorted({f for f in flavors if f not in PRICES})
     if unknown:
-        return float("nan")
-    return sum(PRICES[f] for f in flavors) + EXPOSE_PRICE * (2 if args.standby else 1)
+        return f"cost unknown: no price for {', '.join(unknown)} in lib/jobs/costs.py PRICES"
+    return f"about ${sum(PRICES[f] for f in flavors) + EXPOSE_PRICE * (2 if args.standby else 1):.2f}/hour"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +521,7 @@ def start_jobs(api, args: Args, namespace: str, token: str, bucket, specs: list[
     for spec in specs[1:]:
         if spec.role != "supervisor" or args.supervise:
             start(spec)
-    print(f"\n{len(started)} jobs started (about ${cost_per_hour(args):.2f}/hour while they run). Follow them:")
+    print(f"\n{len(started)} jobs started ({cost_line(args)} while they run). Follow them:")
     for spec, job in started:
         print(f"  hf jobs logs -f {job.id}    # {spec.role}")
     watch = ("" if args.supervise else f"  bash launch_jobs.sh --watch {args.run}      # relaunch any job that "
@@ -722,7 +723,7 @@ def dry_run(args: Args) -> None:
     ns = namespace or NS_VAR
     supervisor = f", supervisor on {args.supervisor_flavor}" if args.supervise else ""
     print(f"# run {args.run}: {args.workers} rollout job(s) on {args.rollout_flavor}, trainer on {args.trainer_flavor}, "
-          f"proxy{' and its standby' if args.standby else ''} on {args.proxy_flavor}{supervisor}; about ${cost_per_hour(args):.2f}/hour")
+          f"proxy{' and its standby' if args.standby else ''} on {args.proxy_flavor}{supervisor}; {cost_line(args)}")
     print("# " + presets.describe(presets.get(args.preset)).replace("\n", "\n# ")
           + "\n# (the launcher's own options and --X-arg come after the preset's in the commands below, and win)")
     if missing := missing_env():

@@ -407,6 +407,14 @@ def test_dry_run_prints_a_complete_run_and_no_secret(tmp_path):
         assert v not in p.stdout + p.stderr
 
 
+def test_a_flavor_without_a_price_is_named_not_priced_as_nan():
+    """A flavor costs.PRICES does not list (l40sx4, a multi-GPU trainer) is named in the run's cost line, where
+    a price would otherwise print as $nan/hour."""
+    p = run_launcher("--dry-run", "--run", "dry3", "--workers", "1", "--trainer-flavor", "l40sx4")
+    assert p.returncode == 0, p.stderr
+    assert "cost unknown: no price for l40sx4 in lib/jobs/costs.py PRICES" in p.stdout and "nan" not in p.stdout
+
+
 def test_dry_run_without_a_namespace_prints_shell_safe_commands(tmp_path):
     """Not logged in (and offline): "$HF_NAMESPACE" with the line that sets it, never a bare <...>; the
     lines, run by bash with HF_NAMESPACE set, reach `hf` with the namespace expanded everywhere."""

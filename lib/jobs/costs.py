@@ -1,5 +1,5 @@
 """What a run's jobs cost: each Jobs flavor's price, and each job's seconds, GPU-seconds and dollars over the time
-it ran. The launcher prices a layout before it starts (launch_hf.cost_per_hour); report.py prices the run after.
+it ran. The launcher prices a layout before it starts (launch_hf.cost_line); report.py prices the run after.
 
     python -c "import common, costs; print(costs.job_costs({'train': (0, 3600)}, {'train': 'a10g-small'}))"
 

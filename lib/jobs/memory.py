@@ -19,8 +19,11 @@ import argparse
 import itertools
 import json
 import os
+import sys
 from dataclasses import dataclass, replace
 
+if __name__ == "__main__":  # run as a script (the docstring's commands): common.py, at the repository's root, finds lib/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from common import computes_bf16  # the one precision rule (common.py): bf16 from compute capability 8.0
 from environments import is_environment  # stdlib only: which tasks train episodes of several turns
 
