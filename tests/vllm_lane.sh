@@ -8,6 +8,7 @@
 # hot-swap/kill -9 server test 6 min 53 s (docs/results/environments.md, docs/results/engines.md; a quiet machine: a third to a half).
 #
 #   bash tests/vllm_lane.sh                 # extra args go to pytest
+#   bash tests/vllm_lane.sh --part engine   # only tests/test_vllm.py (2 tests); --part server: test_vllm_server.py (2)
 #   bash tests/vllm_lane.sh --setup-only    # only create .venv-vllm (launch_jobs.sh --backend vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,13 +30,23 @@ fi
 # and without it a hung test would hang the lane (pytest only warns of an unknown option)
 "$V/bin/python" -c "import pytest_timeout" 2>/dev/null || "$V/bin/pip" install -q "pytest-timeout>=2.3"
 [ "${1:-}" = --setup-only ] && exit 0
-# VLLM_LANE=1: test_vllm*.py fail, rather than skip, where vllm does not import. And the lane fails if
-# pytest skipped any test anyway, or (without extra args) ran fewer than all four: a lane that ran
-# nothing must not pass
+# --part: one of the two files (CI runs them side by side), each of two tests
+files=(tests/test_vllm.py tests/test_vllm_server.py) want=4
+if [ "${1:-}" = --part ]; then
+  case "${2:-}" in
+    engine) files=(tests/test_vllm.py) ;;
+    server) files=(tests/test_vllm_server.py) ;;
+    *) echo "vllm_lane.sh: --part takes engine or server, not '${2:-}'" >&2; exit 2 ;;
+  esac
+  want=2 lane="vllm_lane.sh --part $2"
+  shift 2
+fi
+# VLLM_LANE=1: test_vllm*.py fail, rather than skip, where vllm does not import. And the lane fails if pytest
+# skipped any test anyway, or (without extra args) ran fewer than all of its tests: a lane that ran nothing must not pass
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false VLLM_LANE=1
 xml=$(mktemp --suffix=.xml)
 trap 'rm -f "$xml"' EXIT
 rc=0
-"$V/bin/python" -m pytest -q -s -rs --durations=0 --junitxml="$xml" tests/test_vllm.py tests/test_vllm_server.py "$@" || rc=$?
-"$V/bin/python" tests/support/lane_report.py vllm_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 4 || echo 1)"
+"$V/bin/python" -m pytest -q -s -rs --durations=0 --junitxml="$xml" "${files[@]}" "$@" || rc=$?
+"$V/bin/python" tests/support/lane_report.py "${lane:-vllm_lane.sh}" "$xml" "$rc" "$([ $# -eq 0 ] && echo "$want" || echo 1)"
 exit "$rc"
