@@ -37,9 +37,10 @@ CPU (its one process drives every worker and the trainer: near 100%, its own del
 proxy's). Writes everything as JSON to --out.
 
 With --autoscale K the fleet starts at --workers and the supervisor's policy (lib/jobs/autoscale.py: the same pure
-functions over the proxy's /v1/stats) decides every window (Bounds' defaults times --autoscale-time): up starts
-workers, down asks the newest to leave through the proxy (POST /v1/workers/leave; it leaves after sending its
-round). The trainer's batch is sized for K workers (or --batch). Printed: every decision. For every configuration:
+functions and state over the proxy's /v1/stats) looks every min_window_s (Bounds' defaults times
+--autoscale-time): up starts the lowest workers not at work (a worker started again runs as a new id, with its
+speed: at size k the fleet is a fixed fleet of k's), down asks the newest to leave through the proxy (POST
+/v1/workers/leave; it leaves after sending its round). The trainer's batch is sized for K workers (or --batch). Printed: every decision. For every configuration:
 the time to the trainer's last step, the workers' seconds until then, and what both would cost on Jobs
 (run_dollars). bench/autoscale_compare.py runs the controller against fixed fleet sizes.
 """

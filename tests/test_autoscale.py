@@ -167,7 +167,11 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     down = replace(decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
     assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
     state = apply(state, down)
-    assert decide(sig(0.4, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 200.0, b)).why == "tried"
+    first = replace(decide(sig(0.4, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 200.0, b)), at=200.0)
+    assert first.why == "tried"                                      # no worse at two: three stays left
+    state = apply(state, first)
+    # later windows at two, however much less busy, do not bring three back within retry_s (needed judged it once)
+    assert decide(sig(0.2, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 300.0, b)).why == "tried"
     assert decide(sig(0.4, 0.9, own=1), 1, 0, b, 4, memory=memory_of(state, 200.0, b)).action == "hold"   # min_workers
     # a busy trainer (0.95) whose workers wait 0.69 of their time: down; at two it waits (0.70, worse by more than
     # min_gain): the third is put back, and the workers waiting at three take none away within retry_s
@@ -181,6 +185,10 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     assert memory_of(state, 81.0, b).left == () and memory_of(state, 81.0, b).too_few == 3
     assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 679.0, b)).why == "steady"
     assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 681.0, b)).why == "workers_wait"
+    # the shortfall counts the fleet, not the proxy's live workers (one asked to leave is live until its round is in):
+    # two workers at 0.72 want ceil(2 x 0.85 / 0.72) = 3, one more
+    grow = decide(sig(0.72, 0.2, own=3), 2, 0, b, 4, memory=memory_of(initial_state(["rollout-1", "rollout-2"]), 0.0, b))
+    assert (grow.action, grow.n) == ("up", 1)
     # a down after which the trainer is no worse (0.80 -> 0.79: the third worker did not help) stays down
     state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
     state = apply(state, replace(decide(sig(0.80, 0.6, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0))

@@ -122,9 +122,10 @@ class Memory:
     before: tuple[str, int, float] | None = None
     """("up" or "down", own workers, trainer utilisation) of the window that led to the last up or workers_wait
     down, until a window since that change is read"""
-    left: tuple[tuple[int, float], ...] = ()
-    """(size, the trainer's utilisation there) of each size left (no better, or its workers waiting) within retry_s:
-    not grown to again while the trainer is about as busy as it was there (less by over min_gain: things changed)"""
+    left: tuple[tuple[int, float, str], ...] = ()
+    """(size, the trainer's utilisation there, why) of each size left within retry_s: not grown to again; one left
+    as no_better only while the trainer is about as busy as it was there (less by over min_gain: things changed;
+    a workers_wait size is busier than the one below it by nature, and `needed` has judged that once)"""
     too_few: int | None = None
     """the largest size put back (`needed`) within retry_s: workers_wait does not go below it again"""
 
@@ -212,10 +213,11 @@ def affordable(bounds: Bounds, fixed_per_hour: float, worker_price: float) -> in
     return max(0, min(bounds.max_workers, by_budget))
 
 
-def wanted(sig: Signals, target: float) -> int:
-    """How many workers in all (own + lent) would bring the trainer to target, if its utilisation grows in proportion
-    to the workers (the rate of groups does, until the trainer is the bottleneck)."""
-    return math.ceil((sig.own_workers + sig.lent_workers) * target / max(sig.trainer_util, 0.05))
+def wanted(sig: Signals, target: float, fleet: int) -> int:
+    """How many workers in all (the `fleet` of own ones + lent) would bring the trainer to target, if its utilisation
+    grows in proportion to the workers (the rate of groups does, until the trainer is the bottleneck). The fleet, not
+    the proxy's own live workers: one asked to leave stays live there until its last round is in."""
+    return math.ceil((fleet + sig.lent_workers) * target / max(sig.trainer_util, 0.05))
 
 
 def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float = math.inf,
@@ -287,9 +289,8 @@ def too_many(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decisi
 
 def too_few(sig: Signals, fleet: int, bounds: Bounds, most: int, memory: Memory) -> Decision | None:
     """The trainer under target while the workers do not wait for grants over wait_share_down: up by the shortfall
-    (wanted()), at most max_step, below the bound and below a size left within retry_s (unless the trainer is now
-    over min_gain less busy than it was at that size); after a scale-down only once the longer down cool-down has
-    passed. None where the trainer is at target or the workers wait (at min_workers:
+    (wanted()), at most max_step, below the bound and below a size left within retry_s (Memory.left); after a
+    scale-down only once the longer down cool-down has passed. None where the trainer is at target or the workers wait (at min_workers:
     too_many did not take one away, and another would wait as well)."""
     if sig.trainer_util >= bounds.target_util or sig.wait_share > bounds.wait_share_down:
         return None
@@ -297,8 +298,8 @@ def too_few(sig: Signals, fleet: int, bounds: Bounds, most: int, memory: Memory)
     d = lambda action, n, why, reason: Decision(action, n, why, reason, fleet, asdict(sig))  # noqa: E731
     if fleet >= most:
         return d("hold", 0, "at_bounds", f"{busy}, but {most} worker(s) is the bound")
-    tried = min((size for size, util in memory.left if size > fleet and sig.trainer_util >= util - bounds.min_gain),
-                default=None)
+    tried = min((size for size, util, why in memory.left if size > fleet and
+                 (why == "workers_wait" or sig.trainer_util >= util - bounds.min_gain)), default=None)
     if tried is not None and fleet + 1 >= tried:
         return d("hold", 0, "tried", f"{busy}, but {tried} worker(s) was tried and left")
     cool = bounds.down_cooldown_s if memory.last_change == "down" else bounds.up_cooldown_s
@@ -306,7 +307,7 @@ def too_few(sig: Signals, fleet: int, bounds: Bounds, most: int, memory: Memory)
         return d("hold", 0, "cooling_down", f"{busy}: cooling down ({memory.since_change_s:.0f} of {cool:g} s since "
                                             f"the last {memory.last_change})")
     cap = min(most, tried - 1 if tried is not None else most)
-    n = max(1, min(bounds.max_step, wanted(sig, bounds.target_util) - sig.lent_workers - fleet, cap - fleet))
+    n = max(1, min(bounds.max_step, wanted(sig, bounds.target_util, fleet) - sig.lent_workers - fleet, cap - fleet))
     return d("up", n, "trainer_waits", f"{busy}, workers wait for grants {sig.wait_share:.2f} of their time")
 
 
@@ -315,7 +316,7 @@ def memory_of(state: dict, now: float, bounds: Bounds) -> Memory:
     yet measured, the sizes left and the largest put back within retry_s."""
     at = state.get("last_change_at")
     before = state.get("before")
-    left = tuple(sorted((int(size), x["util"]) for size, x in state.get("left_sizes", {}).items()
+    left = tuple(sorted((int(size), x["util"], x["why"]) for size, x in state.get("left_sizes", {}).items()
                         if now - x["at"] < bounds.retry_s))
     kept = [int(size) for size, t in state.get("kept_sizes", {}).items() if now - t < bounds.retry_s]
     return Memory(state.get("last_change"), now - at if at is not None else math.inf,
@@ -401,7 +402,7 @@ def apply(state: dict, decision: Decision) -> dict:
             retired[r] = at
         fleet = fleet[:len(fleet) - decision.n]
         if decision.why in ("no_better", "workers_wait"):
-            left[str(decision.fleet)] = {"at": at, "util": util}
+            left[str(decision.fleet)] = {"at": at, "util": util, "why": decision.why}
         if decision.why == "workers_wait":
             before = {"action": "down", "size": decision.fleet, "util": util}
     changed = decision.action != "hold"
