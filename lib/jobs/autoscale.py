@@ -25,10 +25,11 @@ hold; no window yet: hold; the first window since an up leaves the trainer under
 than the window that led to the up: take the added workers back (`no_better`); the first window since a
 `workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`); workers
 waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one (`workers_wait`,
-after down_cooldown_s, never below a size put back within retry_s);
-trainer utilisation under target: up, by as many as the shortfall says (at most max_step, within max_workers and
-the cap; after up_cooldown_s, or down_cooldown_s after a scale-down), never to a size left by `no_better` or
-`workers_wait` within retry_s (`tried`). Else hold.
+after down_cooldown_s, never below a size put back within retry_s); trainer utilisation under target, the workers
+not waiting so: up, by as many as the shortfall says (at most max_step, within max_workers and the cap; after
+up_cooldown_s, or down_cooldown_s after a scale-down), never to a size left by `workers_wait` within retry_s, nor
+to one left by `no_better` while the trainer is about as busy as it was there (`tried`). Else hold. What the rules
+remember is in the state apply() returns (written with the fleet), read back by memory_of().
 
 Clocks: signal windows are differences of the proxy's own monotonic clock (`clock_s`), never compared with ours.
 Cool-downs must outlive a supervisor restart, so they are wall-clock times written with each decision
