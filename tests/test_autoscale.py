@@ -91,9 +91,10 @@ def test_cool_downs_hold_changes_and_lent_workers_are_free_capacity():
 
 def reading(clock: float, idle: float, acked: int, leased: int | None = None, waited: float = 0.0,
             incarnation: int = 1) -> dict:
-    """A /v1/stats answer as the proxy gives it, with only what signals() reads (one live worker of the run's)."""
+    """A /v1/stats answer as the proxy gives it, with only what signals() reads (one live worker of the run's):
+    `acked` steps done, each a version registered."""
     return {"incarnation": incarnation, "batches_leased": acked + 1 if leased is None else leased,
-            "batches_acked": acked, "live_workers": {"admin": 1}, "buffer_size": 0, "pacing": {},
+            "latest_version": acked, "live_workers": {"admin": 1}, "buffer_size": 0, "pacing": {},
             "fleet": {"clock_s": clock, "trainer_idle_s": idle, "grant_wait_s": waited}}
 
 
@@ -336,10 +337,12 @@ def ack(p, batch_id: str) -> None:
     assert p.http.post(f"/v1/batches/{batch_id}/ack").is_success
 
 
-def train_a_step(p, n: int) -> None:
-    """The trainer leases a batch of `n` groups already in the buffer and acks it (a step in the window)."""
+def train_a_step(bucket, p, n: int, version: int) -> None:
+    """The trainer leases a batch of `n` groups already in the buffer, registers `version` and acks the batch (a
+    step in the window)."""
     got = lease(p, n, left=30)
     assert len(got["groups"]) == n, got
+    register(bucket, p, version)
     ack(p, got["batch_id"])
 
 
@@ -408,7 +411,7 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
     for w in ids:             # each worker's first groups: none counts as starting any more
         assert deliver(p, w, 1, 2) == ["accepted"] * 2
     time.sleep(3.0)   # down_cooldown_s
-    train_a_step(p, 3)
+    train_a_step(bucket, p, 3, 2)
     sup3.look()       # a window read (one step, no wait): the next one starts here
     assert bucket.get_json(STATE)["decisions"][-1]["why"] == "steady"
     waits = [Worker(lambda w=w: ask(p, w, wait_s=2.0)) for w in ids]
@@ -416,7 +419,7 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
         w.start()
     for w in waits:
         assert w.join(30)["indices"] == []
-    train_a_step(p, 3)
+    train_a_step(bucket, p, 3, 3)
     sup3.look()
     state = bucket.get_json(STATE)
     down = state["decisions"][-1]

@@ -16,7 +16,8 @@ The signals (the proxy's `fleet` and `live_workers` in /v1/stats):
   - live workers per participant: the run's own (admin) and those lent by participants, which count as free
     capacity (they are never launched, cancelled or paid for here).
 
-A window holds at least min_window_s of proxy time and min_window_steps trainer steps (batches acked), starts once
+A window holds at least min_window_s of proxy time and min_window_steps trainer steps (versions registered: train.py
+acks its batches only with a checkpoint), starts once
 the trainer holds its first batch (its wait for that one is start-up, not steady), and starts over at every change
 of the fleet and while a worker starts (until the proxy has a group of its): each window measures one fleet at work.
 
@@ -77,7 +78,7 @@ class Bounds:
     min_window_s: float = 60.0
     """the shortest window of proxy time a decision is made on"""
     min_window_steps: int = 3
-    """the fewest trainer steps (batches acked) a window holds: a window shorter than a step reads 0 or 1 by where
+    """the fewest trainer steps (versions registered) a window holds: a window shorter than a step reads 0 or 1 by where
     the step's wait falls"""
     min_gain: float = 0.03
     """a scale-up that leaves the trainer under target and raises its utilisation by less than this is taken back"""
@@ -112,7 +113,7 @@ class Signals:
     buffer: int              # groups waiting in the buffer
     step_s: float | None     # the trainer's measured step (pacing)
     round_s: float | None    # the workers' median round (pacing)
-    steps: int = 0           # trainer steps (batches acked) in the window
+    steps: int = 0           # trainer steps (versions registered) in the window
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def signals(prev: dict | None, now: dict, min_window_s: float, min_window_steps:
         return None
     a, b = prev["fleet"], now["fleet"]
     window = b["clock_s"] - a["clock_s"]
-    steps = now.get("batches_acked", 0) - prev.get("batches_acked", 0)
+    steps = now.get("latest_version", 0) - prev.get("latest_version", 0)   # one per step (acks come per checkpoint)
     if window < max(min_window_s, 1e-9) or not prev.get("batches_leased") or steps < min_window_steps:
         return None
     live = now.get("live_workers", {})
