@@ -3,6 +3,7 @@ acceptance): the trainer's utilisation, the workers' seconds, dollars and time t
 decisions, and whether the controller came within 10% of the cheapest fixed size that kept the target.
 
     .venv/bin/python bench/autoscale_compare.py                       # the configuration of docs/results/fleet.md
+    .venv/bin/python bench/autoscale_compare.py --sim.autoscale-target 0.8    # a target some fixed size keeps here
     .venv/bin/python bench/autoscale_compare.py --seeds 1 2 3 --max-workers 4
     .venv/bin/python bench/autoscale_compare.py --controller-only --sim.crash 0.03 --sim.rounds-slow-at 0.3 \\
         --sim.rounds-slow-x 2 --sim.trainer-slow-at 0.65 --sim.trainer-slow-x 4 --sim.steps 40   # the scenario run
@@ -29,8 +30,10 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleet_sim  # noqa: E402 - bench/ itself
 
-SIM = fleet_sim.Args(workers=[1], pace="on", steps=16, batch=16, span=(0.5, 1.0), time_scale=0.75, round_scale=0.15,
-                     max_staleness=2, join=0.0, leave=0.0, crash=0.0, timeout_s=400.0, autoscale_time=1 / 20)
+# 40 steps: the controller's first windows (from one worker, three steps each) take a fixed share of the run; at 16
+# steps that share was a third of it, more than a run of hours on Jobs gives them
+SIM = fleet_sim.Args(workers=[1], pace="on", steps=40, batch=16, span=(0.5, 1.0), time_scale=0.75, round_scale=0.15,
+                     max_staleness=2, join=0.0, leave=0.0, crash=0.0, timeout_s=1200.0, autoscale_time=1 / 20)
 
 
 @dataclass

@@ -37,9 +37,10 @@ CPU (its one process drives every worker and the trainer: near 100%, its own del
 proxy's). Writes everything as JSON to --out.
 
 With --autoscale K the fleet starts at --workers and the supervisor's policy (lib/jobs/autoscale.py: the same pure
-functions over the proxy's /v1/stats) decides every window (Bounds' defaults times --autoscale-time): up starts
-workers, down asks the newest to leave through the proxy (POST /v1/workers/leave; it leaves after sending its
-round). The trainer's batch is sized for K workers (or --batch). Printed: every decision. For every configuration:
+functions and state over the proxy's /v1/stats) looks every min_window_s (Bounds' defaults times
+--autoscale-time): up starts the lowest workers not at work (a worker started again runs as a new id, with its
+speed: at size k the fleet is a fixed fleet of k's), down asks the newest to leave through the proxy (POST
+/v1/workers/leave; it leaves after sending its round). The trainer's batch is sized for K workers (or --batch). Printed: every decision. For every configuration:
 the time to the trainer's last step, the workers' seconds until then, and what both would cost on Jobs
 (run_dollars). bench/autoscale_compare.py runs the controller against fixed fleet sizes.
 """
@@ -60,7 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -71,7 +72,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from autoscale import Bounds, Window, decide  # noqa: E402 - lib/jobs, on the path through common
+from autoscale import Bounds, Window, apply, decide, initial_state, memory_of, unseen  # noqa: E402 - lib/jobs, on the path through common
 from costs import EXPOSE_PRICE, PRICES  # noqa: E402
 from presets import PRESETS  # noqa: E402
 from proxy_load import cpu_s, free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
@@ -143,8 +144,9 @@ class Args:
     autoscale: int | None = None
     """the controller on, with at most this many workers (the fleet starts at --workers; the batch is sized for it)"""
     autoscale_time: float = 1 / 30
-    """the controller's window and cool-downs: autoscale.Bounds' defaults (60, 300 and 600 s, for Jobs that take
-    minutes to start) times this; it looks every window"""
+    """the controller's window, cool-downs and retry time: autoscale.Bounds' defaults (60, 300, 600 and 1800 s, for
+    Jobs that take minutes to start) times this; it looks every min_window_s (a window also holds Bounds'
+    min_window_steps trainer steps)"""
     autoscale_target: float = 0.85
     """the trainer utilisation it aims at"""
     rounds_slow_at: float = 1.0
@@ -226,7 +228,7 @@ class Fleet:
         self.rng = random.Random(f"{a.seed}")
         self.draw = Draw(json.loads(TIMES.read_text()), self.rng, random.Random(f"{a.seed}:steps"), a.span)
         self.batch = batch_size(a, n)
-        self.alive: dict[int, list[float]] = {}  # worker -> [started, ended] (monotonic): its job's billed time
+        self.alive: dict[str, list[float]] = {}  # worker id -> [started, ended] (monotonic): its job's billed time
         self.active = list(range(n))   # the workers the controller has not asked to leave (--autoscale)
         self.headers = {"X-Proxy-Token": token, "Content-Type": "application/json"}
         self.hard = {}  # prompt index -> difficulty (drawn when first handed out)
@@ -260,17 +262,19 @@ class Fleet:
         return status, body
 
     # ---- a worker ----------------------------------------------------------------------------------------------
-    async def worker(self, i: int) -> None:
+    async def worker(self, i: int, wid: str | None = None) -> None:
+        """Worker i (its speed and draws), as `wid` (sim-i; the controller names a worker it starts again anew: the
+        proxy may still be telling the one that left to leave)."""
         a = self.a
         rng = random.Random(f"{a.seed}:w{i}")
-        wid, speed = f"sim-{i}", math.exp(rng.gauss(0, a.speed_sigma))
+        wid, speed = wid or f"sim-{i}", math.exp(rng.gauss(0, a.speed_sigma))
         net = rng.uniform(0.2, 1.0) * a.time_scale if rng.random() < a.slow_net else 0.0
         joins = rng.random() < a.join
         leaves_at = time.monotonic() + rng.uniform(0.1, 1.0) * self.expected_s if rng.random() < a.leave else math.inf
         if joins:
             self.m["join"] += 1
             await asyncio.sleep(rng.uniform(0.0, 0.5) * self.expected_s)
-        self.alive[i] = [time.monotonic(), math.inf]
+        self.alive[wid] = [time.monotonic(), math.inf]
         held, seen = [0], [0]  # the version it generates with; the newest its long-poll has seen
         known: set[str] = set()  # sha256s of the adapter files it has fetched (rollout.py's KnownFiles)
         sync = asyncio.create_task(self.adapter_sync(wid, seen, net))
@@ -334,8 +338,8 @@ class Fleet:
                 self.log_round(wid, granted, time.monotonic() - self.t0, round_s, speed, net, len(idx))
         finally:
             sync.cancel()
-            if i in self.alive:
-                self.alive[i][1] = time.monotonic()
+            if wid in self.alive:
+                self.alive[wid][1] = time.monotonic()
 
     def log_round(self, wid: str, granted: float, arrived: float | None, gen_s: float, speed: float, net: float,
                   prompts: int) -> None:
@@ -495,30 +499,38 @@ class Fleet:
             self.m["step_busy"].append(done_at - t1)
 
     async def controller(self, tasks: list) -> None:
-        """--autoscale: autoscale.decide every poll on the proxy's stats; up starts workers, down asks the newest to
+        """--autoscale: every look, the supervisor's policy on the proxy's stats (autoscale.decide over its Window,
+        the state apply() keeps and memory_of() reads, a worker starting until the proxy has a group of its, as
+        Autoscaler.step does on its wall clock; here the simulation's): up starts workers, down asks the newest to
         leave. Its bounds: sim_bounds()."""
         a = self.a
         bounds = sim_bounds(a)
-        window, changed, last_change = Window(bounds.min_window_s), -math.inf, None
+        window, state = Window.of(bounds), initial_state([f"rollout-{i + 1}" for i in self.active])
+        self.ids = {i: f"sim-{i}" for i in self.active}   # worker -> the id it runs under now
         self.m["autoscale"] = []
         while not self.done.is_set():
             await asyncio.sleep(bounds.min_window_s)
             now = time.monotonic()
             status, raw = await self.call("GET", "/v1/stats")
-            d = decide(window.read(json.loads(raw) if status == 200 else None), len(self.active), 0, bounds,
-                       bounds.max_workers, now - changed, last_change)
+            stats = json.loads(raw) if status == 200 else None
+            waiting = unseen([self.ids[i] for i in self.active], stats)
+            if waiting:
+                window.start_over(stats)
+            d = replace(decide(None if waiting else window.read(stats), len(self.active), waiting, bounds,
+                               bounds.max_workers, memory=memory_of(state, now, bounds)), at=now)
+            state = apply(state, d)
             self.m["autoscale"].append([round(now - self.t0, 1), d.action, d.n, d.why, len(self.active),
-                                        d.signals.get("trainer_util"), d.signals.get("wait_share")])
-            if d.action == "up":
-                for i in range(len(self.m["autoscale_started"]), len(self.m["autoscale_started"]) + d.n):
-                    self.active.append(self.n + i)
-                    self.m["autoscale_started"].append(self.n + i)
-                    tasks.append(asyncio.create_task(self.worker(self.n + i)))
+                                        d.signals.get("trainer_util"), d.signals.get("wait_share"), d.signals.get("steps")])
+            if d.action == "up":   # the lowest workers not at work: at size k the fleet is a fixed fleet of k's
+                for i in [i for i in range(a.autoscale) if i not in self.active][:d.n]:
+                    self.active.append(i)
+                    self.ids[i] = f"sim-{i}" if i not in self.ids else f"{self.ids[i]}.r"
+                    tasks.append(asyncio.create_task(self.worker(i, self.ids[i])))
             elif d.action == "down":
                 for i in [self.active.pop() for _ in range(d.n)]:
-                    await self.call("POST", "/v1/workers/leave", json={"worker_id": f"sim-{i}"})
+                    await self.call("POST", "/v1/workers/leave", json={"worker_id": self.ids[i]})
             if d.action != "hold":
-                changed, last_change = now, d.action
+                window.start_over(stats)
                 print(f"  autoscale at {now - self.t0:.0f} s: {d.action} {d.n} -> {len(self.active)} worker(s): "
                       f"{d.reason}", flush=True)
 
@@ -562,7 +574,6 @@ class Fleet:
                 tasks = [asyncio.create_task(self.worker(i)) for i in range(self.n)]
                 tasks += [asyncio.create_task(self.probe())] + ([asyncio.create_task(self.trace())] if self.a.trace else [])
                 if self.a.autoscale:
-                    self.m["autoscale_started"] = []
                     tasks.append(asyncio.create_task(self.controller(tasks)))
                 cpu0 = time.process_time()
                 finished = await asyncio.to_thread(self.train_apart, asyncio.get_running_loop(), timeout)
@@ -646,7 +657,8 @@ def sim_bounds(a: Args) -> Bounds:
     --autoscale-time (the simulated fleet starts a worker at once, a Jobs worker in minutes)."""
     d = Bounds()
     return Bounds(target_util=a.autoscale_target, max_workers=a.autoscale, min_window_s=d.min_window_s * a.autoscale_time,
-                  up_cooldown_s=d.up_cooldown_s * a.autoscale_time, down_cooldown_s=d.down_cooldown_s * a.autoscale_time)
+                  up_cooldown_s=d.up_cooldown_s * a.autoscale_time, down_cooldown_s=d.down_cooldown_s * a.autoscale_time,
+                  retry_s=d.retry_s * a.autoscale_time)
 
 
 def run_dollars(a: Args, worker_s: float, finish_s: float) -> dict:

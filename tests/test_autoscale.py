@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 from huggingface_hub import HfApi
 
 import proxy_client
-from autoscale import STATE, Bounds, Decision, Signals, affordable, apply, check_budget, decide, fixed_cost, signals
+from autoscale import (STATE, Bounds, Decision, Signals, Window, affordable, apply, check_budget, decide, fixed_cost,
+                       initial_state, memory_of, signals)
 from hf_jobs import JobSpec, save_launch
 from jobs_emulator import JobsEmulator
 from proxyproc import Worker, spawn, wait_for  # noqa: F401 - spawn is a fixture
@@ -87,6 +89,115 @@ def test_cool_downs_hold_changes_and_lent_workers_are_free_capacity():
     assert decide(starved, 2, 1, b, 4, math.inf).why == "starting"    # a launch not running yet: wait for it
 
 
+def reading(clock: float, idle: float, acked: int, leased: int | None = None, waited: float = 0.0,
+            incarnation: int = 1) -> dict:
+    """A /v1/stats answer as the proxy gives it, with only what signals() reads (one live worker of the run's):
+    `acked` steps done, each a version registered."""
+    return {"incarnation": incarnation, "batches_leased": acked + 1 if leased is None else leased,
+            "latest_version": acked, "live_workers": {"admin": 1}, "buffer_size": 0, "pacing": {},
+            "fleet": {"clock_s": clock, "trainer_idle_s": idle, "grant_wait_s": waited}}
+
+
+def test_a_window_holds_trainer_steps_and_starts_once_the_trainer_has_its_first_batch():
+    """A window shorter than a step reads 0 or 1 by where the step's wait falls, and the wait for the first batch is
+    start-up: the window starts at the first reading after a batch was leased and ends once it holds
+    min_window_steps steps (and min_window_s); a change starts it over."""
+    w = Window.of(Bounds(min_window_s=5.0, min_window_steps=3))
+    assert w.read(reading(0.0, 0.0, acked=0, leased=0)) is None
+    assert w.read(reading(20.0, 20.0, acked=0, leased=1)) is None   # 20 s waiting for the first batch: not counted
+    assert w.read(reading(30.0, 24.0, acked=2)) is None              # 10 s, but 2 steps
+    got = w.read(reading(40.0, 26.0, acked=3))
+    assert (got.window_s, got.steps, round(got.trainer_util, 3)) == (20.0, 3, 0.7)   # idle 6 s of 20: not 20 of 40
+    assert w.read(reading(43.0, 26.0, acked=7)) is None              # 4 steps, but 3 s < min_window_s
+    assert w.read(reading(52.0, 26.0, acked=9)).trainer_util == 1.0  # 12 s, 6 steps since the window read at 40 s
+    w.start_over(reading(60.0, 30.0, acked=10))                      # the fleet changed at 60 s
+    assert w.read(reading(70.0, 40.0, acked=12)) is None
+    assert w.read(reading(80.0, 40.0, acked=13)).trainer_util == 0.5  # since the change: 10 s idle of 20
+    assert w.read(reading(90.0, 40.0, acked=20, incarnation=2)) is None   # a new proxy: its sums start at 0
+    assert signals(reading(0.0, 0.0, 0), reading(100.0, 0.0, 0), 1.0) is None   # no step in 100 s: no window
+
+
+def test_an_added_worker_that_does_not_help_is_taken_back_and_its_size_not_tried_again():
+    """The first window since an up is compared with the one that led to it: under target and less than min_gain
+    busier, the added workers are taken back; that size is left alone for retry_s, whatever the next windows say.
+    What the policy remembers is in the state written to the bucket, so a restarted supervisor remembers it."""
+    b = Bounds(up_cooldown_s=30, down_cooldown_s=60, retry_s=600, min_gain=0.03)
+    state = initial_state(["rollout-1", "rollout-2"])
+    up = replace(decide(sig(0.6, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 0.0, b)), at=0.0)
+    assert (up.action, up.n, up.why) == ("up", 1, "trainer_waits")
+    state = json.loads(json.dumps(apply(state, up)))                 # as the supervisor writes and reads it
+    assert memory_of(state, 10.0, b).before == ("up", 2, 0.6)
+    # three workers: the trainer busy 0.61, 0.01 better, under min_gain: the third is taken back
+    back = replace(decide(sig(0.61, 0.2, own=3), 3, 0, b, 4, memory=memory_of(state, 40.0, b)), at=40.0)
+    assert (back.action, back.n, back.why) == ("down", 1, "no_better")
+    state = json.loads(json.dumps(apply(state, back)))
+    assert state["fleet"] == ["rollout-1", "rollout-2"] and state["retired"] == {"rollout-3": 40.0}
+    # back at two, the trainer still under target: three is not tried again within retry_s, then it is; unless the
+    # trainer is now over min_gain less busy at two (0.57) than it was at three (0.61): things changed, try again
+    assert decide(sig(0.6, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 639.0, b)).why == "tried"
+    assert decide(sig(0.59, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 639.0, b)).why == "tried"
+    assert decide(sig(0.57, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 639.0, b)).action == "up"
+    again = decide(sig(0.6, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 641.0, b))
+    assert (again.action, again.n) == ("up", 1)
+    # an up that helped, though not to target (0.5 -> 0.7), stays; the comparison is made once, at the first window
+    state = apply(initial_state(["rollout-1"]), replace(decide(sig(0.5, 0.0), 1, 0, b, 4), at=0.0))
+    helped = decide(sig(0.7, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 40.0, b))
+    assert (helped.action, helped.why) == ("up", "trainer_waits")
+    state = apply(state, replace(decide(sig(0.9, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 20.0, b)), at=20.0))
+    assert memory_of(state, 40.0, b).before is None
+    assert decide(sig(0.5, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 40.0, b)).why == "trainer_waits"
+    # an up of two that did not help is taken back whole, and an up may not reach a size left
+    two = apply(initial_state(["rollout-1"]), replace(decide(sig(0.2, 0.0), 1, 0, b, 4), at=0.0))
+    assert len(two["fleet"]) == 3
+    back2 = decide(sig(0.19, 0.0, own=3), 3, 0, b, 4, memory=memory_of(two, 40.0, b))
+    assert (back2.action, back2.n, back2.why) == ("down", 2, "no_better")
+    two = apply(two, replace(back2, at=40.0))
+    capped = decide(sig(0.2, 0.0), 1, 0, b, 4, memory=memory_of(two, 200.0, b))
+    assert (capped.action, capped.n) == ("up", 1)                    # wanted() says 5 in all; 3 was left: 2 at most
+
+
+def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
+    """Workers waiting for grants more than wait_share_down of their time are too many even while the trainer
+    waits (staleness bounds it, not they): down by one after the down cool-down, never below min_workers, and that
+    size is left alone for retry_s."""
+    b = Bounds(up_cooldown_s=30, down_cooldown_s=60, retry_s=600, min_workers=1)
+    state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]),
+                  Decision("up", 0, "trainer_waits", "", 3, at=0.0))   # a change at 0 s (the cool-downs' origin)
+    both_wait = sig(0.4, 0.7, own=3)
+    assert decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 59.0, b)).why == "cooling_down"
+    down = replace(decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
+    assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
+    state = apply(state, down)
+    first = replace(decide(sig(0.4, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 200.0, b)), at=200.0)
+    assert first.why == "tried"                                      # no worse at two: three stays left
+    state = apply(state, first)
+    # later windows at two, however much less busy, do not bring three back within retry_s (needed judged it once)
+    assert decide(sig(0.2, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 300.0, b)).why == "tried"
+    assert decide(sig(0.4, 0.9, own=1), 1, 0, b, 4, memory=memory_of(state, 200.0, b)).action == "hold"   # min_workers
+    # a busy trainer (0.95) whose workers wait 0.69 of their time: down; at two it waits (0.70, worse by more than
+    # min_gain): the third is put back, and the workers waiting at three take none away within retry_s
+    state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
+    down = replace(decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
+    state = apply(state, down)
+    assert memory_of(state, 62.0, b).before == ("down", 3, 0.95)
+    back = replace(decide(sig(0.70, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)), at=80.0)
+    assert (back.action, back.n, back.why) == ("up", 1, "needed")
+    state = apply(state, back)
+    assert memory_of(state, 81.0, b).left == () and memory_of(state, 81.0, b).too_few == 3
+    assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 679.0, b)).why == "steady"
+    assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 681.0, b)).why == "workers_wait"
+    # the shortfall counts the fleet, not the proxy's live workers (one asked to leave is live until its round is in):
+    # two workers at 0.72 want ceil(2 x 0.85 / 0.72) = 3, one more
+    grow = decide(sig(0.72, 0.2, own=3), 2, 0, b, 4, memory=memory_of(initial_state(["rollout-1", "rollout-2"]), 0.0, b))
+    assert (grow.action, grow.n) == ("up", 1)
+    # a down after which the trainer is no worse (0.80 -> 0.79: the third worker did not help) stays down
+    state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
+    state = apply(state, replace(decide(sig(0.80, 0.6, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0))
+    assert decide(sig(0.79, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)).why == "tried"
+    with pytest.raises(ValueError, match="min_window_steps 0: at least 1"):
+        Bounds(min_window_steps=0)
+
+
 # ---- the proxy's signals ---------------------------------------------------------------------------------------
 
 
@@ -97,7 +208,7 @@ def fleet_of(p) -> dict:
 def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket, spawn):
     """The trainer is idle while a lease request of its is open with nothing to train: from the request when it holds
     nothing, from the registration of the version it was making when it asked ahead; a worker waits from its paced
-    request to the answer. Read twice, that is a trainer starved of rollouts: decide() says up."""
+    request to the answer. Read twice, around a step, that is a trainer starved of rollouts: decide() says up."""
     p = spawn("--pace", "--max-staleness", "1")
     assert lease(p, 4, left=40)["batch_id"] is None
     assert len(granted(p, "w1")) == 4 and deliver(p, "w1", 0, 4) == ["accepted"] * 4
@@ -105,8 +216,9 @@ def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket,
     t0 = time.monotonic()
     assert ask(p, "w3", wait_s=0.6)["indices"] == []          # the window is full: w3 waits on the proxy
     assert fleet_of(p)["grant_wait_s"] >= 0.55 and time.monotonic() - t0 >= 0.55
-    before = p.stats()
-    assert lease(p, 4, left=40)["batch_id"]                   # the trainer gets w1's round at once
+    first = lease(p, 4, left=40)["batch_id"]                  # the trainer gets w1's round at once
+    assert first
+    before = p.stats()                                        # a window starts once the trainer holds a batch
     idle0 = fleet_of(p)["trainer_idle_s"]
     # it asks ahead for its next batch while it makes version 1: not idle, however long that request waits
     r = p.http.post("/v1/batches/lease", json={"num_groups": 4, "wait_s": 1.0, "after_version": 1, "groups_left": 36})
@@ -118,6 +230,7 @@ def test_the_proxy_measures_the_trainers_idle_time_and_the_workers_waits(bucket,
     time.sleep(0.5)
     register(bucket, p, 1)
     t_reg = time.monotonic()
+    ack(p, first)                                             # the step is done: the window holds one
     assert waiting.join(30)["batch_id"] is None
     idle = fleet_of(p)["trainer_idle_s"] - idle0
     assert 0.2 < idle <= time.monotonic() - t_reg + 0.05, idle
@@ -209,7 +322,7 @@ def autoscaled_run(tmp_path, monkeypatch, s3_env, spawn, bucket, run_name):
              JobSpec("rollout-1", "idle.py", [], ["--worker-id", f"{run_name}-w1", "--seed", "1"], "l4x1", [], {},
                      timeout="30m"),
              JobSpec("supervisor", "idle.py", [], [], "cpu-basic", [], {}, timeout="30m")]
-    bounds = {"max_workers": 4, "budget_per_hour": 5.0, "min_window_s": 0.5, "up_cooldown_s": 60.0,
+    bounds = {"max_workers": 4, "budget_per_hour": 5.0, "min_window_s": 0.5, "min_window_steps": 1, "up_cooldown_s": 60.0,
               "down_cooldown_s": 3.0, "wait_share_down": 0.3}
     save_launch(bucket, {"run": run_name, "autoscale": bounds}, specs, {"idle.py": tmp_path / "idle.py"})
     api = HfApi()
@@ -218,6 +331,19 @@ def autoscaled_run(tmp_path, monkeypatch, s3_env, spawn, bucket, run_name):
                        labels={"async-grpo-run": run_name, "role": spec.role})
     yield p, emu
     emu.close()
+
+
+def ack(p, batch_id: str) -> None:
+    assert p.http.post(f"/v1/batches/{batch_id}/ack").is_success
+
+
+def train_a_step(bucket, p, n: int, version: int) -> None:
+    """The trainer leases a batch of `n` groups already in the buffer, registers `version` and acks the batch (a
+    step in the window)."""
+    got = lease(p, n, left=30)
+    assert len(got["groups"]) == n, got
+    register(bucket, p, version)
+    ack(p, got["batch_id"])
 
 
 def supervisor(bucket, run_name, tmp_path, name: str) -> Supervisor:
@@ -236,13 +362,17 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
                                                                                      tmp_path, capsys):
     p, emu = autoscaled_run
     sup = supervisor(bucket, run_name, tmp_path, "a")
-    assert sup.look() is None                                  # the first reading: no window yet
-    assert [d["why"] for d in bucket.get_json(STATE)["decisions"]] == ["no_window"]
+    assert sup.look() is None                                  # w1 has sent no group yet: it counts as starting
+    assert [d["why"] for d in bucket.get_json(STATE)["decisions"]] == ["starting"]
     # the trainer: one batch trained, then it waits 1 s for the next one with nothing in the buffer
     assert lease(p, 4, left=40)["batch_id"] is None
     assert len(granted(p, f"{run_name}-w1")) == 4 and deliver(p, f"{run_name}-w1", 0, 4) == ["accepted"] * 4
-    assert lease(p, 4, left=40)["batch_id"]
+    first = lease(p, 4, left=40)["batch_id"]
+    assert first
+    assert sup.look() is None                                  # the window starts once the trainer holds a batch
+    assert bucket.get_json(STATE)["decisions"][-1]["why"] == "no_window"
     register(bucket, p, 1)
+    ack(p, first)
     assert lease(p, 4, left=36, wait_s=1.0)["batch_id"] is None
     assert sup.look() is None
     state = bucket.get_json(STATE)
@@ -277,14 +407,19 @@ def test_the_supervisor_scales_up_when_the_trainer_waits_and_down_when_workers_w
     # of the fleet waits for a grant. After the cool-down, one worker leaves: the newest
     wait_for(lambda: all(running(emu, r) for r in decided["fleet"]), 30, msg="the fleet running")
     assert all(len(granted(p, f)) == 4 for f in ("filler-a", "filler-b"))
-    time.sleep(3.0)   # down_cooldown_s
-    sup3.look()       # a fresh reading to start the window from
     ids = [f"{run_name}-w{r.split('-')[1]}" for r in decided["fleet"]]
+    for w in ids:             # each worker's first groups: none counts as starting any more
+        assert deliver(p, w, 1, 2) == ["accepted"] * 2
+    time.sleep(3.0)   # down_cooldown_s
+    train_a_step(bucket, p, 3, 2)
+    sup3.look()       # a window read (one step, no wait): the next one starts here
+    assert bucket.get_json(STATE)["decisions"][-1]["why"] == "steady"
     waits = [Worker(lambda w=w: ask(p, w, wait_s=2.0)) for w in ids]
     for w in waits:
         w.start()
     for w in waits:
         assert w.join(30)["indices"] == []
+    train_a_step(bucket, p, 3, 3)
     sup3.look()
     state = bucket.get_json(STATE)
     down = state["decisions"][-1]

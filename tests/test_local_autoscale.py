@@ -23,15 +23,17 @@ def test_bad_bounds_are_refused_by_name():
             local_fleet.bounds_from([bad])
 
 
-def local_run(run_name: str, tiny_model: str, steps: int, *bounds: str) -> tuple[int, str, list[dict], str]:
-    """`launch_jobs.sh --local --autoscale` on the tiny model (`bounds`: its --autoscale-arg values): its exit
-    status, what it printed, the decisions of runs/<run>/autoscale.jsonl and w2's log (the run's folder removed)."""
+def local_run(run_name: str, tiny_model: str, steps: int, *bounds: str, workers: int = 1) -> tuple[int, str, list[dict], str]:
+    """`launch_jobs.sh --local --autoscale` on the tiny model from `workers` workers (`bounds`: its --autoscale-arg
+    values): its exit status, what it printed, the decisions of runs/<run>/autoscale.jsonl and w2's log (the run's
+    folder removed)."""
     out = ROOT / "runs" / run_name
     env = {k: v for k, v in os.environ.items() if k not in ("BUCKET", "S3_ENDPOINT_URL", "PROXY_URL", "PROXY_TOKEN",
                                                             "RUN_NAME", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     try:
         done = subprocess.run(
-            ["bash", str(ROOT / "launch_jobs.sh"), "--local", "--autoscale", "--steps", str(steps), "--run", run_name,
+            ["bash", str(ROOT / "launch_jobs.sh"), "--local", "--autoscale", "--workers", str(workers), "--steps",
+             str(steps), "--run", run_name,
              "--train-arg", f"--model={tiny_model}", "--train-arg", "--no-skip-zero-std",  # its rewards are all equal
              "--rollout-arg", f"--model={tiny_model}", *(a for b in bounds for a in ("--autoscale-arg", b))],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
@@ -71,15 +73,16 @@ def test_the_local_run_adds_a_worker_when_the_trainer_waits(tiny_model, run_name
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_local_run_retires_a_worker_without_loss_when_workers_wait(tiny_model, run_name):
-    """Bounds that make two workers too many (target 0.5, workers waiting over 0.3 of their time is too much, 10 s
-    cool-downs): after the scale-up the driver decides down 1, the newest worker (w2) is told through the proxy,
-    sends its round and exits 0, and the ledger counts nothing released or lost."""
+    """From two workers, with bounds that make two too many (target 0.5, workers waiting over 0.3 of their time is
+    too much, 10 s cool-downs): the driver decides down 1, the newest worker (w2) is told through the proxy, sends
+    its round and exits 0, and the ledger counts nothing released or lost. (From one worker, no window shows the
+    trainer under 0.5: its wait for the first batch is start-up, not counted, and it is what added the second.)"""
     code, said, decisions, w2 = local_run(run_name, tiny_model, 16, "min_window_s=5", "target_util=0.5",
-                                          "wait_share_down=0.3", "up_cooldown_s=10", "down_cooldown_s=10")
+                                          "wait_share_down=0.3", "up_cooldown_s=10", "down_cooldown_s=10", workers=2)
     assert code == 0, said[-4000:]
     downs = [d for d in decisions if d["action"] == "down"]
     assert downs and downs[0]["why"] == "workers_wait" and downs[0]["fleet_after"] == ["rollout-1"], decisions
-    assert downs[0]["signals"]["wait_share"] > 0.3 and downs[0]["signals"]["trainer_util"] >= 0.5, downs[0]
+    assert downs[0]["signals"]["wait_share"] > 0.3, downs[0]   # whatever the trainer does (autoscale.too_many)
     assert line_of(said, r"autoscale: down 1 \(1 worker\(s\) now\)") < line_of(said, r"autoscale: worker w2 left \(status 0\)")
     assert "[w2] leaving: the proxy asks this worker to (scaled down (local))" in w2, w2[-3000:]
     assert re.search(r"^\s+released_scale_down\s+0 tokens", said, re.M), said[-4000:]

@@ -16,12 +16,21 @@ The signals (the proxy's `fleet` and `live_workers` in /v1/stats):
   - live workers per participant: the run's own (admin) and those lent by participants, which count as free
     capacity (they are never launched, cancelled or paid for here).
 
-The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a launch still starting or a
-cool-down since the last change: hold; no window yet (the first look, a new proxy incarnation, a window shorter than
-min_window_s, or a trainer that has not leased): hold; trainer utilisation under target while workers do not
-wait for grants: up, by as many as the shortfall says (at most max_step, within max_workers and the cap; after a
-scale-down only once its longer cool-down has passed); trainer at target while workers wait for grants more than
-wait_share_down of their time: down by one. Else hold.
+A window holds at least min_window_s of proxy time and min_window_steps trainer steps (versions registered: train.py
+acks its batches only with a checkpoint), starts once
+the trainer holds its first batch (its wait for that one is start-up, not steady), and starts over at every change
+of the fleet and while a worker starts (until the proxy has a group of its): each window measures one fleet at work.
+
+The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a worker still starting:
+hold; no window yet: hold; the first window since an up leaves the trainer under target and not min_gain busier
+than the window that led to the up: take the added workers back (`no_better`); the first window since a
+`workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`); workers
+waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one (`workers_wait`,
+after down_cooldown_s, never below a size put back within retry_s); trainer utilisation under target, the workers
+not waiting so: up, by as many as the shortfall says (at most max_step, within max_workers and the cap; after
+up_cooldown_s, or down_cooldown_s after a scale-down), never to a size left by `workers_wait` within retry_s, nor
+to one left by `no_better` while the trainer is about as busy as it was there (`tried`). Else hold. What the rules
+remember is in the state apply() returns (written with the fleet), read back by memory_of().
 
 Clocks: signal windows are differences of the proxy's own monotonic clock (`clock_s`), never compared with ours.
 Cool-downs must outlive a supervisor restart, so they are wall-clock times written with each decision
@@ -68,6 +77,13 @@ class Bounds:
     """after a change, no scale-down before this"""
     min_window_s: float = 60.0
     """the shortest window of proxy time a decision is made on"""
+    min_window_steps: int = 3
+    """the fewest trainer steps (versions registered) a window holds: a window shorter than a step reads 0 or 1 by where
+    the step's wait falls"""
+    min_gain: float = 0.03
+    """a scale-up that leaves the trainer under target and raises its utilisation by less than this is taken back"""
+    retry_s: float = 1800.0
+    """a size left for being no better or for its workers waiting for grants is not grown to again for this long"""
     max_step: int = 2
     """most workers added at once"""
 
@@ -79,7 +95,10 @@ class Bounds:
             (self.budget_per_hour is not None and self.budget_per_hour <= 0, "budget_per_hour: positive, or None"),
             (not 0 < self.wait_share_down <= 1, f"wait_share_down {self.wait_share_down}: in (0, 1]"),
             (self.max_step < 1, f"max_step {self.max_step}: at least 1"),
-            (min(self.up_cooldown_s, self.down_cooldown_s, self.min_window_s) < 0, "cool-downs and window: >= 0")] if bad]
+            (self.min_window_steps < 1, f"min_window_steps {self.min_window_steps}: at least 1"),
+            (not 0 <= self.min_gain < 1, f"min_gain {self.min_gain}: in [0, 1)"),
+            (min(self.up_cooldown_s, self.down_cooldown_s, self.min_window_s, self.retry_s) < 0,
+             "cool-downs, retry_s and window: >= 0")] if bad]
         if problems:
             raise ValueError("autoscale bounds: " + "; ".join(problems))
 
@@ -94,14 +113,31 @@ class Signals:
     buffer: int              # groups waiting in the buffer
     step_s: float | None     # the trainer's measured step (pacing)
     round_s: float | None    # the workers' median round (pacing)
+    steps: int = 0           # trainer steps (versions registered) in the window
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the policy remembers of its own past (memory_of() reads it from the state apply() keeps)."""
+    last_change: str | None = None       # "up" or "down"; None: no change yet
+    since_change_s: float = math.inf
+    before: tuple[str, int, float] | None = None
+    """("up" or "down", own workers, trainer utilisation) of the window that led to the last up or workers_wait
+    down, until a window since that change is read"""
+    left: tuple[tuple[int, float, str], ...] = ()
+    """(size, the trainer's utilisation there, why) of each size left within retry_s: not grown to again; one left
+    as no_better only while the trainer is about as busy as it was there (less by over min_gain: things changed;
+    a workers_wait size is busier than the one below it by nature, and `needed` has judged that once)"""
+    too_few: int | None = None
+    """the largest size put back (`needed`) within retry_s: workers_wait does not go below it again"""
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Literal["up", "down", "hold"]
     n: int
-    why: str                 # which rule: below_min, over_bounds, starting, no_window, at_bounds, cooling_down,
-                             # trainer_waits, workers_wait, steady
+    why: str                 # which rule: below_min, over_bounds, starting, no_window, no_better, needed,
+                             # workers_wait, at_bounds, tried, cooling_down, trainer_waits, steady
     reason: str              # the rule and its numbers, as the log says it
     fleet: int               # the run's own rollout jobs before it
     signals: dict = field(default_factory=dict)
@@ -114,14 +150,16 @@ class Decision:
 # ---- the policy: pure functions -----------------------------------------------------------------------------
 
 
-def signals(prev: dict | None, now: dict, min_window_s: float) -> Signals | None:
-    """The signals over the window between two /v1/stats answers; None where none can be read (no earlier reading,
-    another incarnation, a window shorter than min_window_s, or no batch leased yet)."""
+def signals(prev: dict | None, now: dict, min_window_s: float, min_window_steps: int = 1) -> Signals | None:
+    """The signals over the window between two /v1/stats answers; None where none can be read: no earlier reading,
+    another incarnation, a window that starts before the trainer's first batch (its wait for it is start-up, not
+    steady), or one shorter than min_window_s or than min_window_steps trainer steps."""
     if prev is None or prev.get("incarnation") != now.get("incarnation") or "fleet" not in now:
         return None
     a, b = prev["fleet"], now["fleet"]
     window = b["clock_s"] - a["clock_s"]
-    if window < max(min_window_s, 1e-9) or not now.get("batches_leased"):
+    steps = now.get("latest_version", 0) - prev.get("latest_version", 0)   # one per step (acks come per checkpoint)
+    if window < max(min_window_s, 1e-9) or not prev.get("batches_leased") or steps < min_window_steps:
         return None
     live = now.get("live_workers", {})
     own = live.get(ADMIN, 0)
@@ -131,27 +169,37 @@ def signals(prev: dict | None, now: dict, min_window_s: float) -> Signals | None
     pacing = now.get("pacing", {})
     return Signals(window_s=window, trainer_util=max(0.0, 1 - idle / window),
                    wait_share=min(1.0, waited / (window * max(1, own + lent))), own_workers=own, lent_workers=lent,
-                   buffer=now.get("buffer_size", 0), step_s=pacing.get("step_s"), round_s=pacing.get("round_s_median"))
+                   buffer=now.get("buffer_size", 0), step_s=pacing.get("step_s"), round_s=pacing.get("round_s_median"),
+                   steps=steps)
 
 
 @dataclass
 class Window:
-    """The /v1/stats reading the next window starts from: it moves on once a window is read, or the proxy restarted."""
+    """The /v1/stats reading the next window starts from: it moves on once a window is read, while the trainer has
+    no batch yet, when the proxy restarted, and at every change of the fleet (start_over): each window measures one
+    fleet at work."""
     min_window_s: float
+    min_window_steps: int = 1
     prev: dict | None = None
+
+    @classmethod
+    def of(cls, bounds: Bounds) -> Window:
+        return cls(bounds.min_window_s, bounds.min_window_steps)
 
     def read(self, stats: dict | None) -> Signals | None:
         """The signals since the reading kept (None: none yet, see signals())."""
         if stats is None:
             return None
-        sig = signals(self.prev, stats, self.min_window_s)
-        if sig is not None or self.prev is None or self.prev.get("incarnation") != stats.get("incarnation"):
+        sig = signals(self.prev, stats, self.min_window_s, self.min_window_steps)
+        if (sig is not None or self.prev is None or self.prev.get("incarnation") != stats.get("incarnation")
+                or not self.prev.get("batches_leased")):
             self.prev = stats
         return sig
 
-    def start_over(self, stats: dict) -> None:
-        """The next window starts at `stats` (a driver that counts a worker as starting until it works)."""
-        self.prev = stats
+    def start_over(self, stats: dict | None) -> None:
+        """The next window starts at `stats` (after a change, or while a worker starts); None: kept as it is."""
+        if stats is not None:
+            self.prev = stats
 
 
 def run_cost(fixed_per_hour: float, worker_price: float, workers: int) -> float:
@@ -167,19 +215,21 @@ def affordable(bounds: Bounds, fixed_per_hour: float, worker_price: float) -> in
     return max(0, min(bounds.max_workers, by_budget))
 
 
-def wanted(sig: Signals, target: float) -> int:
-    """How many workers in all (own + lent) would bring the trainer to target, if its utilisation grows in proportion
-    to the workers (the rate of groups does, until the trainer is the bottleneck)."""
-    return math.ceil((sig.own_workers + sig.lent_workers) * target / max(sig.trainer_util, 0.05))
+def wanted(sig: Signals, target: float, fleet: int) -> int:
+    """How many workers in all (the `fleet` of own ones + lent) would bring the trainer to target, if its utilisation
+    grows in proportion to the workers (the rate of groups does, until the trainer is the bottleneck). The fleet, not
+    the proxy's own live workers: one asked to leave stays live there until its last round is in."""
+    return math.ceil((fleet + sig.lent_workers) * target / max(sig.trainer_util, 0.05))
 
 
-def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float,
-           last_change: str | None = None) -> Decision:
-    """The decision for `fleet` own rollout jobs (`starting` of them not running yet), `most` of them affordable
-    (affordable()), `since_change_s` after the last up or down (`last_change`; inf, None: none yet). The rules: the
-    module docstring. Scaling up again after a scale-down waits out the longer down cool-down: where rounds are long
-    against steps, no fleet keeps the trainer busy (staleness bounds what may be in flight), and the trainer waits in
-    one window while the workers wait for grants in the next (the fleet simulation flapped so)."""
+def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float = math.inf,
+           last_change: str | None = None, memory: Memory | None = None) -> Decision:
+    """The decision for `fleet` own rollout jobs (`starting` of them not at work yet), `most` of them affordable
+    (affordable()), `since_change_s` after the last up or down (`last_change`; inf, None: none yet), with what
+    `memory` (memory_of()) holds of earlier decisions; where given, its own last change and time are used. The rules:
+    the module docstring."""
+    if memory is None:
+        memory = Memory(last_change, since_change_s)
     def d(action: str, n: int, why: str, reason: str) -> Decision:
         return Decision(action, n, why, reason, fleet, {} if sig is None else asdict(sig))
     floor = min(bounds.min_workers, most)
@@ -192,24 +242,88 @@ def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most:
         return d("hold", 0, "starting", f"{starting} worker(s) still starting")
     if sig is None:
         return d("hold", 0, "no_window", "no window of signals yet")
-    busy, waits = f"trainer busy {sig.trainer_util:.2f}", f"workers wait for grants {sig.wait_share:.2f}"
-    low, waiting = sig.trainer_util < bounds.target_util, sig.wait_share > bounds.wait_share_down
-    if low and not waiting:
-        if fleet >= most:
-            return d("hold", 0, "at_bounds", f"{busy} < target {bounds.target_util}, but {most} worker(s) is the bound")
-        cool = bounds.down_cooldown_s if last_change == "down" else bounds.up_cooldown_s
-        if since_change_s < cool:
-            return d("hold", 0, "cooling_down", f"{busy} < target: cooling down ({since_change_s:.0f} of {cool:g} s "
-                                                f"since the last {last_change})")
-        n = max(1, min(bounds.max_step, wanted(sig, bounds.target_util) - sig.lent_workers - fleet, most - fleet))
-        return d("up", n, "trainer_waits", f"{busy} < target {bounds.target_util}, {waits} of their time")
-    if waiting and not low and fleet > bounds.min_workers:
-        if since_change_s < bounds.down_cooldown_s:
-            return d("hold", 0, "cooling_down", f"{waits}: cooling down "
-                                                f"({since_change_s:.0f} of {bounds.down_cooldown_s:g} s)")
-        return d("down", 1, "workers_wait", f"{waits} > {bounds.wait_share_down} of their time, {busy} >= target "
-                                            f"{bounds.target_util}")
-    return d("hold", 0, "steady", f"{busy}, {waits}: nothing to change")
+    return no_better(sig, fleet, bounds, memory) or needed(sig, fleet, bounds, memory) \
+        or too_many(sig, fleet, bounds, memory) \
+        or too_few(sig, fleet, bounds, most, memory) \
+        or d("hold", 0, "steady", f"trainer busy {sig.trainer_util:.2f}, workers wait for grants "
+                                  f"{sig.wait_share:.2f}: nothing to change")
+
+
+def no_better(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decision | None:
+    """The first window since an up that left the trainer under target and its utilisation not min_gain above the
+    window that led to it: the workers added are taken back (and their size, memory.left, not grown to again
+    within retry_s). Where rounds are long against steps, staleness bounds what may be in flight and more workers
+    only wait longer for smaller grants; a slow worker's share of a batch can make the trainer wait longer still."""
+    if memory.before is None or memory.before[0] != "up" or sig.trainer_util >= bounds.target_util:
+        return None
+    _, size, util = memory.before
+    if fleet <= size or sig.trainer_util >= util + bounds.min_gain:
+        return None
+    return Decision("down", fleet - size, "no_better", f"trainer busy {sig.trainer_util:.2f} at {fleet} worker(s), "
+                    f"{util:.2f} at {size}: not {bounds.min_gain:g} better, taken back", fleet, asdict(sig))
+
+
+def needed(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decision | None:
+    """The first window since a workers_wait down leaves the trainer under target and more than min_gain less busy
+    than before it: the workers are put back, and workers_wait goes no lower than that size within retry_s (under
+    pacing workers wait for grants by design: the proxy holds them back to what staleness lets be trained)."""
+    if memory.before is None or memory.before[0] != "down" or sig.trainer_util >= bounds.target_util:
+        return None
+    _, size, util = memory.before
+    if fleet >= size or sig.trainer_util > util - bounds.min_gain:
+        return None
+    return Decision("up", size - fleet, "needed", f"trainer busy {sig.trainer_util:.2f} at {fleet} worker(s), "
+                    f"{util:.2f} at {size}: put back", fleet, asdict(sig))
+
+
+def too_many(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decision | None:
+    """Workers waiting for grants more than wait_share_down of their time, whatever the trainer does: a busy trainer
+    needs no more, and one that waits while the workers do is bounded by staleness, not by them. Down by one, never
+    below min_workers, not within down_cooldown_s of the last change; None where the workers do not wait so."""
+    if sig.wait_share <= bounds.wait_share_down or fleet <= max(bounds.min_workers, memory.too_few or 0):
+        return None
+    waits = f"workers wait for grants {sig.wait_share:.2f} > {bounds.wait_share_down} of their time"
+    if memory.since_change_s < bounds.down_cooldown_s:
+        return Decision("hold", 0, "cooling_down", f"{waits}: cooling down ({memory.since_change_s:.0f} of "
+                        f"{bounds.down_cooldown_s:g} s)", fleet, asdict(sig))
+    return Decision("down", 1, "workers_wait", f"{waits} (trainer busy {sig.trainer_util:.2f})", fleet, asdict(sig))
+
+
+def too_few(sig: Signals, fleet: int, bounds: Bounds, most: int, memory: Memory) -> Decision | None:
+    """The trainer under target while the workers do not wait for grants over wait_share_down: up by the shortfall
+    (wanted()), at most max_step, below the bound and below a size left within retry_s (Memory.left); after a
+    scale-down only once the longer down cool-down has passed. None where the trainer is at target or the workers wait (at min_workers:
+    too_many did not take one away, and another would wait as well)."""
+    if sig.trainer_util >= bounds.target_util or sig.wait_share > bounds.wait_share_down:
+        return None
+    busy = f"trainer busy {sig.trainer_util:.2f} < target {bounds.target_util}"
+    d = lambda action, n, why, reason: Decision(action, n, why, reason, fleet, asdict(sig))  # noqa: E731
+    if fleet >= most:
+        return d("hold", 0, "at_bounds", f"{busy}, but {most} worker(s) is the bound")
+    tried = min((size for size, util, why in memory.left if size > fleet and
+                 (why == "workers_wait" or sig.trainer_util >= util - bounds.min_gain)), default=None)
+    if tried is not None and fleet + 1 >= tried:
+        return d("hold", 0, "tried", f"{busy}, but {tried} worker(s) was tried and left")
+    cool = bounds.down_cooldown_s if memory.last_change == "down" else bounds.up_cooldown_s
+    if memory.since_change_s < cool:
+        return d("hold", 0, "cooling_down", f"{busy}: cooling down ({memory.since_change_s:.0f} of {cool:g} s since "
+                                            f"the last {memory.last_change})")
+    cap = min(most, tried - 1 if tried is not None else most)
+    n = max(1, min(bounds.max_step, wanted(sig, bounds.target_util, fleet) - sig.lent_workers - fleet, cap - fleet))
+    return d("up", n, "trainer_waits", f"{busy}, workers wait for grants {sig.wait_share:.2f} of their time")
+
+
+def memory_of(state: dict, now: float, bounds: Bounds) -> Memory:
+    """What `state` (apply()'s) remembers at `now`: the last change and how long ago, the window before a change not
+    yet measured, the sizes left and the largest put back within retry_s."""
+    at = state.get("last_change_at")
+    before = state.get("before")
+    left = tuple(sorted((int(size), x["util"], x["why"]) for size, x in state.get("left_sizes", {}).items()
+                        if now - x["at"] < bounds.retry_s))
+    kept = [int(size) for size, t in state.get("kept_sizes", {}).items() if now - t < bounds.retry_s]
+    return Memory(state.get("last_change"), now - at if at is not None else math.inf,
+                  None if before is None else (before["action"], before["size"], before["util"]), left,
+                  max(kept, default=None))
 
 
 # ---- the fleet's roles ----------------------------------------------------------------------------------------
@@ -264,25 +378,41 @@ def initial_state(roles: list[str]) -> dict:
     workers)."""
     roles = sorted((r for r in roles if r.startswith("rollout-")), key=index)
     return {"fleet": roles, "retired": {}, "next": 1 + index(roles[-1]), "last_change_at": None,
-            "last_change": None, "decisions": []}
+            "last_change": None, "before": None, "left_sizes": {}, "kept_sizes": {}, "decisions": []}
 
 
 def apply(state: dict, decision: Decision) -> dict:
-    """The state after `decision`: up adds roles rollout-next.., down retires the newest ones (a pure function: the
-    supervisor writes its result before acting on it)."""
+    """The state after `decision`: up adds roles rollout-next.., down retires the newest ones; what the policy
+    remembers (memory_of()): the window before an up or a workers_wait down until a window since is read, each size
+    left (no_better, workers_wait) and put back (needed) and when; the decision joins the record when
+    worth_recording(). A pure function: the supervisor writes its result before acting on it."""
     fleet, retired, nxt = list(state["fleet"]), dict(state["retired"]), state["next"]
+    left, kept = dict(state.get("left_sizes", {})), dict(state.get("kept_sizes", {}))
+    before = None if decision.signals else state.get("before")   # a window since the change read: compared once
+    util, at = decision.signals.get("trainer_util"), decision.at
     if decision.action == "up":
         fleet += [f"rollout-{i}" for i in range(nxt, nxt + decision.n)]
         nxt += decision.n
+        if decision.why == "needed":
+            size = str(decision.fleet + decision.n)
+            left.pop(size, None)
+            kept[size] = at
+        elif util is not None:
+            before = {"action": "up", "size": decision.fleet, "util": util}
     elif decision.action == "down":
         for r in fleet[len(fleet) - decision.n:]:
-            retired[r] = decision.at
+            retired[r] = at
         fleet = fleet[:len(fleet) - decision.n]
+        if decision.why in ("no_better", "workers_wait"):
+            left[str(decision.fleet)] = {"at": at, "util": util, "why": decision.why}
+        if decision.why == "workers_wait":
+            before = {"action": "down", "size": decision.fleet, "util": util}
     changed = decision.action != "hold"
-    return {**state, "fleet": fleet, "retired": retired, "next": nxt,
-            "last_change_at": decision.at if changed else state["last_change_at"],
+    return {**state, "fleet": fleet, "retired": retired, "next": nxt, "before": before, "left_sizes": left,
+            "kept_sizes": kept, "last_change_at": at if changed else state["last_change_at"],
             "last_change": decision.action if changed else state.get("last_change"),
-            "decisions": [*state["decisions"], decision.record()][-KEEP:]}
+            "decisions": [*state["decisions"], decision.record()][-KEEP:] if worth_recording(state, decision)
+            else state["decisions"]}
 
 
 def worth_recording(state: dict, decision: Decision) -> bool:
@@ -291,9 +421,21 @@ def worth_recording(state: dict, decision: Decision) -> bool:
     return decision.action != "hold" or not state["decisions"] or state["decisions"][-1]["why"] != decision.why
 
 
-def starting_count(jobs: dict, fleet: list[str]) -> int:
-    """The fleet's roles whose job is not running yet (none listed, or scheduling)."""
-    return sum(1 for r in fleet if r not in jobs or stage(jobs[r]) not in ("RUNNING", *TERMINAL))
+def unseen(worker_ids: list[str], stats: dict | None) -> int:
+    """The workers the proxy has no group from yet (`workers` in /v1/stats; none when it did not answer): a worker
+    counts as starting until then, so that no window measures a model loading (and no added worker is judged on
+    one)."""
+    if stats is None:
+        return 0
+    seen = stats.get("workers", {})
+    return sum(1 for w in worker_ids if w not in seen)
+
+
+def starting_count(jobs: dict, fleet: list[str], worker_ids: list[str], stats: dict | None) -> int:
+    """The fleet's roles whose job is not running yet (none listed, or scheduling), or whose worker (`worker_ids`, by
+    role) has sent the proxy no group yet."""
+    jobs_starting = [r for r in fleet if r not in jobs or stage(jobs[r]) not in ("RUNNING", *TERMINAL)]
+    return len(jobs_starting) + unseen([w for r, w in zip(fleet, worker_ids) if r not in jobs_starting], stats)
 
 
 def leaving_overdue(state: dict, role: str, now: float, leave_s: float) -> bool:
@@ -320,7 +462,7 @@ class Autoscaler:
     window: Window | None = None
 
     def __post_init__(self):
-        self.window = self.window or Window(self.bounds.min_window_s)
+        self.window = self.window or Window.of(self.bounds)
 
     @classmethod
     def for_plan(cls, bucket, run: str, plan: dict, specs: list[JobSpec], leave_s: float) -> Autoscaler:
@@ -340,13 +482,22 @@ class Autoscaler:
         return (initial_state([s.role for s in specs]), None) if got is None else (json.loads(got[0]), got[1])
 
     def step(self, state: dict, jobs: dict, stats: dict | None, now: float) -> tuple[dict, Decision]:
-        """The state after this look's decision (pure but for the kept reading)."""
-        sig = self.window.read(stats)
+        """The state after this look's decision (pure but for the kept reading: the window starts over while a
+        worker starts and at every change)."""
+        fleet = state["fleet"]
+        waiting = starting_count(jobs, fleet, [self.worker_id(r) for r in fleet], stats)
+        if waiting:
+            self.window.start_over(stats)
+        sig = None if waiting else self.window.read(stats)
         most = affordable(self.bounds, self.fixed_per_hour, self.worker_price)
-        since = now - state["last_change_at"] if state["last_change_at"] is not None else math.inf
-        decision = replace(decide(sig, len(state["fleet"]), starting_count(jobs, state["fleet"]), self.bounds, most,
-                                  since, state.get("last_change")), at=now)
-        return (apply(state, decision) if worth_recording(state, decision) else state), decision
+        decision = replace(decide(sig, len(fleet), waiting, self.bounds, most, memory=memory_of(state, now, self.bounds)),
+                           at=now)
+        if decision.action != "hold":
+            self.window.start_over(stats)
+        return apply(state, decision), decision
+
+    def worker_id(self, role: str) -> str:
+        return worker_id(worker_spec(self.template, self.run, index(role)))
 
     def specs(self, state: dict) -> dict[str, JobSpec]:
         """The job specs of the fleet's roles."""
@@ -354,8 +505,7 @@ class Autoscaler:
 
     def leaving(self, state: dict, jobs: dict, now: float) -> list[tuple[str, object, bool]]:
         """(worker id, job, overdue) of each retired role whose job still runs."""
-        return [(worker_id(worker_spec(self.template, self.run, index(r))), jobs[r],
-                 leaving_overdue(state, r, now, self.leave_s))
+        return [(self.worker_id(r), jobs[r], leaving_overdue(state, r, now, self.leave_s))
                 for r in state["retired"] if r in jobs and stage(jobs[r]) not in TERMINAL]
 
     def look(self, sup, jobs: dict, log) -> None:
@@ -365,13 +515,15 @@ class Autoscaler:
         state, etag = self.load(self.plan_specs)
         now = time.time()
         new, decision = self.step(state, jobs, proxy_call(sup, "GET", "/v1/stats", log), now)
-        if new is not state:
+        recorded = worth_recording(state, decision)
+        if new != state:   # a decision recorded, or what the policy remembers changed (apply())
             try:
                 self.bucket.put_json(STATE, new, **({"if_match": etag} if etag else {"if_none_match": True}))
             except ConflictError:
                 log("autoscale: launch/autoscale.json changed under us (another supervisor): not acting on this look")
                 return
             state = new
+        if recorded:
             log(f"autoscale: {decision.action}{f' {decision.n}' if decision.n else ''} ({len(state['fleet'])} "
                 f"worker(s) now): {decision.reason}")
         for r in [r for r in sup.specs if r.startswith("rollout-")]:

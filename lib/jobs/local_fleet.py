@@ -34,16 +34,19 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from autoscale import STATE, Bounds, Decision, Window, affordable, apply, decide, index, initial_state, worth_recording
+from autoscale import (STATE, Bounds, Decision, Window, affordable, apply, decide, index, initial_state, memory_of, unseen,
+                       worth_recording)
 from common import Bucket
 from costs import LOCAL_PRICE
 from proxy_client import ProxyClient
 
-# a run of a few minutes on a CPU machine: a window of 20 s of proxy time holds one to three steps of the local
-# preset (5-20 s each), a new worker is at work within a minute (its model loaded, its first round sent), and
-# scaling down waits two minutes after a change; at most 2 workers: each worker and the trainer use one core (one
-# torch thread), and past two workers a small machine mostly shares its cores out again
-LOCAL_BOUNDS = {"max_workers": 2, "max_step": 1, "min_window_s": 20.0, "up_cooldown_s": 60.0, "down_cooldown_s": 120.0}
+# a run of a few minutes on a CPU machine: a window of at least 20 s of proxy time and one step (20 s holds one to
+# four local steps of 5-20 s; more steps would leave a short run little time after its first decision), a new worker
+# is at work within a minute (its model loaded, its first round sent), and scaling down waits two minutes after a
+# change; at most 2 workers: each worker and the trainer use one core (one torch thread), and past two workers a
+# small machine mostly shares its cores out again
+LOCAL_BOUNDS = {"max_workers": 2, "max_step": 1, "min_window_s": 20.0, "min_window_steps": 1, "up_cooldown_s": 60.0,
+                "down_cooldown_s": 120.0}
 MAX_FAILURES = 3   # worker processes that may fail in a run before the driver gives up
 
 
@@ -54,8 +57,7 @@ def worker_id(role: str) -> str:
 
 def starting(fleet: list[str], stats: dict | None) -> int:
     """The fleet's workers the proxy has no group from yet (all of them when it did not answer)."""
-    seen = (stats or {}).get("workers", {})
-    return sum(1 for r in fleet if worker_id(r) not in seen)
+    return len(fleet) if stats is None else unseen([worker_id(r) for r in fleet], stats)
 
 
 def bounds_from(overrides: list[str]) -> Bounds:
@@ -94,7 +96,7 @@ class LocalFleet:
     window: Window | None = None
 
     def __post_init__(self):
-        self.window = self.window or Window(self.bounds.min_window_s)
+        self.window = self.window or Window.of(self.bounds)
 
     def start(self, role: str) -> None:
         n = index(role)
@@ -131,17 +133,19 @@ class LocalFleet:
 
     def decide(self, stats: dict | None, now: float) -> Decision:
         """This look's decision (autoscale.decide), recorded when worth it; the window starts over while a worker
-        starts."""
+        starts and at every change."""
         fleet = self.state["fleet"]
         waiting = starting(fleet, stats)
-        if waiting and stats is not None:
+        if waiting:
             self.window.start_over(stats)
         sig = None if waiting else self.window.read(stats)
-        last = self.state["last_change_at"]
         decision = replace(decide(sig, len(fleet), waiting, self.bounds, affordable(self.bounds, 0.0, LOCAL_PRICE),
-                                  now - last if last is not None else math.inf, self.state.get("last_change")), at=now)
-        if worth_recording(self.state, decision):
-            self.state = apply(self.state, decision)
+                                  memory=memory_of(self.state, now, self.bounds)), at=now)
+        if decision.action != "hold":
+            self.window.start_over(stats)
+        recorded = worth_recording(self.state, decision)
+        self.state = apply(self.state, decision)
+        if recorded:
             self.record(decision)
         return decision
 
