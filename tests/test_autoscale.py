@@ -78,7 +78,7 @@ def test_cool_downs_hold_changes_and_lent_workers_are_free_capacity():
     # the same utilisation with three participants' workers live: they are already part of the fleet it measures
     assert decide(sig(0.4, 0.0, own=1, lent=3), 1, 0, b, 4, math.inf).n == 3 - 0   # 4 x 2.1 = 9 -> 9 - 3 - 1, max_step 3
     assert decide(sig(0.9, 0.0, own=1, lent=3), 1, 0, b, 4, math.inf).action == "hold"   # at target thanks to them
-    waiting = sig(0.95, 0.8, own=3)
+    waiting = sig(0.95, 0.7, own=3)
     assert decide(waiting, 3, 0, b, 4, since_change_s=599).why == "cooling_down"
     down = decide(waiting, 3, 0, b, 4, since_change_s=601)
     assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
@@ -163,7 +163,7 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     b = Bounds(up_cooldown_s=30, down_cooldown_s=60, retry_s=600, min_workers=1)
     state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]),
                   Decision("up", 0, "trainer_waits", "", 3, at=0.0))   # a change at 0 s (the cool-downs' origin)
-    both_wait = sig(0.4, 0.8, own=3)
+    both_wait = sig(0.4, 0.7, own=3)
     assert decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 59.0, b)).why == "cooling_down"
     down = replace(decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
     assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
@@ -174,25 +174,25 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     # later windows at two, however much less busy, do not bring three back within retry_s (needed judged it once)
     assert decide(sig(0.2, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 300.0, b)).why == "tried"
     assert decide(sig(0.4, 0.9, own=1), 1, 0, b, 4, memory=memory_of(state, 200.0, b)).action == "hold"   # min_workers
-    # a busy trainer (0.95) whose workers wait 0.8 of their time: down; at two it waits (0.70, worse by more than
+    # a busy trainer (0.95) whose workers wait 0.69 of their time: down; at two it waits (0.70, worse by more than
     # min_gain): the third is put back, and the workers waiting at three take none away within retry_s
     state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
-    down = replace(decide(sig(0.95, 0.8, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
+    down = replace(decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
     state = apply(state, down)
     assert memory_of(state, 62.0, b).before == ("down", 3, 0.95)
     back = replace(decide(sig(0.70, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)), at=80.0)
     assert (back.action, back.n, back.why) == ("up", 1, "needed")
     state = apply(state, back)
     assert memory_of(state, 81.0, b).left == () and memory_of(state, 81.0, b).too_few == 3
-    assert decide(sig(0.95, 0.8, own=3), 3, 0, b, 4, memory=memory_of(state, 679.0, b)).why == "steady"
-    assert decide(sig(0.95, 0.8, own=3), 3, 0, b, 4, memory=memory_of(state, 681.0, b)).why == "workers_wait"
+    assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 679.0, b)).why == "steady"
+    assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 681.0, b)).why == "workers_wait"
     # the shortfall counts the fleet, not the proxy's live workers (one asked to leave is live until its round is in):
     # two workers at 0.72 want ceil(2 x 0.85 / 0.72) = 3, one more
     grow = decide(sig(0.72, 0.2, own=3), 2, 0, b, 4, memory=memory_of(initial_state(["rollout-1", "rollout-2"]), 0.0, b))
     assert (grow.action, grow.n) == ("up", 1)
     # a down after which the trainer is no worse (0.80 -> 0.79: the third worker did not help) stays down
     state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
-    state = apply(state, replace(decide(sig(0.80, 0.8, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0))
+    state = apply(state, replace(decide(sig(0.80, 0.6, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0))
     assert decide(sig(0.79, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)).why == "tried"
     with pytest.raises(ValueError, match="min_window_steps 0: at least 1"):
         Bounds(min_window_steps=0)

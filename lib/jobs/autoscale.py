@@ -69,10 +69,8 @@ class Bounds:
     max_workers: int = 4
     budget_per_hour: float | None = None
     """$/hour cap for the whole run (every job, at costs.PRICES); None: no cap beyond max_workers"""
-    wait_share_down: float = 0.75
-    """workers waiting for grants more than this share of their time: one worker too many. Under pacing, workers at
-    the right size wait 0.5-0.7 of theirs (the proxy holds rounds back to what staleness lets be trained;
-    docs/results/fleet.md), so a lower bound takes away workers the trainer needs"""
+    wait_share_down: float = 0.5
+    """workers waiting for grants more than this share of their time, the trainer at target: one worker too many"""
     up_cooldown_s: float = 300.0
     """after a change, no scale-up before this (a new job starts, loads its model and measures its rounds)"""
     down_cooldown_s: float = 600.0
