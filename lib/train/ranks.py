@@ -13,7 +13,8 @@ Layout: the base model is replicated, one full copy per rank (frozen), or with -
 does not fit one GPU: memory.shard_base) its decoder layers are sharded over the ranks by FSDP2 (Ranks.shard_base);
 the LoRA weights are whole on every rank either way. A step's groups are split across the ranks (a group's
 completions stay together); each rank forms its share of the one-process loss (the token mean's normaliser is the
-count over the whole batch, which every rank is handed), the LoRA gradients are summed across ranks with one all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
+count over the whole batch, which every rank is handed), the LoRA gradients are summed across ranks with one
+all-reduce, and the step's diagnostics are merged from every rank's tallies. Rank 0 alone
 steps AdamW (so the optimizer state, the checkpoint and the published adapter are exactly one process's) and
 broadcasts the updated LoRA weights, so the replicas cannot drift apart.
 
@@ -75,7 +76,8 @@ class Ranks:
 
     def rounds(self, n: int, per: int) -> int:
         """Micro-batches of `per` items the rank with the largest share of `n` items runs (rank 0's: share)."""
-        return -(-(-(-n // self.world)) // per)
+        largest = -(-n // self.world)  # ceil: rank 0's share, the largest
+        return -(-largest // per)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (a pickled object: an order, a batch of groups)."""
