@@ -23,8 +23,8 @@ State is in memory only: a routed request lives for seconds, so nothing is journ
 restart or a standby's takeover drops the waiting clients (they see the connection close and may retry) and
 the workers' late answers are ignored (request ids are this process's own). A proxy that stops answering (a
 leader unsure of its term, leadership.py, or one told to stop) answers its waiting clients 503 + Retry-After
-within a second: no worker could take or answer their requests there any more (docs/proxy.md#a-standby). Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests
-waiting or being answered, seconds per request, tokens per answer, characters per request (the proxy's
+within a second: no worker could take or answer their requests there any more (docs/proxy.md#a-standby).
+Bounds (Limits: the proxy's --route.* options, `python proxy.py --help`): requests waiting or being answered, seconds per request, tokens per answer, characters per request (the proxy's
 --max-body-mb caps the body before any of this), how long a worker may hold a request.
 """
 from __future__ import annotations
