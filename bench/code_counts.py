@@ -17,15 +17,16 @@ functions below). Each metric, and what its heuristic misses:
   names a module of the tree, modules found by stem among *.py and lib/*/*.py (lib/jobs/hf_jobs.py's shipped()
   does the same at HEAD). Physical lines of all those files.
 - dead functions: module-level functions and methods of module-level classes, in shipped code, whose name occurs
-  nowhere in the project's Python (shipped, tests/ and bench/) as a Name, an Attribute, an imported name, or an
-  identifier inside a string that is not a docstring (getattr(x, "name"), "proxy:app"). Excluded: __dunder__
-  methods; defs under a registering decorator, i.e. any but property/staticmethod/classmethod/setter, functools'
-  cache/lru_cache/cached_property/wraps, contextlib's contextmanager, abc's abstractmethod and torch's
-  no_grad/inference_mode (FastAPI routes, pytest fixtures, pydantic validators are called by their library);
-  methods of a class with a base outside the project (a library hook such as Thread.run or a verifiers renderer's
-  bridge_to_next_turn is called by the library), unless the base is object, an exception, NamedTuple, Protocol,
-  an Enum, TypedDict or pydantic's BaseModel. Misses: a dead function whose name is also used elsewhere (a dead
-  `get` hides behind every `.get`), one only called by itself, a dead method of a library's subclass.
+  nowhere in the project's Python (shipped, tests/ and bench/, this script left out) as a Name, an Attribute, an
+  imported name, or an identifier inside a string that is not a docstring (getattr(x, "name"), "proxy:app").
+  Excluded: __dunder__ methods; defs under a registering decorator, i.e. any but property/staticmethod/
+  classmethod/setter, functools' cache/lru_cache/cached_property/wraps, contextlib's contextmanager, abc's
+  abstractmethod and torch's no_grad/inference_mode (FastAPI routes, pytest fixtures, pydantic validators are
+  called by their library); methods of a class with a base outside the project (a library hook such as
+  Thread.run or a verifiers renderer's bridge_to_next_turn is called by the library), unless the base is object,
+  an exception, NamedTuple, Protocol, an Enum, TypedDict or pydantic's BaseModel. Misses: a dead function whose
+  name is also used elsewhere (a dead `get` hides behind every `.get`), one only called by itself, a dead method
+  of a library's subclass.
 - copies of each rule: lines of shipped code (comments and docstrings blanked first, so only code matches) that
   implement one of the four rules the issue names; the regexes are RULES below, one per rule, plus the staleness
   rule's literal default (an option's default, an attribute's start value, a .get fallback: not a preset's
@@ -111,7 +112,8 @@ def shipped_files(root: Path) -> list[Path]:
 
 
 def all_python(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.py"))
+    """Every .py of the tree but this script, whose regexes name the rules' functions."""
+    return sorted(p for p in root.rglob("*.py") if p.relative_to(root) != Path("bench/code_counts.py"))
 
 
 def line_count(path: Path) -> int:
