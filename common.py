@@ -625,6 +625,12 @@ def zero_std(rewards: list[float]) -> bool:
     return max(rewards) == min(rewards)
 
 
+def skips_zero_std(skip_zero_std: bool, beta: float) -> bool:
+    """Whether the trainer leaves zero-std groups out: when asked to (--skip-zero-std) and only without a KL term
+    (beta 0), for then such a group has no gradient; with beta > 0 its KL term still pulls."""
+    return skip_zero_std and beta == 0
+
+
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: below it (a T4) bf16 is emulated, so the sampler and trainer use float16/32
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
-from common import MAX_STALENESS, Bucket, adapter_prefix
+from common import MAX_STALENESS, Bucket, adapter_prefix, skips_zero_std
 import costs
 from tasks import FORMAT_WEIGHT
 import token_outcomes
@@ -218,7 +218,7 @@ def token_accounting(bucket: Bucket, configs: list[dict], train: list[dict], rol
     led = token_outcomes.replay(bucket, pa.get("max_staleness", MAX_STALENESS), pa.get("lease_s", 300.0))
     if led.commits == 0:  # a proxy run without the bucket (--no-use-bucket) keeps no journal: nothing to replay
         return None
-    skip = ta.get("skip_zero_std", True) and ta.get("beta", 0.0) == 0
+    skip = skips_zero_std(ta.get("skip_zero_std", True), ta.get("beta", 0.0))
     out = token_outcomes.tally(led, skip, generated_tokens(rollouts) if rollouts else None)
     return {**out, "checks": token_outcomes.cross_checks(out, led, train, proxy)}
 

@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 # common first: importing it puts the lib/ folders on sys.path (in a job every file lands beside this one)
 from common import (Bucket, ConflictError, finite_number, grpo_loss, group_advantages, publish_adapter, sampled_mask,
-                    sampled_tokens, temperature_problem, token_versions, zero_std, zero_std_groups)
+                    sampled_tokens, skips_zero_std, temperature_problem, token_versions, zero_std, zero_std_groups)
 from audit import Auditor, Options as AuditOptions
 from batches import Batches
 from metrics import Metrics
@@ -267,7 +267,7 @@ def trainable(group: dict, args: Args) -> bool:
     """Whether train_step trains on `group`: a usable temperature and, with --skip-zero-std and beta 0,
     rewards that are not all equal (a zero-std group has no gradient then)."""
     return group_temperature(group, args.temperature) is not None and not (
-        args.skip_zero_std and args.beta == 0 and zero_std([c["reward"] for c in group["completions"]]))
+        skips_zero_std(args.skip_zero_std, args.beta) and zero_std([c["reward"] for c in group["completions"]]))
 
 
 def row_temperatures_or_warn(groups: list[dict], default: float, warn: bool = True) -> list[float | None]:
