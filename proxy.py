@@ -49,12 +49,12 @@ Who may call what is access.py (scoped tokens, checked before a body is read); t
 serving.py; version checks and adapter files for workers without bucket keys adapter_files.py; which
 prompts a worker gets prompts.py, and when pacing.py; who sent the groups participants.py; what a
 participant's group is checked for on arrival receipts.py, who failed checks and is quarantined for it
-quarantine.py, each participant's share of a batch shares.py (docs/trust.md); the routes' bodies and answers wire.py; /metrics telemetry.py.
+quarantine.py, each participant's share of a batch shares.py (docs/trust.md); the routes' bodies and answers
+wire.py; /metrics telemetry.py; when the cyclic garbage is collected sweeper.py.
 """
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import json
 import math
@@ -93,6 +93,7 @@ from receipts import fingerprint
 from serving import Limits, serve
 import shares
 from snapshots import Keeper
+from sweeper import Sweeper
 import leadership
 from leadership import Follower, Term
 import routing
@@ -293,6 +294,7 @@ FOLLOWER: Follower | None = None  # while it stands by (--standby): the journal 
 # set once the server is told to stop (SIGTERM): it still renews its term until the requests in progress end (then it
 # releases the record), so a routed request waiting minutes for a worker must end now, or it holds the takeover up
 STOPPING = threading.Event()
+SWEEPER = Sweeper(observe=telemetry.GC_PAUSE.observe)  # the cyclic garbage's collections (sweeper.py)
 
 def take_over(live: dict) -> None:
     """The state a start read back (ledger.Ledger.live) becomes the live state."""
@@ -324,6 +326,7 @@ async def _housekeeping() -> None:
             expire_leases(time.monotonic())
         S.book.pacing.expire(time.monotonic())
         pace()  # predicted arrivals move with the clock, and grants run out
+        SWEEPER.sweep()
         if METRICS is not None:
             row = {"buffer/size": len(S.book.buffer), "version": S.latest, **{f"proxy/{k}": v for k, v in S.counters.items()}}
             await asyncio.to_thread(METRICS.log, row)  # its flush is a bucket put: not on the event loop
@@ -430,10 +433,7 @@ async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
                              **(dict(committed=KEEPER.ledger.commit, uncertain=KEEPER.uncertain.append) if KEEPER else {}))
     snapshots = [KEEPER.run(ARGS.snapshot_s, ARGS.snapshot_commits, S.incarnation, JOURNAL.writer_id)] if KEEPER else []
     tasks = [asyncio.create_task(f) for f in (JOURNAL.run(), _housekeeping(), *snapshots)]
-    # each group validated makes dozens of container objects: by default the cyclic GC ran every ~30 groups and
-    # walked every module's objects (the p99 doubled). What is alive now is frozen out of the walk; runs are rarer
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
+    SWEEPER.start()  # the cyclic garbage is collected by the housekeeping from now on
     if BUCKET is not None and not S.book.done:  # a version published while the proxy was down is only in latest.json
         latest = await asyncio.to_thread(startup.get_json, "adapters/latest.json")
         if latest and latest["version"] > S.latest:
@@ -1203,7 +1203,7 @@ async def get_state() -> dict:
 # /metrics (telemetry.py): the histograms are observed as things happen, the state's numbers read at scrape time
 telemetry.install(lambda: S.counters,
                   lambda: {"buffer_size": len(S.book.buffer), "open_leases": len(S.book.leases), "latest_version": S.latest,
-                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb(), **leader_gauges()},
+                           "pending_writes": len(JOURNAL.queue), "peak_rss_mb": peak_rss_mb(), **SWEEPER.gauges(), **leader_gauges()},
                   lambda: [*S.senders.collect(), *S.book.quarantine.collect()])
 
 def leader_gauges() -> dict:

@@ -68,6 +68,7 @@ from typing import Iterator, Literal
 import aiohttp
 import httpx
 import tyro
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -634,7 +635,7 @@ def summarize(f: Fleet, run: dict, cpu: float, s3_requests: dict, s3_cpu: float)
             "bucket_rps_put": round(s3_requests["PUT"] / run["elapsed"], 1),
             "bucket_rps_get": round(s3_requests["GET"] / run["elapsed"], 1),
             "version_polls_answered": m["polls"], "joined_late": m["join"], "left": m["leave"], "crashes": m["crashes"],
-            "sim_cpu": round(m["sim_cpu"], 3), "transport_retries": m["transport_retries"],
+            "sim_cpu": round(m["sim_cpu"], 3), "gc": m.get("gc"), "transport_retries": m["transport_retries"],
             "trainer_wait_per_step_s": m["step_waits"], "trainer_busy_per_step_s": [round(b, 2) for b in m["step_busy"]], "pacing": st.get("pacing"), "errors": m["errors"],
             # time to finish and the cost: Fleet.worker_s and run_dollars()
             "finish_s": round(finish_s := (m["finished_at"] or f.t0) - f.t0, 1),
@@ -738,10 +739,23 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
             probe.terminate()
             probe.wait()
         f.m["health_apart"] = [float(x) for x in probed.read_text().split()] if probed.exists() else []
+        f.m["gc"] = garbage_collections(f"http://127.0.0.1:{port}", token)
         return summarize(f, result, cpu_s(proxy.pid) - cpu0, s3_counts(s3_log, start), cpu_s(s3_pid) - s3_cpu0)
     finally:
         proxy.kill()
         proxy.wait()
+
+
+def garbage_collections(url: str, token: str) -> dict:
+    """The proxy's own account of its cyclic garbage collections (GET /metrics, sweeper.py): how many, their pauses,
+    the objects they found unreachable."""
+    text = httpx.get(f"{url}/metrics", headers={"X-Proxy-Token": token}, timeout=30).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name.startswith(("proxy_gc_", "proxy_peak_rss")) and s.labels.get("le") in (None, "0.1")}
+    n = got.get("proxy_gc_pause_seconds_count", 0)
+    return {"collections": int(n), "pause_mean_ms": round(1000 * got.get("proxy_gc_pause_seconds_sum", 0) / max(1, n), 1),
+            "pauses_over_100ms": int(n - got.get("proxy_gc_pause_seconds_bucket", n)),
+            "unreachable": int(got.get("proxy_gc_unreachable", 0)), "peak_rss_mb": round(got.get("proxy_peak_rss_mb", 0))}
 
 
 def line(r: dict) -> str:
@@ -762,6 +776,7 @@ def line(r: dict) -> str:
             f"proxy cpu {100 * r['proxy_cpu']:.0f}% (sim {100 * r['sim_cpu']:.0f}%)  "
             f"submit p99 {r['submit_p99_ms']:.0f} ms  health p99 {r['health_p99_ms']:.0f} ms "
             f"(from a process apart: p99 {r['health_apart_p99_ms']:.0f} ms, p50 {r['health_apart_p50_ms']:.0f} ms)  "
+            f"proxy gc {r['gc']}  "
             f"bucket {r['bucket_rps']:.0f} req/s (cpu {100 * r['bucket_cpu']:.0f}%)  {r['elapsed_s']:.0f} s{'' if r['finished'] else ' (timed out)'}")
 
 

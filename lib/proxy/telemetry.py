@@ -1,5 +1,5 @@
-"""The proxy's Prometheus metrics (GET /metrics): request latency, journal commits and the staleness of leased
-groups as histograms, observed as they happen; the state's counters and gauges read only when scraped."""
+"""The proxy's Prometheus metrics (GET /metrics): request latency, journal commits, garbage collections and the staleness of
+leased groups as histograms, observed as they happen; the state's counters and gauges read only when scraped."""
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -12,6 +12,8 @@ LATENCY = Histogram("proxy_request_seconds", "request latency by route", ["metho
                     buckets=(.001, .0025, .005, .01, .025, .05, .1, .15, .25, .5, 1, 2.5, 5, 10, 30, 60))  # .15: the p99 target
 COMMIT = Histogram("proxy_journal_commit_seconds", "one group-commit write to the bucket", registry=REGISTRY,
                    buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+GC_PAUSE = Histogram("proxy_gc_pause_seconds", "one cyclic garbage collection (sweeper.py)", registry=REGISTRY,
+                     buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5))
 STALENESS = Histogram("proxy_lease_staleness_versions", "staleness of leased groups (latest - policy_version)",
                       registry=REGISTRY, buckets=(0, 1, 2, 3, 4, 6, 8, 16))
 MEDIA_TYPE = CONTENT_TYPE_LATEST
