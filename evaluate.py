@@ -18,8 +18,8 @@ next to each version (adapters/v{N:06d}/eval_<task>.json), so a run has an accur
         -e S3_ENDPOINT_URL=https://s3.hf.co/$HF_NAMESPACE \
         -- evaluate.py common.py lib/rollout/engines.py lib/rollout/hf_engine.py lib/rollout/episodes.py \
         lib/shared/chat_render.py lib/shared/env_types.py lib/shared/environments.py lib/shared/models.py \
-        lib/shared/openenv_env.py lib/shared/proxy_client.py lib/shared/run_folder.py lib/shared/runconfig.py \
-        lib/shared/tasks.py \
+        lib/shared/openenv_env.py lib/shared/owned_process.py lib/shared/proxy_client.py lib/shared/run_folder.py \
+        lib/shared/runconfig.py lib/shared/tasks.py \
         --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --all   # on HF Jobs
     python evaluate.py --live --task addition                 # the live policy, through the proxy (PROXY_URL, PROXY_TOKEN)
 

@@ -12,7 +12,6 @@ is waited for (`ServerSampler.recover`; `ServerDown` once the worker is stopping
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ import torch
 from common import AdapterError
 from engines import TokenTurns, engine_dtype, eos_ids, vllm_rank
 from models import LOCAL_MODEL, model_path
+from owned_process import popen_owned
 
 log = logging.getLogger("rollout.engines")  # the worker's log: its lines prefixed with the worker id
 
@@ -94,14 +94,12 @@ class ManagedServer:
         atexit.register(self.stop)
 
     def start(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
         env = {**os.environ, **self.env}
         # the key reaches vLLM through its environment, not argv (ps shows argv to every local user)
         env["VLLM_API_KEY"] = self.api_key
         cmd = self.cmd + (["--api-key", self.api_key] if "sglang.launch_server" in self.cmd else [])
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+            self.proc = popen_owned(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.time()
         while not self.healthy():
             if self.proc.poll() is not None:

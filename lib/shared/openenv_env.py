@@ -31,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 
 from env_types import Environment, Session, Step, require
+from owned_process import popen_owned
 
 SKIP = {"done", "reward", "metadata"}  # fields every OpenEnv observation has besides its own
 EVAL_SEED = 1_000_003
@@ -47,9 +48,9 @@ def start_server(path_app: str) -> tuple[str, subprocess.Popen]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(os.path.join(tempfile.gettempdir(), f"openenv-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{os.path.basename(path)[:-3]}:{app}", "--app-dir",
-                             os.path.dirname(os.path.abspath(path)), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = popen_owned([sys.executable, "-m", "uvicorn", f"{os.path.basename(path)[:-3]}:{app}", "--app-dir",
+                        os.path.dirname(os.path.abspath(path)), "--host", "127.0.0.1", "--port", str(port)],
+                       stdout=log, stderr=subprocess.STDOUT)  # gone with the worker, even one killed -9
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
