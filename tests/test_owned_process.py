@@ -11,7 +11,7 @@ from conftest import ROOT
 STARTS_A_SERVER = """
 import sys, time
 from owned_process import popen_owned
-server = popen_owned([sys.executable, "-c", "import time; time.sleep(600)"])
+server = popen_owned([sys.executable, "-c", "import time; print('serving', flush=True); time.sleep(600)"])
 print(server.pid, flush=True)
 time.sleep(600)
 """
@@ -31,6 +31,7 @@ def test_the_server_dies_with_the_role_that_started_it_even_killed_9():
                             env={**os.environ, "PYTHONPATH": str(ROOT / "lib" / "shared")})
     try:
         server = int(role.stdout.readline())
+        assert role.stdout.readline() == "serving\n"  # the server itself runs (it shares the role's stdout)
         assert alive(server) and os.getpgid(server) == server  # its own process group: signals to it reach its children
         role.send_signal(signal.SIGKILL)
         role.wait(10)
