@@ -1,4 +1,5 @@
-"""One trainer update (train.learn) on a fixed batch, for every objective, as one process or as N ranks under torchrun
+"""One trainer update (train.learn) on a fixed batch, for every objective (and one with a KL term under
+activation checkpointing), as one process or as N ranks under torchrun
 (the base replicated, or sharded with --shard base); rank 0 writes what the update made: the gradients (after the
 all-reduce and the clip), the gradient norm, the step's metrics and the adapter it would publish (what train.publish
 saves). Then, once: the update on a batch with a group whose NaN reward makes the step fail (the ranks then hold
@@ -98,7 +99,8 @@ def update(t: train.Trainer, groups: list[dict], out: Path, name: str) -> None:
     """learn() on `groups`; writes name.pt (gradients, norm, metrics) and the adapter under name/."""
     train.same_weights(t)
     st, norm = train.learn(t, {"fresh": groups, "batch_id": "b", "audit": {}})
-    assert math.isfinite(norm) and st["groups/trained"] == 4, (norm, st)
+    # four trainable groups; with a KL term (beta > 0) the zero-std group is trained too
+    assert math.isfinite(norm) and st["groups/trained"] == (5 if t.args.beta > 0 else 4), (norm, st)
     grads = {n: p.grad.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
     t.model.save_pretrained(out / name)
     torch.save({"grads": grads, "grad_norm": norm, "stats": st}, out / f"{name}.pt")
@@ -121,18 +123,24 @@ def main(model_path: str, out: Path, shards: list[str]) -> None:
     ranks.close()
 
 
+def configurations(model_path: str, shard: str) -> dict[str, train.Args]:
+    """Every objective, and the first with a KL term to the base (beta > 0: a reference forward with the adapter off)
+    under activation checkpointing (kl-ckpt)."""
+    base = train.Args(model=model_path, proxy_token="x", micro_groups=2, threads=1, max_grad_norm=0.5, shard=shard)
+    return {**{o: replace(base, loss=o) for o in OBJECTIVES},
+            "kl-ckpt": replace(base, loss=OBJECTIVES[0], beta=0.04, gradient_checkpointing="on")}
+
+
 def steps(ranks, model_path: str, out: Path, shard: str) -> None:
     """Every update and the audit's recompute with --shard `shard`, written as NAME-WORLD[-base].pt."""
     tag = f"{ranks.world}" + ("-base" if shard == "base" else "")
-    for objective in OBJECTIVES:
-        args = train.Args(model=model_path, proxy_token="x", loss=objective, micro_groups=2, threads=1, max_grad_norm=0.5,
-                          shard=shard)
+    for name, args in configurations(model_path, shard).items():
         if not ranks.leader:
             train.follow(ranks, args)
             continue
         groups, t = batches(args), trainer(args, ranks)
-        update(t, groups["batch"], out, f"{objective}-{tag}")
-        if objective == OBJECTIVES[0]:
+        update(t, groups["batch"], out, f"{name}-{tag}")
+        if name == OBJECTIVES[0]:
             update(t, groups["poisoned"], out, f"poisoned-{tag}")
             recomputed(t, groups["audited"], out, f"audit-{tag}")
         ranks.broadcast(None)
