@@ -1,5 +1,5 @@
 """One trainer update (train.learn) on a fixed batch, for every objective (and one with a KL term under
-activation checkpointing), as one process or as N ranks under torchrun
+activation checkpointing, one on a 4-bit base), as one process or as N ranks under torchrun
 (the base replicated, or sharded with --shard base); rank 0 writes what the update made: the gradients (after the
 all-reduce and the clip), the gradient norm, the step's metrics and the adapter it would publish (what train.publish
 saves). Then, once: the update on a batch with a group whose NaN reward makes the step fail (the ranks then hold
@@ -76,7 +76,10 @@ def trainer(args: train.Args, ranks) -> train.Trainer:
     model, tok = train.build_model(args, ranks)
     perturbed(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr)
+    # eps well above the gradients' float noise across ranks (~1e-8): AdamW's first step, lr * g / (|g| + eps), would
+    # otherwise turn that noise in a near-zero gradient into up to a whole lr step, and the adapters compared below
+    # would measure Adam's sensitivity rather than what the ranks publish
+    opt = torch.optim.AdamW(params, lr=args.lr, eps=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     auditor = Auditor(args.audit, args.task, tok, None, None, args.micro_groups,
                       partial(train.group_temperature, default=args.temperature), partial(train.trainable, args=args),
@@ -103,7 +106,8 @@ def update(t: train.Trainer, groups: list[dict], out: Path, name: str) -> None:
     assert math.isfinite(norm) and st["groups/trained"] == (5 if t.args.beta > 0 else 4), (norm, st)
     grads = {n: p.grad.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
     t.model.save_pretrained(out / name)
-    torch.save({"grads": grads, "grad_norm": norm, "stats": st}, out / f"{name}.pt")
+    quantized = sum(type(m).__name__ == "Linear4bit" for m in t.model.modules())  # bitsandbytes' NF4 projections
+    torch.save({"grads": grads, "grad_norm": norm, "stats": st, "quantized": quantized}, out / f"{name}.pt")
 
 
 def recomputed(t: train.Trainer, groups: list[dict], out: Path, name: str) -> None:
@@ -124,11 +128,15 @@ def main(model_path: str, out: Path, shards: list[str]) -> None:
 
 
 def configurations(model_path: str, shard: str) -> dict[str, train.Args]:
-    """Every objective, and the first with a KL term to the base (beta > 0: a reference forward with the adapter off)
-    under activation checkpointing (kl-ckpt)."""
+    """Every objective, the first with a KL term to the base (beta > 0: a reference forward with the adapter off)
+    under activation checkpointing (kl-ckpt), and, replicated only (train.py refuses to shard a 4-bit base), the first
+    on a 4-bit NF4 base (4bit: each rank quantizes its own replica, bitsandbytes' CPU backend)."""
     base = train.Args(model=model_path, proxy_token="x", micro_groups=2, threads=1, max_grad_norm=0.5, shard=shard)
-    return {**{o: replace(base, loss=o) for o in OBJECTIVES},
-            "kl-ckpt": replace(base, loss=OBJECTIVES[0], beta=0.04, gradient_checkpointing="on")}
+    named = {**{o: replace(base, loss=o) for o in OBJECTIVES},
+             "kl-ckpt": replace(base, loss=OBJECTIVES[0], beta=0.04, gradient_checkpointing="on")}
+    if shard != "base":
+        named["4bit"] = replace(base, loss=OBJECTIVES[0], dtype="float32", load_in_4bit=True)
+    return named
 
 
 def steps(ranks, model_path: str, out: Path, shard: str) -> None:
