@@ -353,7 +353,8 @@ async def lifespan(app: FastAPI):
             FOLLOWER = Follower(KEEPER, ARGS.term_s)
             try:
                 how = await asyncio.to_thread(FOLLOWER.load)
-            except ProtocolError as e:
+                await asyncio.to_thread(KEEPER.check_store)  # now, not at the takeover: it would lengthen it
+            except (ProtocolError, journal.UnfitStore) as e:
                 fatal(f"not starting: {e}", 2)
             await prepare(startup)
             print(f"proxy: standing by, following the journal from {how}", file=sys.stderr, flush=True)
@@ -412,9 +413,9 @@ async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
     the journal writer and snapshots run. Returns the tasks to cancel at the stop."""
     global JOURNAL
     if start is not None:
-        try:  # first: a run written in another protocol is refused before anything is written to it
+        try:  # first: a run written in another protocol, or a store unfit for it, is refused before anything is written
             live, S.incarnation, how = await asyncio.to_thread(start)
-        except ProtocolError as e:
+        except (ProtocolError, journal.UnfitStore) as e:
             fatal(f"not starting: {e}", 2)
         KEEPER.bucket = BUCKET  # snapshots while serving: a failed one is tried again at the next turn
         POLICY.tokens = access.Tokens(startup, ARGS.token)

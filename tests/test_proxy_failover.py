@@ -17,6 +17,7 @@ from conftest import PY, ROOT, SUPPORT, free_port, stop
 from ledger import Ledger
 from proxy_client import ProxyClient, endpoint_resolver, read_proxy_endpoint
 from proxyproc import Worker, spawn, wait_for, wait_port  # noqa: F401 - spawn is a fixture
+from tcp_forward import Forwarder
 from test_proxy import group
 
 TERM_S = "1.5"
@@ -262,3 +263,24 @@ def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
                     "--standby: needs --term-s above 0"):
         assert problem in bad.stderr, bad.stderr
 
+
+
+@pytest.mark.parametrize("ignored", ["if-none-match", "if-match"])
+def test_a_store_that_ignores_conditional_writes_is_refused_at_the_start(s3_env, run_name, ignored):
+    """The fence (If-None-Match) and the leader record (If-Match) rest on the store refusing conditional writes that
+    fail: a store that ignores either header (a forwarder takes it out of every request on its way to the S3 server)
+    would let a fenced proxy, or two leaders, commit. A proxy does not start on it, standby or not, and says why; on
+    the S3 server itself the same start serves."""
+    fwd = Forwarder(int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]), lambda *_: False, drop_headers={ignored})
+    try:
+        env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": "t", "S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd.port}"}
+        cmd = [sys.executable, str(ROOT / "proxy.py"), "--port", str(free_port()), "--term-s", "2"]
+        for flags in ([], ["--standby"]):
+            bad = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+            assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+            what = {"if-none-match": "If-None-Match: * over an object that exists",
+                    "if-match": "If-Match with an ETag the object does not have"}[ignored]
+            assert "not starting: the bucket does not honour conditional writes" in bad.stderr, bad.stderr[-3000:]
+            assert f"a put with {what} was accepted (s3://tests/{run_name}/proxy/checks/" in bad.stderr, bad.stderr[-3000:]
+    finally:
+        fwd.close()

@@ -52,6 +52,7 @@ from common import PROTOCOL, Bucket, ConflictError
 PREFIX = "rollouts/"
 SNAPSHOTS = "proxy/snapshots/"
 POINTER = "proxy/snapshot.json"
+CHECKS = "proxy/checks/"  # one small object per proxy start: conditional_write_ignored's
 
 
 def object_name(incarnation: int, seq: int) -> str:
@@ -105,6 +106,36 @@ def put_once(bucket: Bucket, key: str, data: bytes) -> None:
         if got is None or got[0] != data:
             raise
         print(f"journal: {key} was already written by us (an answer was lost); carrying on", file=sys.stderr, flush=True)
+
+
+class UnfitStore(RuntimeError):
+    """The bucket does not honour the conditional writes that the fence and the leader record rest on."""
+
+
+def require_conditional_writes(bucket: Bucket) -> None:
+    """UnfitStore, saying what the store did, unless it honours conditional writes (conditional_write_ignored)."""
+    if ignored := conditional_write_ignored(bucket):
+        raise UnfitStore(f"the bucket does not honour conditional writes, and the journal's fence and the leader "
+                         f"record rest on them (a fenced proxy, or two leaders, could both commit): {ignored}. Use an "
+                         f"S3 store that answers such a put 412 Precondition Failed (docs/proxy.md#a-standby)")
+
+
+def conditional_write_ignored(bucket: Bucket) -> str | None:
+    """What the store did wrong, or None when it honours the conditional writes that the fence (If-None-Match) and
+    the leader record (If-Match) rest on. A store that ignored them would let a fenced proxy, or two leaders,
+    commit, and nothing would say so: a start asks it before its first journal write (snapshots.Keeper). An object of this start's own is created, then written
+    again with If-None-Match and with an If-Match of an ETag it does not have; both must be refused (412). The
+    object stays (the stores the journal runs on need not offer DELETE)."""
+    key = f"{CHECKS}{uuid.uuid4().hex}"
+    bucket.put(key, b"created", if_none_match=True)
+    for what, kw in (("If-None-Match: * over an object that exists", {"if_none_match": True}),
+                     ("If-Match with an ETag the object does not have", {"if_match": '"' + "0" * 32 + '"'})):
+        try:
+            bucket.put(key, b"written over", **kw)
+        except ConflictError:
+            continue
+        return f"a put with {what} was accepted (s3://{bucket.bucket}/{bucket.key(key)} at {bucket.endpoint or 'AWS'})"
+    return None
 
 
 # ---- snapshots ------------------------------------------------------------------------------------

@@ -27,18 +27,28 @@ class Keeper:
         self.snapped = 0                # ledger.commits when the last snapshot was taken
         self.due = False                # a snapshot is due at once (the start read commits past its snapshot)
         self.before = 0                 # ledger.commits of the snapshot the start (or standby) read
+        self.store_checked = False      # check_store ran
 
     def start(self) -> tuple[dict, int, str]:
         """Read the state back (before the server accepts requests): (Ledger.live()'s state, this start's
         incarnation, a line for the log). common.ProtocolError, before anything is written: the snapshot or a
-        commit was written in another protocol than this code's (its message says which, and what to do)."""
+        commit was written in another protocol than this code's (its message says which, and what to do);
+        journal.UnfitStore, before the journal is written to: the bucket ignores conditional writes."""
         t0, snap, start = time.time(), journal.read_snapshot(self.bucket), "the first commit"
         if snap:
             self.ledger, start = Ledger.from_snapshot(snap[2], **self.limits, name=snap[0]), f"snapshot {snap[0]}"
         self.before = self.ledger.commits
         n = self.catch_up()
+        self.check_store()
         live, incarnation = self.finish()
         return live, incarnation, f"state from {start} and {n} commits in {time.time() - t0:.1f}s"
+
+    def check_store(self) -> None:
+        """journal.require_conditional_writes, once: after the protocol is known (a run of another is refused with
+        nothing written to it), before the first journal write (the fence)."""
+        if not self.store_checked:
+            journal.require_conditional_writes(self.bucket)
+            self.store_checked = True
 
     def catch_up(self) -> int:
         """Apply every commit after the ledger's (a start; a standby taking over); returns how many."""

@@ -12,6 +12,8 @@ before a request goes upstream, `watch("response", line)` once its final answer 
 that goes to the client; `line` is the request line ("PUT /bucket/key HTTP/1.1"). A watch that
 returns True cuts the connection right there: that request never reaches the server, or its
 answer never reaches the client. The end-of-run test kills the trainer at those moments.
+`Forwarder(upstream_port, watch, drop_headers={"if-match"})` also takes the named request headers out before a
+request goes upstream: a store that ignores them (conditional writes it does not honour).
 """
 from __future__ import annotations
 
@@ -95,8 +97,8 @@ async def _body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head
 class Forwarder:
     """127.0.0.1:port -> 127.0.0.1:upstream in a background thread, calling `watch` (see above)."""
 
-    def __init__(self, upstream: int, watch):
-        self.upstream, self.watch = upstream, watch
+    def __init__(self, upstream: int, watch, drop_headers: frozenset[str] | set[str] = frozenset()):
+        self.upstream, self.watch, self.drop = upstream, watch, {h.lower() for h in drop_headers}
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -139,6 +141,9 @@ class Forwarder:
             if self.watch("request", line):
                 raise Cut(line)
             sent.append(line)
+            if self.drop:
+                lines = head.split(b"\r\n")
+                head = b"\r\n".join(x for x in lines if x.split(b":", 1)[0].strip().lower().decode("latin-1") not in self.drop)
             uw.write(head)
             await _body(cr, uw, headers, until_eof=False)
         raise ConnectionError("client closed")
