@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import gc
 import json
 import math
 import os
@@ -733,9 +734,17 @@ def configuration(a: Args, n: int, pace: bool, tmp: Path, s3_port: int, s3_log: 
         probed = tmp / f"health-{n}-{pace}.txt"
         probe = subprocess.Popen([sys.executable, str(ROOT / "bench" / "health_probe.py"), "--url",
                                   f"http://127.0.0.1:{port}", "--out", str(probed)])
+        # this one process stands for n workers' processes and the trainer's: its own cyclic collections (a walk of
+        # everything it holds) pause all of them at once, and its in-process /health probe with them, which is not
+        # the proxy's lag; so the fleet's state is frozen out of every walk and the collector waits for the end
+        gc.collect()
+        gc.freeze()
+        gc.disable()
         try:
             result = asyncio.run(f.run())
         finally:
+            gc.enable()
+            gc.unfreeze()
             probe.terminate()
             probe.wait()
         f.m["health_apart"] = [float(x) for x in probed.read_text().split()] if probed.exists() else []
