@@ -57,7 +57,8 @@ def test_a_round_is_sent_at_once(start_proxy, tmp_path):
     assert sorted(spool.flush(proxy_client.ProxyClient(proxy.url, proxy.token))) == sorted(
         (g["group_id"], "accepted") for g in groups)
     commits = journal_commits(proxy) - before
-    assert 1 <= commits <= 5, commits  # the first alone, then seven together: typically 2-3 writes
+    # the first alone, then seven together: typically 2-3 writes (6 on a loaded machine); one by one, 8
+    assert 1 <= commits < len(groups), commits
     assert spool.pending() == [] and proxy.stats()["groups_accepted"] == 8
 
     client = proxy_client.ProxyClient(proxy.url, proxy.token)
