@@ -413,7 +413,7 @@ async def lead(startup: Bucket | None, start) -> list[asyncio.Task]:
     the journal writer and snapshots run. Returns the tasks to cancel at the stop."""
     global JOURNAL
     if start is not None:
-        try:  # first: a run written in another protocol, or a store unfit for it, is refused before anything is written
+        try:  # first: a run of another protocol, or a store unfit for it, is refused before anything is written
             live, S.incarnation, how = await asyncio.to_thread(start)
         except (ProtocolError, journal.UnfitStore) as e:
             fatal(f"not starting: {e}", 2)

@@ -273,7 +273,8 @@ def test_a_store_that_ignores_conditional_writes_is_refused_at_the_start(s3_env,
     the S3 server itself the same start serves."""
     fwd = Forwarder(int(s3_env["S3_ENDPOINT_URL"].rsplit(":", 1)[1]), lambda *_: False, drop_headers={ignored})
     try:
-        env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": "t", "S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd.port}"}
+        env = {**os.environ, "RUN_NAME": run_name, "PROXY_TOKEN": "t",
+               "S3_ENDPOINT_URL": f"http://127.0.0.1:{fwd.port}"}
         cmd = [sys.executable, str(ROOT / "proxy.py"), "--port", str(free_port()), "--term-s", "2"]
         for flags in ([], ["--standby"]):
             bad = subprocess.run([*cmd, *flags], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -281,6 +282,7 @@ def test_a_store_that_ignores_conditional_writes_is_refused_at_the_start(s3_env,
             what = {"if-none-match": "If-None-Match: * over an object that exists",
                     "if-match": "If-Match with an ETag the object does not have"}[ignored]
             assert "not starting: the bucket does not honour conditional writes" in bad.stderr, bad.stderr[-3000:]
-            assert f"a put with {what} was accepted (s3://tests/{run_name}/proxy/checks/" in bad.stderr, bad.stderr[-3000:]
+            where = f"(s3://tests/{run_name}/proxy/checks/"
+            assert f"a put with {what} was accepted {where}" in bad.stderr, bad.stderr[-3000:]
     finally:
         fwd.close()

@@ -1,10 +1,10 @@
 """The trainer under torchrun: two CPU ranks (gloo) take the one-process step, the base replicated or sharded (FSDP2,
 --shard base). tests/support/ranks_step.py runs one update (train.learn) on the same batch for every objective, once as
 one process and as two ranks in each mode (and once with a KL term to the base, beta > 0, under activation
-checkpointing, and once replicated on a 4-bit NF4 base); the gradients, the gradient norm, the step's metrics and the adapter it
-would publish must agree within float tolerance. So must an update whose batch has a group with a NaN reward (the
-ranks hold 3 and 2 micro-batches, and learn's per-group culprit search runs) and the audit's recompute under the
-versions that sampled each group, falling back group by group past a group whose forward raises."""
+checkpointing, and once replicated on a 4-bit NF4 base); the gradients, the gradient norm, the step's metrics and the
+adapter it would publish must agree within float tolerance. So must an update whose batch has a group with a NaN
+reward (the ranks hold 3 and 2 micro-batches, and learn's per-group culprit search runs) and the audit's recompute
+under the versions that sampled each group, falling back group by group past a group whose forward raises."""
 import os
 import subprocess
 import sys
@@ -38,8 +38,8 @@ def steps(tiny_model, tmp_path_factory):
 
 
 # (a 4-bit base is replicated only: train.py refuses --shard base with --load-in-4bit)
-@pytest.mark.parametrize("objective,ranks", [(o, r) for r in ("2", "2-base") for o in (*OBJECTIVES, "kl-ckpt", "poisoned")]
-                         + [("4bit", "2")])
+@pytest.mark.parametrize("objective,ranks", [(o, r) for r in ("2", "2-base")
+                                             for o in (*OBJECTIVES, "kl-ckpt", "poisoned")] + [("4bit", "2")])
 def test_two_ranks_take_the_one_process_step(steps, objective, ranks):
     one, two = torch.load(steps / f"{objective}-1.pt"), torch.load(steps / f"{objective}-{ranks}.pt")
     assert one["grads"].keys() == two["grads"].keys() and one["grads"]
@@ -52,7 +52,7 @@ def test_two_ranks_take_the_one_process_step(steps, objective, ranks):
         assert two["stats"][k] == pytest.approx(v, rel=1e-5, abs=1e-5), k
     assert one["stats"]["tokens"] > 0 and "ratio/onpolicy_mean" in one["stats"] and "stale/1/ratio_dev_mean" in one["stats"]
     assert ("groups/unfit" in one["stats"]) == (objective == "poisoned")  # the culprit search ran where it should
-    assert (one["stats"].get("kl", 0) > 0) == (objective == "kl-ckpt")  # the KL term to the base counted only where asked
+    assert (one["stats"].get("kl", 0) > 0) == (objective == "kl-ckpt")  # the KL term counted only where asked
     assert (one["quantized"] > 0) == (two["quantized"] > 0) == (objective == "4bit")  # a 4-bit base on every rank
     a, b = (load_file(steps / f"{objective}-{n}" / "adapter_model.safetensors") for n in (1, ranks))
     assert a.keys() == b.keys() and a

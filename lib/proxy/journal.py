@@ -123,9 +123,9 @@ def require_conditional_writes(bucket: Bucket) -> None:
 def conditional_write_ignored(bucket: Bucket) -> str | None:
     """What the store did wrong, or None when it honours the conditional writes that the fence (If-None-Match) and
     the leader record (If-Match) rest on. A store that ignored them would let a fenced proxy, or two leaders,
-    commit, and nothing would say so: a start asks it before its first journal write (snapshots.Keeper). An object of this start's own is created, then written
-    again with If-None-Match and with an If-Match of an ETag it does not have; both must be refused (412). The
-    object stays (the stores the journal runs on need not offer DELETE)."""
+    commit, and nothing would say so: a start asks it before its first journal write (snapshots.Keeper). An object
+    of this start's own is created, then written again with If-None-Match and with an If-Match of an ETag it does
+    not have; both must be refused (412). The object stays (the stores the journal runs on need not offer DELETE)."""
     key = f"{CHECKS}{uuid.uuid4().hex}"
     bucket.put(key, b"created", if_none_match=True)
     for what, kw in (("If-None-Match: * over an object that exists", {"if_none_match": True}),

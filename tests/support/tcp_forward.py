@@ -142,8 +142,8 @@ class Forwarder:
                 raise Cut(line)
             sent.append(line)
             if self.drop:
-                lines = head.split(b"\r\n")
-                head = b"\r\n".join(x for x in lines if x.split(b":", 1)[0].strip().lower().decode("latin-1") not in self.drop)
+                named = ((x, x.split(b":", 1)[0].strip().lower().decode("latin-1")) for x in head.split(b"\r\n"))
+                head = b"\r\n".join(x for x, name in named if name not in self.drop)
             uw.write(head)
             await _body(cr, uw, headers, until_eof=False)
         raise ConnectionError("client closed")
