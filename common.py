@@ -178,8 +178,12 @@ class Bucket:
     def key(self, rel: str) -> str:
         return f"{self.run}/{rel}"
 
+    def where(self, rel: str) -> str:
+        """The object `rel` as a message names it: s3://bucket/run/rel at endpoint."""
+        return f"s3://{self.bucket}/{self.key(rel)} at {self.endpoint or 'AWS'}"
+
     def _where(self, what: str, rel: str) -> str:
-        return f"{what} s3://{self.bucket}/{self.key(rel)} at {self.endpoint or 'AWS'}"
+        return f"{what} {self.where(rel)}"
 
     def _call(self, what: str, rel: str, fn):
         """fn(), waiting out outages; a failure for good becomes a BucketError naming what and where."""

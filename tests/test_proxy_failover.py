@@ -264,7 +264,6 @@ def test_a_standby_without_a_bucket_or_a_term_is_refused_at_the_start():
         assert problem in bad.stderr, bad.stderr
 
 
-
 @pytest.mark.parametrize("ignored", ["if-none-match", "if-match"])
 def test_a_store_that_ignores_conditional_writes_is_refused_at_the_start(s3_env, run_name, ignored):
     """The fence (If-None-Match) and the leader record (If-Match) rest on the store refusing conditional writes that

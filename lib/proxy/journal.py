@@ -134,7 +134,7 @@ def conditional_write_ignored(bucket: Bucket) -> str | None:
             bucket.put(key, b"written over", **kw)
         except ConflictError:
             continue
-        return f"a put with {what} was accepted (s3://{bucket.bucket}/{bucket.key(key)} at {bucket.endpoint or 'AWS'})"
+        return f"a put with {what} was accepted ({bucket.where(key)})"
     return None
 
 
