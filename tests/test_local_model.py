@@ -7,13 +7,29 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import models
 
 
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> str:
-    return models.local_smollm2(str(tmp_path_factory.mktemp("cache")))   # the real conversion (~1 min here)
+def conversion(tmp_path_factory) -> tuple[str, torch.Tensor]:
+    """The real conversion (~1 min here), under a seeded random stream: the folder, and the stream's next draws."""
+    torch.manual_seed(7)
+    out = models.local_smollm2(str(tmp_path_factory.mktemp("cache")))
+    return out, torch.rand(4)
+
+
+@pytest.fixture(scope="session")
+def converted(conversion) -> str:
+    return conversion[0]
+
+
+def test_converting_leaves_the_callers_random_stream_alone(conversion):
+    """A trainer seeds its LoRA init, then loads the model: the process that converts must draw the same init as
+    every later one (the conversion's own random weights come from a stream of their own)."""
+    torch.manual_seed(7)
+    assert torch.equal(conversion[1], torch.rand(4))
 
 
 def test_converted_config_has_no_quantization_entry(converted):

@@ -123,7 +123,7 @@ def completion_logprobs(model, prompts: list[list[int]], completions: list[list[
     lm = _causal_lm(model)
     temps = row_temperatures(temperature, len(completions)).to(lm.device)
     if checkpoint is None:
-        checkpoint = getattr(lm, CHECKPOINT_ATTR, False)
+        checkpoint = checkpointing(model)
     if checkpoint and torch.is_grad_enabled():
         return checkpointed_logprobs(lm, prompts, completions, temps, pad)
     cache, h_last, pmask, next_pos = prefill(model, prompts, G, pad)
@@ -200,6 +200,11 @@ def completion_ids(lm, completions: list[list[int]], pad: int) -> tuple[torch.Te
 def enable_checkpointing(model, on: bool = True) -> None:
     """Make completion_logprobs checkpoint activations for this model (when gradients are on)."""
     setattr(_causal_lm(model), CHECKPOINT_ATTR, on)
+
+
+def checkpointing(model) -> bool:
+    """Whether completion_logprobs checkpoints activations for this model (enable_checkpointing)."""
+    return getattr(_causal_lm(model), CHECKPOINT_ATTR, False)
 
 
 def _fixed_prefix_layer_class():
@@ -316,8 +321,11 @@ def local_smollm2(cache_dir: str | None = None) -> str:
         print(f"converting {gguf} to safetensors in {out} (once, ~45 s)", file=sys.stderr)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
         q = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.float32)
-        # a GGUF-loaded model refuses save_pretrained: rebuild from its config and state dict
-        model = AutoModelForCausalLM.from_config(q.config, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained: rebuild from its config and state dict; from_config draws
+        # random weights, which must not move the caller's random stream (a seeded LoRA init would differ on the
+        # run that converts from every later one)
+        with torch.random.fork_rng():
+            model = AutoModelForCausalLM.from_config(q.config, dtype=torch.float32)
         model.load_state_dict(q.state_dict())
         tmp = Path(tempfile.mkdtemp(dir=out.parent))
         model.save_pretrained(tmp)
