@@ -59,8 +59,9 @@ from common import (Bucket, ConflictError, finite_number, grpo_loss, group_advan
 from audit import Auditor, Options as AuditOptions
 from batches import Batches
 from metrics import Metrics
-from models import (LOCAL_MODEL, LOCKSTEP_ATTR, completion_logprobs, enable_checkpointing, load_base, pad_right,
-                    peft_calls, resolve_dtype)
+from micro_batches import default_budget, plan
+from models import (LOCAL_MODEL, LOCKSTEP_ATTR, checkpointing, completion_logprobs, enable_checkpointing, load_base,
+                    pad_right, peft_calls, resolve_dtype)
 from proxy_client import ProxyClient, ProxyError
 from ranks import LockstepLost, Ranks, join
 from trainer_state import Owner, TrainedGroups, load_checkpoint, save_checkpoint
@@ -90,7 +91,12 @@ class Args:
     batch_groups: int = 8
     """groups per optimizer step (batch_groups * G sequences)"""
     micro_groups: int = 2
-    """groups per forward/backward (gradient accumulation); activation memory grows with it"""
+    """groups per forward/backward (gradient accumulation), at most: see --micro-tokens"""
+    micro_tokens: int | None = None
+    """tokens a forward/backward may hold (rows x their longest prompt + completion), which bounds its activation
+    memory: fewer groups a pass, and a group over it a few of its rows at a time (lib/train/micro_batches.py).
+    None: 4,096 without activation checkpointing (CPU), 16,384 with (a GPU). Not applied to a sharded base, whose
+    ranks must make the same calls (its passes are --micro-groups groups)"""
     lr: float = 3e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -450,76 +456,165 @@ def idle_pass(model, prompts: list, ids: list, row_t: list, args: Args, logp: to
 def local_pass(model, groups: list[dict], mine: list[int], n_groups: int, n_tok: int, temps: list, args: Args,
                version: int, fresh_weights: bool, judge: Verdicts | None, want_dev: bool,
                lockstep: Lockstep | None = None) -> Tally:
-    """The forward/backward of this rank's groups `mine` (indices into `groups`), micro-batch by micro-batch, each
-    weighted by its share of the whole batch's `n_tok` tokens (or `n_groups` groups, --loss-agg grpo): train_step.
-    lockstep (a sharded base): `lockstep.rounds` micro-batches whatever this rank's share, the missing ones and those
-    the judge empties run at weight zero (idle_pass), so every rank makes the same collective calls."""
-    G = len(groups[0]["completions"])
-    adv = group_advantages([[c["reward"] for c in g["completions"]] for g in groups], scale_std=args.scale_std)  # [B, G]
-    tally, by_lag = Tally(), ByStaleness([], [], version)
-    onpolicy_dev = tally.onpolicy_dev if want_dev else None
-    rounds = lockstep.rounds if lockstep else -(-len(mine) // args.micro_groups)
-    for s in range(0, rounds * args.micro_groups, args.micro_groups):
-        mb = mine[s:s + args.micro_groups]
-        if not mb:
-            spare = groups[lockstep.spare]
-            idle_pass(model, [spare["prompt_ids"]], [c["token_ids"] for c in spare["completions"]],
-                      [temps[lockstep.spare]] * G, args)
-            continue
-        prompts = [groups[i]["prompt_ids"] for i in mb]
-        ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
-        row_t = [temps[i] for i in mb for _ in range(G)]  # per row: groups of different temperatures may mix
-        comps = [c for i in mb for c in groups[i]["completions"]]
-        logp, mask = completion_logprobs(model, prompts, ids, row_t, pad=0)
-        mask = mask * pad_right([sampled_mask(c) for c in comps], 0)[0].to(mask.device)  # padding and environment: 0
+    """The forward/backward of this rank's groups `mine` (indices into `groups`), pass by pass (micro_batches.plan:
+    --micro-groups groups within --micro-tokens, a group over it a few rows at a time), each weighted by its share of
+    the whole batch's `n_tok` tokens (or `n_groups` groups, --loss-agg grpo): train_step.
+    lockstep (a sharded base): passes of --micro-groups groups whatever their tokens, `lockstep.rounds` of them
+    whatever this rank's share, the missing ones and those the judge empties at weight zero (idle_pass), so every
+    rank makes the same collective calls."""
+    p = Pass(model, groups, len(groups[0]["completions"]), temps, args, version, fresh_weights, n_tok, n_groups, judge,
+             group_advantages([[c["reward"] for c in g["completions"]] for g in groups], scale_std=args.scale_std),
+             Tally(), ByStaleness([], [], version), want_dev)
+    budget = None if lockstep else (args.micro_tokens or default_budget(checkpointing(model)))
+    pieces = plan([(len(groups[i]["prompt_ids"]), [len(c["token_ids"]) for c in groups[i]["completions"]])
+                   for i in mine], args.micro_groups, budget)
+    for piece in pieces:
+        mb = [mine[j] for j in piece.groups]
+        if piece.rows is None:
+            whole_groups(p, mb, lockstep)
+        else:
+            split_group(p, mb[0], piece.rows)
+    for _ in range(lockstep.rounds - len(pieces) if lockstep else 0):
+        spare = groups[lockstep.spare]
+        idle_pass(model, [spare["prompt_ids"]], [c["token_ids"] for c in spare["completions"]],
+                  [temps[lockstep.spare]] * p.G, args)
+    p.tally.by_lag = p.by_lag.acc
+    if judge is not None:
+        p.tally.failed = dict(judge.failed)
+    return p.tally
+
+
+class Rows(NamedTuple):
+    """One forward's rows, each [rows, width]: the logprobs (with their graph), 1 on the tokens the policy sampled
+    (padding and an environment's tokens 0), the behaviour logprobs, each token's staleness, |logprob - behaviour|
+    and that per version the weights moved since the token's."""
+    logp: torch.Tensor
+    mask: torch.Tensor
+    behav: torch.Tensor
+    lags: torch.Tensor
+    dev: torch.Tensor
+    rate: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> Rows:
+        return Rows(*(t[rows] for t in self))
+
+
+def stacked(parts: list[Rows]) -> Rows:
+    """The detached rows of several forwards (one group's pieces) as one, each padded right to the widest."""
+    w = max(r.mask.shape[1] for r in parts)
+    return Rows(*(torch.cat([torch.nn.functional.pad(t.detach(), (0, w - t.shape[1])) for t in ts])
+                  for ts in zip(*parts)))
+
+
+@dataclass
+class Pass:
+    """What every forward/backward of one rank's share of a step (local_pass) reads, and the Tally and ByStaleness it
+    adds to. G: rows a group; adv: [groups, G] advantages."""
+    model: Any
+    groups: list[dict]
+    G: int
+    temps: list
+    args: Args
+    version: int
+    fresh_weights: bool
+    n_tok: int
+    n_groups: int
+    judge: Verdicts | None
+    adv: torch.Tensor
+    tally: Tally
+    by_lag: ByStaleness
+    want_dev: bool
+
+    def forward(self, mb: list[int], rows: tuple[int, int] | None = None) -> tuple[Rows, list, list, list]:
+        """The forward of groups `mb` (or of rows [start, stop) of the one group in it): its Rows, and the
+        prompts, completion ids and row temperatures it ran on."""
+        lo, hi = rows or (0, self.G)
+        prompts = [self.groups[i]["prompt_ids"] for i in mb]
+        comps = [c for i in mb for c in self.groups[i]["completions"][lo:hi]]
+        versions = [self.groups[i]["policy_version"] for i in mb for _ in range(hi - lo)]
+        row_t = [self.temps[i] for i in mb for _ in range(hi - lo)]  # per row: groups of different temperatures may mix
+        ids = [c["token_ids"] for c in comps]
+        logp, mask = completion_logprobs(self.model, prompts, ids, row_t, pad=0)
+        mask = mask * pad_right([sampled_mask(c) for c in comps], 0)[0].to(mask.device)
         behav = pad_right([[0.0 if x is None else x for x in c["logprobs"]] for c in comps], 0.0,
                           dtype=torch.float32)[0].to(logp.device)
-        lags = pad_right([[version - v for v in token_versions(c, groups[i]["policy_version"])]
-                          for i in mb for c in groups[i]["completions"]], 0)[0].to(logp.device)
+        lags = pad_right([[self.version - v for v in token_versions(c, pv)] for c, pv in zip(comps, versions)],
+                         0)[0].to(logp.device)
         with torch.no_grad():  # |logp - behaviour| of every trained token; a NaN stays NaN (where, not a product)
             dev = torch.where(mask.bool(), (logp.detach().float() - behav).abs(), 0.0)
             # and per version the weights moved since the token's (at least 1: a token of the version held, its
             # weights moved since the publish, is at most a step behind when every step publishes)
-            rate = dev / (lags + (0 if fresh_weights else 1)).clamp(min=1)
-        out_now = left_out_by_judge(groups, mb, G, dev, rate, mask, lags, fresh_weights, judge, onpolicy_dev)
-        if out_now:  # left out before its loss is formed: its rows are not in the loss, so no gradient reaches it
-            tally.judged_out += len(out_now)
-            tally.judged_tokens += sum(int(mask[j * G:(j + 1) * G].sum().item()) for j in out_now)
-            rows = torch.tensor([j * G + k for j in range(len(mb)) if j not in out_now for k in range(G)],
-                                dtype=torch.long, device=logp.device)
-            mb = [i for j, i in enumerate(mb) if j not in out_now]
-            if not mb:
-                if lockstep:
-                    idle_pass(model, prompts, ids, row_t, args, logp)
-                continue
-            logp, mask, behav, lags, dev = logp[rows], mask[rows], behav[rows], lags[rows], dev[rows]
-            prompts = [groups[i]["prompt_ids"] for i in mb]
-            ids = [c["token_ids"] for i in mb for c in groups[i]["completions"]]
-            row_t = [temps[i] for i in mb for _ in range(G)]
-        a = adv[mb].reshape(-1).to(logp.device)                                    # [N]
+            rate = dev / (lags + (0 if self.fresh_weights else 1)).clamp(min=1)
+        return Rows(logp, mask, behav, lags, dev, rate), prompts, ids, row_t
+
+    def backward(self, r: Rows, adv: torch.Tensor, prompts: list, ids: list, row_t: list) -> None:
+        """The loss of rows `r` (advantages `adv`, one a row) weighted by their share of the whole batch, so that
+        accumulation (and the ranks) equal one big batch; its backward, and its statistics noted."""
         ref = None
-        if args.beta > 0:
-            with torch.no_grad(), model.disable_adapter():
-                ref, _ = completion_logprobs(model, prompts, ids, row_t, pad=0)
-        out = grpo_loss(logp, behav, a, mask, objective=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
-                        is_cap=args.is_cap, logp_ref=ref, beta=args.beta, agg=args.loss_agg)
-        # weight each micro-batch by its share of the whole batch, so accumulation (and the ranks) equal one big batch
-        share = mask.sum().item() / n_tok if args.loss_agg == "token" else len(mb) / n_groups
+        if self.args.beta > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref, _ = completion_logprobs(self.model, prompts, ids, row_t, pad=0)
+        a = self.args
+        out = grpo_loss(r.logp, r.behav, adv.to(r.logp.device), r.mask, objective=a.loss, eps_low=a.eps_low,
+                        eps_high=a.eps_high, is_cap=a.is_cap, logp_ref=ref, beta=a.beta, agg=a.loss_agg)
+        share = r.mask.sum().item() / self.n_tok if a.loss_agg == "token" else len(ids) / (self.G * self.n_groups)
         (out.loss * share).backward()
         for k, v in {**out.stats, "loss": out.loss.item()}.items():
-            tally.agg.setdefault(k, []).append((v, share))
+            self.tally.agg.setdefault(k, []).append((v, share))
         with torch.no_grad():
-            for j, i in enumerate(mb):
-                rows = slice(j * G, (j + 1) * G)
-                m = mask[rows].bool()
-                by_lag.add_tokens(lags[rows][m], out.ratio[rows][m], out.clipped[rows][m], dev[rows][m])
-                # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
-                if fresh_weights:
-                    tally.onpolicy.append(out.ratio[rows][m & (lags[rows] == 0)].float().cpu())
-    tally.by_lag = by_lag.acc
-    if judge is not None:
-        tally.failed = dict(judge.failed)
-    return tally
+            m = r.mask.bool()
+            self.by_lag.add_tokens(r.lags[m], out.ratio[m], out.clipped[m], r.dev[m])
+            # ratio on tokens sampled by exactly the weights we hold: must be 1 (+- fp noise)
+            if self.fresh_weights:
+                self.tally.onpolicy.append(out.ratio[m & (r.lags == 0)].float().cpu())
+
+    def judged(self, mb: list[int], r: Rows) -> list[int]:
+        """Positions in `mb` of the groups the judge leaves out (left_out_by_judge), counted in the Tally."""
+        out = left_out_by_judge(self.groups, mb, self.G, r.dev, r.rate, r.mask, r.lags, self.fresh_weights,
+                                self.judge, self.tally.onpolicy_dev if self.want_dev else None)
+        self.tally.judged_out += len(out)
+        self.tally.judged_tokens += sum(int(r.mask[j * self.G:(j + 1) * self.G].sum().item()) for j in out)
+        return out
+
+
+def whole_groups(p: Pass, mb: list[int], lockstep: Lockstep | None) -> None:
+    """One forward/backward of the groups `mb`; a group the judge leaves out is dropped before the loss is formed,
+    so no gradient reaches it (a sharded base's emptied pass runs at weight zero: idle_pass)."""
+    r, prompts, ids, row_t = p.forward(mb)
+    if out := p.judged(mb, r):
+        rows = torch.tensor([j * p.G + k for j in range(len(mb)) if j not in out for k in range(p.G)],
+                            dtype=torch.long, device=r.logp.device)
+        if len(out) == len(mb):
+            if lockstep:
+                idle_pass(p.model, prompts, ids, row_t, p.args, r.logp)
+            return
+        mb = [i for j, i in enumerate(mb) if j not in out]
+        r, prompts = r.select(rows), [p.groups[i]["prompt_ids"] for i in mb]
+        ids, row_t = [ids[k] for k in rows.tolist()], [row_t[k] for k in rows.tolist()]
+    p.backward(r, p.adv[mb].reshape(-1), prompts, ids, row_t)
+
+
+def split_group(p: Pass, i: int, chunks: list[tuple[int, int]]) -> None:
+    """Group `i` a few rows at a time (micro_batches.plan), each piece its own forward and backward. The judge needs
+    the whole group, so it is asked after the last piece: a group it leaves out has its gradient taken back (the
+    trainable parameters' gradients as they were before its first piece) and its statistics are not kept."""
+    params = [x for x in p.model.parameters() if x.requires_grad]
+    before = [None if x.grad is None else x.grad.clone() for x in params] if p.judge is not None else None
+    mine = Pass(**{**p.__dict__, "tally": Tally(), "by_lag": ByStaleness([], [], p.version)})
+    parts = []
+    for lo, hi in chunks:
+        r, prompts, ids, row_t = mine.forward([i], (lo, hi))
+        mine.backward(r, p.adv[i, lo:hi], prompts, ids, row_t)
+        parts.append(Rows(*(t.detach() for t in r)))
+        del r
+    if p.judged([i], stacked(parts)):
+        for x, g in zip(params, before):
+            x.grad = g
+        return
+    for k, vs in mine.tally.agg.items():
+        p.tally.agg.setdefault(k, []).extend(vs)
+    p.tally.onpolicy.extend(mine.tally.onpolicy)
+    p.by_lag.merge(mine.by_lag.acc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1004,6 +1099,9 @@ def finish(t: Trainer) -> None:
 def main(args: Args) -> None:
     """The trainer: rank 0 (alone, or under torchrun the one that talks to the proxy and the bucket) runs the steps;
     every other rank follows it (follow) until it says stop."""
+    if args.micro_tokens is not None and args.micro_tokens < 1:
+        raise SystemExit(f"--micro-tokens {args.micro_tokens}: a forward/backward must hold at least one token; leave "
+                         "it unset for the default (4,096 without activation checkpointing, 16,384 with)")
     stop, ranks = threading.Event(), join()
     if not ranks.leader:
         # torchrun passes a SIGTERM on to every rank: rank 0 checkpoints, then tells the others to stop

@@ -130,25 +130,30 @@ def test_the_drift_bound_holds_just_inside_and_fails_just_outside_per_version_of
     assert judged_by_the_step(model, [off(g, 1.1 * bound)], args, 0, auditor, fresh=False)
 
 
-def test_the_step_trains_the_rest_as_if_the_judged_group_had_never_been_there(tiny_model):
+@pytest.mark.parametrize("lie_by", ["drift", "NaN"])
+def test_the_step_trains_the_rest_as_if_the_judged_group_had_never_been_there(tiny_model, lie_by):
     """A group the forward leaves out takes no part in the gradient, and the others' weights are those of a batch
-    without it: the gradient equals the one of the batch without it (micro-batches of 1 and of 3, both losses)."""
+    without it: the gradient equals the one of the batch without it (micro-batches of 1 and of 3, both losses; and
+    every group over --micro-tokens, so run a row at a time and judged after its backward: its gradient taken back,
+    a NaN one too)."""
     for agg in ("token", "grpo"):
-        for micro in (1, 3):
-            args = train.Args(model=tiny_model, skip_zero_std=False, micro_groups=micro, loss_agg=agg)
+        for micro, tokens in ((1, None), (3, None), (3, 1)):
+            args = train.Args(model=tiny_model, skip_zero_std=False, micro_groups=micro, loss_agg=agg,
+                              micro_tokens=tokens)
             torch.manual_seed(0)
             model, tok = train.build_model(args)
             auditor = Auditor(Options(), "addition", tok, None, AuditReports(), 2, lambda g: 1.0, lambda g: True,
                               say=lambda s: None)
             a, b = honest(model, tok, 6, gid="a"), honest(model, tok, 9, gid="b")
             b["completions"] = [{**c, "reward": float(k == 0)} for k, c in enumerate(b["completions"])]
-            lie = {**off(honest(model, tok, 8), 3 * auditor.opts.max_drift), "group_id": "lie"}
-            out = judged_by_the_step(model, [a, lie, b], args, 1, auditor)
+            lie = off(honest(model, tok, 8), 3 * auditor.opts.max_drift if lie_by == "drift" else math.nan)
+            out = judged_by_the_step(model, [a, {**lie, "group_id": "lie"}, b], args, 1, auditor)
             assert set(out) == {"lie"}
             with_lie = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
             assert not judged_by_the_step(model, [a, b], args, 1, auditor)
             without = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
-            assert torch.allclose(with_lie, without, atol=1e-7, rtol=1e-5), (agg, micro)
+            assert torch.isfinite(without).all() and without.abs().max() > 0
+            assert torch.allclose(with_lie, without, atol=1e-7, rtol=1e-5), (agg, micro, tokens)
 
 
 def answered(tok, i: int, texts: list[str], rewards: list[float], gid: str, participant: str = "p") -> dict:

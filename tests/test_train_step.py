@@ -147,6 +147,31 @@ def test_micro_batches_add_up_to_one_batch(tiny_model, objective):
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("agg", ["token", "grpo"])
+@pytest.mark.parametrize("objective,beta", [("cispo", 0.0), ("ppo", 0.04), ("decoupled", 0.0)])
+def test_groups_over_the_token_budget_run_in_pieces_to_the_same_step(tiny_model, objective, beta, agg):
+    """--micro-tokens below what a group holds: a group alone in a pass, two groups a few rows a pass (3 of their 4
+    rows, then 1; or one each), and the step (its gradient, tokens and statistics) is the one of a pass over all
+    three groups."""
+    got = []
+    for tokens in (None, 3 * (7 + 5), 1):  # 7: the longest prompt, 5: the longest completion
+        model, args = _model(tiny_model, micro_groups=3, loss=objective, beta=beta, loss_agg=agg, micro_tokens=tokens)
+        _perturb(model)
+        groups = [_group(model, 9, [1.0, 0.0, 0.0, 1.0], T=0.7, n_tok=2), _group(model, 10, [0.0, 1.0, 1.0, 1.0], T=1.3, n_tok=5),
+                  _group(model, 11, [1.0, 0.0, 1.0, 0.0], shift=0.5, n_tok=3, version=1)]
+        st = train.train_step(model, groups, args, version=2, fresh_weights=True)
+        got.append((torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad]), st))
+    (one, st1), *pieces = got
+    assert one.abs().max() > 0
+    for grad, st in pieces:
+        assert torch.allclose(grad, one, atol=1e-6, rtol=1e-4)
+        assert st["tokens"] == st1["tokens"] == (2 + 5 + 3) * G and st["groups/trained"] == 3
+        # (with --loss-agg grpo a pass's token means are weighted by its rows, as micro-batches' are: not compared)
+        means = ("ratio/mean", "clip/frac", "kl") if agg == "token" else ()
+        for k in ("loss", "ratio/max", "stale/1/ratio_dev_mean", "stale/2/tokens", *means):
+            assert st[k] == pytest.approx(st1[k], rel=1e-4, abs=1e-6), k
+
+
 def test_a_group_with_a_bad_temperature_is_left_out(tiny_model, capsys):
     model, args = _model(tiny_model)
     good, bad = _group(model, 12, [1.0, 0.0, 0.0, 1.0]), _group(model, 13, [0.0, 1.0, 1.0, 1.0])
