@@ -22,11 +22,11 @@ if [ ! -x "$V/bin/python" ] || ! ok; then
 fi
 [ "${1:-}" = --setup-only ] && exit 0
 # ENVS_LANE=1: the tests fail, rather than skip, where a library does not import; and the lane fails if pytest
-# skipped any test anyway or (without extra args) ran fewer than all ten: a lane that ran nothing must not pass
+# skipped any test anyway or (without extra args) ran fewer than all eleven: a lane that ran nothing must not pass
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false ENVS_LANE=1
 xml=$(mktemp --suffix=.xml)
 trap 'rm -f "$xml"' EXIT
 rc=0
 "$V/bin/python" -m pytest -q -rs --durations=0 --junitxml="$xml" tests/test_env_libraries.py "$@" || rc=$?
-"$V/bin/python" tests/support/lane_report.py envs_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 10 || echo 1)"
+"$V/bin/python" tests/support/lane_report.py envs_lane.sh "$xml" "$rc" "$([ $# -eq 0 ] && echo 11 || echo 1)"
 exit "$rc"

@@ -12,6 +12,7 @@ real moto S3 endpoint, a real proxy, a real rollout.py worker and a real train.p
     verifiers:vf_guess             a multi-turn one, their train client generating through the worker's loopback
                                    /inference/v1/generate
     verifiers:vf_flaky             vf_guess where the first episodes fail before their first turn (no training run)
+    verifiers:vf_raising           a single-turn taskset whose reward raises on one task (no training run)
 
 They need the libraries (requirements-envs.txt), so they run in the envs lane, `bash tests/envs_lane.sh`, in
 its own venv .venv-envs; in the main suite (.venv) they skip, unless ENVS_LANE=1 says they must run."""
@@ -141,6 +142,25 @@ def test_a_multi_turn_verifiers_environment_trains_end_to_end(start_proxy, bucke
     assert "the agent 'player' samples at temperature 0.7 (its env's own sampling), not --temperature 1.0" in log
     # on policy (version 0 sampled, version 0 scores): the ratio is 1 only at the temperature it was sampled at
     assert rows[0]["groups/trained"] == 1 and rows[0]["ratio/onpolicy_max_dev"] < 1e-3, rows[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_verifiers_rubric_that_raises_fails_its_tasks_episodes_with_its_error(tiny_model):
+    """A reward function that raises (tests/support/vf_raising, on task 1): verifiers records it on the trace, and
+    each of that task's episodes fails with the rubric's own error (so the worker drops the group and says why:
+    rollout.py's `group of prompt 1 not sent: ...`, as for a failing OpenEnv step), the other task's score."""
+    need("verifiers")
+    from hf_engine import HFSampler
+    from verifiers_env import VerifiersEnvironment
+    engine = HFSampler(tiny_model, "float32")
+    env = VerifiersEnvironment("vf_raising", tiny_model, engine.generate_ids, 512, 1.0, 4, 0, 64)
+    try:
+        _, eps = env.run([0, 1], 2, 0)
+    finally:
+        env.close()
+    assert [e.failed for e in eps[:2]] == [None, None] and all(e.reward in (0.0, 1.0) for e in eps[:2])
+    for e in eps[2:]:
+        assert e.failed and "the rubric cannot read task 1's answer" in e.failed, e.failed
 
 
 @pytest.mark.timeout(600)
