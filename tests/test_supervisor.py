@@ -408,12 +408,15 @@ def test_a_standby_proxy_job_leads_when_the_proxy_ends_and_the_supervisor_keeps_
         return line in "".join(seen)
     try:
         for role, stop in (("proxy", emu.crash), ("proxy-standby", emu.pause)):   # the leader's role, and its end
-            wait_for(lambda s=standby: health_role(s) == "standby" and proxy_client.read_job_url(bucket, s.id),
+            other = "proxy-standby" if role == "proxy" else "proxy"   # the standby's role
+            # the supervisor's own look must have found it standing by (a relaunch slow to start on a loaded machine
+            # can be seen "not answering" until it leads) before its leader is stopped
+            wait_for(lambda s=standby, o=other: health_role(s) == "standby" and proxy_client.read_job_url(bucket, s.id)
+                     and said(f"{o}: job {s.id} at http://127.0.0.1:{s.ports[8000]}: standby"),
                      120, "the supervisor saw the standby and left it its URL")
             stop(leader.id)
             led_by(bucket, standby, 60)
             # the supervisor's look, which can lag a loaded machine's takeover, sees it lead before it is stopped next
-            other = "proxy-standby" if role == "proxy" else "proxy"
             wait_for(lambda s=standby, o=other: said(f"{o}: job {s.id} at http://127.0.0.1:{s.ports[8000]}: leader"), 60,
                      "the supervisor saw the new leader")
             took_over.append(standby)
