@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Literal, NamedTuple
 
@@ -600,13 +600,12 @@ def split_group(p: Pass, i: int, chunks: list[tuple[int, int]]) -> None:
     trainable parameters' gradients as they were before its first piece) and its statistics are not kept."""
     params = [x for x in p.model.parameters() if x.requires_grad]
     before = [None if x.grad is None else x.grad.clone() for x in params] if p.judge is not None else None
-    mine = Pass(**{**p.__dict__, "tally": Tally(), "by_lag": ByStaleness([], [], p.version)})
+    mine = replace(p, tally=Tally(), by_lag=ByStaleness([], [], p.version))  # its notes kept apart until judged
     parts = []
     for lo, hi in chunks:
         r, prompts, ids, row_t = mine.forward([i], (lo, hi))
         mine.backward(r, p.adv[i, lo:hi], prompts, ids, row_t)
         parts.append(Rows(*(t.detach() for t in r)))
-        del r
     if p.judged([i], stacked(parts)):
         for x, g in zip(params, before):
             x.grad = g
