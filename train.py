@@ -94,7 +94,7 @@ class Args:
     """groups per forward/backward (gradient accumulation), at most: see --micro-tokens"""
     micro_tokens: int | None = None
     """tokens a forward/backward may hold (rows x their longest prompt + completion), which bounds its activation
-    memory: fewer groups a pass, and a group over it a few of its rows at a time (lib/train/micro_batches.py).
+    memory: fewer groups a pass, and a group over it a few of its rows at a time (lib/shared/micro_batches.py).
     None: 4,096 without activation checkpointing (CPU), 16,384 with (a GPU). Not applied to a sharded base, whose
     ranks must make the same calls (its passes are --micro-groups groups)"""
     lr: float = 3e-4

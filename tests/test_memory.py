@@ -110,6 +110,21 @@ def test_trainer_args_are_read_from_train_arg(offline, capsys):
     assert "on t4-small (T4, 15.0 GiB)" in out and "(float32, checkpointing on" in out
 
 
+def test_the_check_counts_the_passes_train_py_plans(offline, capsys):
+    """train.py holds at most --micro-tokens tokens a forward/backward (4,096 without checkpointing): the Jobs
+    layout's group of 8 x (256 + 512) tokens runs 5 rows at a time, and the check counts that pass, so a 1.5B
+    model in bf16 without checkpointing fits an A10G; with a budget of a whole micro-batch it does not."""
+    args = ("--model", "Qwen/Qwen2.5-1.5B-Instruct", "--train-arg=--gradient-checkpointing=off")
+    out = dry_run(capsys, *args)
+    assert "checkpointing off, LoRA r=16, 5 of a group's 8 completions of 512 tokens per micro-batch" in out
+    with pytest.raises(SystemExit) as e:
+        dry_run(capsys, *args, "--train-arg=--micro-tokens=12288")
+    assert "does not fit" in str(e.value) and "2 x 8 completions of 512 tokens per micro-batch" in str(e.value)
+    # a sharded base plans passes of --micro-groups groups whatever their tokens (its ranks make the same calls)
+    a = memory.Arch.from_config(json.load(open(ROOT / "lib" / "jobs" / "configs" / "Qwen--Qwen2.5-1.5B-Instruct.json")))
+    assert memory.pass_shape(memory.Trainer("bfloat16", checkpointing=False, shards=2), memory.Layout()) == (2, 16)
+
+
 def test_a_base_too_large_for_one_gpu_of_the_flavor_is_sharded_over_its_ranks(offline, capsys):
     """memory.shard_base: Qwen2.5-14B in bf16 does not fit one L4 as a replica, so on l4x4 the launcher runs
     the trainer with --shard base and the fit check counts a rank's share of the base; a 1.5B model on h200x2 stays

@@ -26,6 +26,7 @@ if __name__ == "__main__":  # run as a script (the docstring's commands): common
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from common import computes_bf16  # the one precision rule (common.py): bf16 from compute capability 8.0
 from environments import is_environment  # stdlib only: which tasks train episodes of several turns
+from micro_batches import default_budget, plan  # stdlib only: how train.py splits a step into passes
 
 GiB = 1024 ** 3
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -142,7 +143,10 @@ class Layout:
     """longest completion (rollout.py --max-new-tokens; padded to it within a micro-batch)"""
     group_size: int = 8
     micro_groups: int = 2
-    """groups per forward/backward (train.py --micro-groups)"""
+    """groups per forward/backward (train.py --micro-groups), at most: see micro_tokens"""
+    micro_tokens: int | None = None
+    """tokens a forward/backward holds, at most (train.py --micro-tokens); None: train.py's default for the
+    trainer's checkpointing (micro_batches.default_budget). pass_shape applies it"""
     rollout_seqs: int = 64
     """sequences a worker generates at once (rollout.py prompts_per_round x G)"""
     max_model_len: int = 2048
@@ -195,8 +199,19 @@ def layer_bytes_per_token(a: Arch, b: int, r: int) -> int:
     return per + lora + qk_norm + 4 * a.heads
 
 
+def pass_shape(t: Trainer, lay: Layout) -> tuple[int, int]:
+    """(prompts, completions) of the trainer's largest forward/backward on this layout, as train.py plans it
+    (micro_batches.plan): --micro-groups groups of G within --micro-tokens, or a few rows of one group over it. A
+    sharded base plans passes of --micro-groups groups whatever their tokens (its ranks make the same calls)."""
+    budget = None if t.shards > 1 else (lay.micro_tokens or default_budget(t.checkpointing))
+    first = plan([(lay.prompt_tokens, [lay.new_tokens] * lay.group_size)] * lay.micro_groups, lay.micro_groups, budget)[0]
+    if first.rows is None:
+        return len(first.groups), len(first.groups) * lay.group_size
+    return 1, max(stop - start for start, stop in first.rows)
+
+
 def trainer_memory(a: Arch, t: Trainer, lay: Layout = Layout(), cuda: bool = True) -> dict[str, float]:
-    """Peak bytes of one trainer, by part. Micro-batch: P prompts of Lp tokens, N = P*G completions of T.
+    """Peak bytes of one trainer, by part. A pass (pass_shape): P prompts of Lp tokens, N completions of T.
 
     weights      the base model (4-bit: the projections in NF4, embeddings, head and norms in dtype); sharded over
                  t.shards ranks: weight_bytes
@@ -209,8 +224,8 @@ def trainer_memory(a: Arch, t: Trainer, lay: Layout = Layout(), cuda: bool = Tru
     overhead     CUDA context and allocator slack (0 on CPU)
     """
     b = _bytes(t.dtype)
-    P, G, Lp, T = lay.micro_groups, lay.group_size, lay.prompt_tokens, lay.new_tokens
-    N, nc, n_p = P * G, P * G * T, P * Lp
+    (P, N), Lp, T = pass_shape(t, lay), lay.prompt_tokens, lay.new_tokens
+    nc, n_p = N * T, P * Lp
     D, Q, KV = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
     weights = weight_bytes(a, t)
     lora = a.lora_params(t.lora_r) * 16
@@ -463,10 +478,11 @@ def trainer_setup(model: str, max_new_tokens: int, group_size: int, flavor: str,
     except ValueError as e:
         return f"cannot judge {model} ({e})"
     t = _flag_values(train_argv, {"--dtype": str, "--load-in-4bit": bool, "--gradient-checkpointing": str,
-                                  "--lora-r": int, "--micro-groups": int, "--shard": str})
+                                  "--lora-r": int, "--micro-groups": int, "--micro-tokens": int, "--shard": str})
     if is_environment(task):  # rollout.py's default for --max-episode-tokens is 256
         max_new_tokens = _flag_values(rollout_argv, {"--max-episode-tokens": int}).get("max_episode_tokens", 256)
-    lay = Layout(new_tokens=max_new_tokens, group_size=group_size, micro_groups=t.get("micro_groups", Layout.micro_groups))
+    lay = Layout(new_tokens=max_new_tokens, group_size=group_size, micro_groups=t.get("micro_groups", Layout.micro_groups),
+                 micro_tokens=t.get("micro_tokens"))
     dtype = t.get("dtype", "auto")
     if dtype == "auto":  # models.resolve_dtype on that GPU: the same rule
         dtype = "bfloat16" if flavor not in FLAVORS or flavor_bf16(flavor) else "float32"
@@ -497,8 +513,17 @@ def trainer_line(model: str, flavor: str, s: Setup) -> str:
             f"({FLAVORS[flavor][0]}, {flavor_gib(flavor):.1f} GiB): "
             + ", ".join(f"{k} {v / GiB:.1f}" for k, v in parts.items() if k != "total")
             + f" ({t.dtype}{', 4-bit' if t.four_bit else ''}, checkpointing "
-              f"{'on' if t.checkpointing else 'off'}, LoRA r={t.lora_r}, {lay.micro_groups} x {lay.group_size} "
-              f"completions of {lay.new_tokens} tokens per micro-batch; config from {s.source})")
+              f"{'on' if t.checkpointing else 'off'}, LoRA r={t.lora_r}, {pass_words(t, lay)} per micro-batch; "
+              f"config from {s.source})")
+
+
+def pass_words(t: Trainer, lay: Layout) -> str:
+    """A pass's shape in words: "2 x 8 completions of 512 tokens", or "3 of a group's 8 completions of 4096 tokens"
+    for a group run a few rows at a time (over --micro-tokens)."""
+    prompts, rows = pass_shape(t, lay)
+    if rows < prompts * lay.group_size:
+        return f"{rows} of a group's {lay.group_size} completions of {lay.new_tokens} tokens"
+    return f"{prompts} x {lay.group_size} completions of {lay.new_tokens} tokens"
 
 
 def layout_check(model: str, max_new_tokens: int, group_size: int, trainer_flavor: str, train_argv: list[str],
@@ -551,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-checkpointing", action="store_true")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--micro-groups", type=int, default=Layout.micro_groups)
+    p.add_argument("--micro-tokens", type=int, default=None, help="train.py's; default: its own for the checkpointing")
     p.add_argument("--new-tokens", type=int, default=Layout.new_tokens)
     p.add_argument("--flavor", default=None, help="only this flavor")
     args = p.parse_args(argv)
@@ -561,7 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg is None:
         raise SystemExit(f"cannot judge {args.model}: {src}")
     a = Arch.from_config(cfg)
-    lay = Layout(micro_groups=args.micro_groups, new_tokens=args.new_tokens)
+    lay = Layout(micro_groups=args.micro_groups, new_tokens=args.new_tokens, micro_tokens=args.micro_tokens)
     t = Trainer(args.dtype, args.load_in_4bit, not args.no_checkpointing, args.lora_r)
     m = trainer_memory(a, t, lay)
     print(f"{args.model} ({src}): {a.params() / 1e9:.2f}B parameters, LoRA r={t.lora_r}: {a.lora_params(t.lora_r) / 1e6:.1f}M")

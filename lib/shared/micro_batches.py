@@ -9,7 +9,7 @@ by its share of the batch, so the accumulated gradient is the one the whole grou
 least a pass can take: a single row over the budget is run alone (the worker's --max-prompt-tokens and token
 budgets bound it).
 
-    python -c "import sys; sys.path[:0] = ['lib/train']; import micro_batches as m; \\
+    python -c "import sys; sys.path[:0] = ['lib/shared']; import micro_batches as m; \\
 print(m.plan([(700, [256] * 8), (700, [256] * 8)], micro_groups=2, budget=4096))"
 """
 from __future__ import annotations
