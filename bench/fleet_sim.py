@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -74,7 +74,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from autoscale import Bounds, Window, apply, decide, initial_state, memory_of, unseen  # noqa: E402 - lib/jobs, on the path through common
+from autoscale import Bounds, Window, initial_state, look, unseen  # noqa: E402 - lib/jobs, on the path through common
 from costs import EXPOSE_PRICE, PRICES  # noqa: E402
 from presets import PRESETS  # noqa: E402
 from proxy_load import cpu_s, free_port, wait_up  # noqa: E402 - bench/ is on the path: the load test's process helpers
@@ -501,10 +501,10 @@ class Fleet:
             self.m["step_busy"].append(done_at - t1)
 
     async def controller(self, tasks: list) -> None:
-        """--autoscale: every look, the supervisor's policy on the proxy's stats (autoscale.decide over its Window,
-        the state apply() keeps and memory_of() reads, a worker starting until the proxy has a group of its, as
-        Autoscaler.step does on its wall clock; here the simulation's): up starts workers, down asks the newest to
-        leave. Its bounds: sim_bounds()."""
+        """--autoscale: every look, the supervisor's policy on the proxy's stats (autoscale.look: decide over its
+        Window, the state apply() keeps, a worker starting until the proxy has a group of its, as Autoscaler.step does
+        on its wall clock; here the simulation's): up starts workers, down asks the newest to leave. Its bounds:
+        sim_bounds()."""
         a = self.a
         bounds = sim_bounds(a)
         window, state = Window.of(bounds), initial_state([f"rollout-{i + 1}" for i in self.active])
@@ -515,12 +515,8 @@ class Fleet:
             now = time.monotonic()
             status, raw = await self.call("GET", "/v1/stats")
             stats = json.loads(raw) if status == 200 else None
-            waiting = unseen([self.ids[i] for i in self.active], stats)
-            if waiting:
-                window.start_over(stats)
-            d = replace(decide(None if waiting else window.read(stats), len(self.active), waiting, bounds,
-                               bounds.max_workers, memory=memory_of(state, now, bounds)), at=now)
-            state = apply(state, d)
+            state, d = look(window, state, stats, unseen([self.ids[i] for i in self.active], stats), bounds,
+                            bounds.max_workers, now)
             self.m["autoscale"].append([round(now - self.t0, 1), d.action, d.n, d.why, len(self.active),
                                         d.signals.get("trainer_util"), d.signals.get("wait_share"), d.signals.get("steps")])
             if d.action == "up":   # the lowest workers not at work: at size k the fleet is a fixed fleet of k's
@@ -532,7 +528,6 @@ class Fleet:
                 for i in [self.active.pop() for _ in range(d.n)]:
                     await self.call("POST", "/v1/workers/leave", json={"worker_id": self.ids[i]})
             if d.action != "hold":
-                window.start_over(stats)
                 print(f"  autoscale at {now - self.t0:.0f} s: {d.action} {d.n} -> {len(self.active)} worker(s): "
                       f"{d.reason}", flush=True)
 

@@ -39,6 +39,11 @@ def sig(util: float, wait: float, own: int = 1, lent: int = 0) -> Signals:
                    step_s=5.0, round_s=8.0)
 
 
+def judged(s: Signals, *args, **kw) -> Decision:
+    """decide() on the first look whose window since the last change holds judge_steps steps, `s` for both windows."""
+    return decide(s, *args, judge=s, **kw)
+
+
 # ---- the policy ----------------------------------------------------------------------------------------------
 
 
@@ -117,6 +122,19 @@ def test_a_window_holds_trainer_steps_and_starts_once_the_trainer_has_its_first_
     assert signals(reading(0.0, 0.0, 0), reading(100.0, 0.0, 0), 1.0) is None   # no step in 100 s: no window
 
 
+def test_a_change_is_judged_on_the_window_since_it_once_that_holds_judge_steps_steps():
+    """Window.judge: the signals from the change (start_over) to now, None until they hold judge_steps steps and
+    min_window_s; the short windows move on meanwhile; a new proxy starts it again at its first reading."""
+    w = Window.of(Bounds(min_window_s=5.0, min_window_steps=2, judge_steps=6))
+    w.start_over(reading(0.0, 0.0, acked=0))                          # the fleet changed at 0 s
+    assert w.read(reading(10.0, 0.0, acked=2)).trainer_util == 1.0 and w.judge(reading(10.0, 0.0, acked=2)) is None
+    assert w.read(reading(20.0, 10.0, acked=4)).trainer_util == 0.0 and w.judge(reading(20.0, 10.0, acked=4)) is None
+    got = w.judge(reading(30.0, 12.0, acked=6))                       # 6 steps since the change: 12 s idle of 30
+    assert (got.steps, got.window_s, round(got.trainer_util, 3)) == (6, 30.0, 0.6)
+    assert w.judge(reading(40.0, 0.0, acked=2, incarnation=2)) is None   # a new proxy: the window starts again there
+    assert w.judge(reading(60.0, 5.0, acked=8, incarnation=2)).trainer_util == 0.75
+
+
 def test_an_added_worker_that_does_not_help_is_taken_back_and_its_size_not_tried_again():
     """The first window since an up is compared with the one that led to it: under target and less than min_gain
     busier, the added workers are taken back; that size is left alone for retry_s, whatever the next windows say.
@@ -128,7 +146,12 @@ def test_an_added_worker_that_does_not_help_is_taken_back_and_its_size_not_tried
     state = json.loads(json.dumps(apply(state, up)))                 # as the supervisor writes and reads it
     assert memory_of(state, 10.0, b).before == ("up", 2, 0.6)
     # three workers: the trainer busy 0.61, 0.01 better, under min_gain: the third is taken back
-    back = replace(decide(sig(0.61, 0.2, own=3), 3, 0, b, 4, memory=memory_of(state, 40.0, b)), at=40.0)
+    # until the window since the up holds judge_steps steps, the fleet holds and records no signals (apply keeps the
+    # window before the change for the judgement)
+    wait = decide(sig(0.2, 0.0, own=3), 3, 0, b, 4, memory=memory_of(state, 30.0, b))
+    assert (wait.action, wait.why, wait.signals) == ("hold", "judging", {})
+    assert memory_of(apply(state, wait), 30.0, b).before == ("up", 2, 0.6)
+    back = replace(judged(sig(0.61, 0.2, own=3), 3, 0, b, 4, memory=memory_of(state, 40.0, b)), at=40.0)
     assert (back.action, back.n, back.why) == ("down", 1, "no_better")
     state = json.loads(json.dumps(apply(state, back)))
     assert state["fleet"] == ["rollout-1", "rollout-2"] and state["retired"] == {"rollout-3": 40.0}
@@ -141,15 +164,15 @@ def test_an_added_worker_that_does_not_help_is_taken_back_and_its_size_not_tried
     assert (again.action, again.n) == ("up", 1)
     # an up that helped, though not to target (0.5 -> 0.7), stays; the comparison is made once, at the first window
     state = apply(initial_state(["rollout-1"]), replace(decide(sig(0.5, 0.0), 1, 0, b, 4), at=0.0))
-    helped = decide(sig(0.7, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 40.0, b))
+    helped = judged(sig(0.7, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 40.0, b))
     assert (helped.action, helped.why) == ("up", "trainer_waits")
-    state = apply(state, replace(decide(sig(0.9, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 20.0, b)), at=20.0))
+    state = apply(state, replace(judged(sig(0.9, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 20.0, b)), at=20.0))
     assert memory_of(state, 40.0, b).before is None
     assert decide(sig(0.5, 0.0, own=2), 2, 0, b, 4, memory=memory_of(state, 40.0, b)).why == "trainer_waits"
     # an up of two that did not help is taken back whole, and an up may not reach a size left
     two = apply(initial_state(["rollout-1"]), replace(decide(sig(0.2, 0.0), 1, 0, b, 4), at=0.0))
     assert len(two["fleet"]) == 3
-    back2 = decide(sig(0.19, 0.0, own=3), 3, 0, b, 4, memory=memory_of(two, 40.0, b))
+    back2 = judged(sig(0.19, 0.0, own=3), 3, 0, b, 4, memory=memory_of(two, 40.0, b))
     assert (back2.action, back2.n, back2.why) == ("down", 2, "no_better")
     two = apply(two, replace(back2, at=40.0))
     capped = decide(sig(0.2, 0.0), 1, 0, b, 4, memory=memory_of(two, 200.0, b))
@@ -168,7 +191,7 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     down = replace(decide(both_wait, 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
     assert (down.action, down.n, down.why) == ("down", 1, "workers_wait")
     state = apply(state, down)
-    first = replace(decide(sig(0.4, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 200.0, b)), at=200.0)
+    first = replace(judged(sig(0.4, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 200.0, b)), at=200.0)
     assert first.why == "tried"                                      # no worse at two: three stays left
     state = apply(state, first)
     # later windows at two, however much less busy, do not bring three back within retry_s (needed judged it once)
@@ -180,7 +203,9 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     down = replace(decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0)
     state = apply(state, down)
     assert memory_of(state, 62.0, b).before == ("down", 3, 0.95)
-    back = replace(decide(sig(0.70, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)), at=80.0)
+    # the window since the down holds judge_steps steps only at 80 s; one of 0.70 at 70 s has the fleet hold
+    assert decide(sig(0.70, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 70.0, b)).why == "judging"
+    back = replace(judged(sig(0.70, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)), at=80.0)
     assert (back.action, back.n, back.why) == ("up", 1, "needed")
     state = apply(state, back)
     assert memory_of(state, 81.0, b).left == () and memory_of(state, 81.0, b).too_few == 3
@@ -193,9 +218,11 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     # a down after which the trainer is no worse (0.80 -> 0.79: the third worker did not help) stays down
     state = apply(initial_state(["rollout-1", "rollout-2", "rollout-3"]), Decision("up", 0, "x", "", 3, at=0.0))
     state = apply(state, replace(decide(sig(0.80, 0.6, own=3), 3, 0, b, 4, memory=memory_of(state, 61.0, b)), at=61.0))
-    assert decide(sig(0.79, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)).why == "tried"
+    assert judged(sig(0.79, 0.1, own=2), 2, 0, b, 4, memory=memory_of(state, 80.0, b)).why == "tried"
     with pytest.raises(ValueError, match="min_window_steps 0: at least 1"):
         Bounds(min_window_steps=0)
+    with pytest.raises(ValueError, match="judge_steps 2: at least min_window_steps"):
+        Bounds(min_window_steps=3, judge_steps=2)
 
 
 # ---- the proxy's signals ---------------------------------------------------------------------------------------
@@ -322,8 +349,8 @@ def autoscaled_run(tmp_path, monkeypatch, s3_env, spawn, bucket, run_name):
              JobSpec("rollout-1", "idle.py", [], ["--worker-id", f"{run_name}-w1", "--seed", "1"], "l4x1", [], {},
                      timeout="30m"),
              JobSpec("supervisor", "idle.py", [], [], "cpu-basic", [], {}, timeout="30m")]
-    bounds = {"max_workers": 4, "budget_per_hour": 5.0, "min_window_s": 0.5, "min_window_steps": 1, "up_cooldown_s": 60.0,
-              "down_cooldown_s": 3.0, "wait_share_down": 0.3}
+    bounds = {"max_workers": 4, "budget_per_hour": 5.0, "min_window_s": 0.5, "min_window_steps": 1, "judge_steps": 1,
+              "up_cooldown_s": 60.0, "down_cooldown_s": 3.0, "wait_share_down": 0.3}
     save_launch(bucket, {"run": run_name, "autoscale": bounds}, specs, {"idle.py": tmp_path / "idle.py"})
     api = HfApi()
     for spec in specs[:2]:   # what the launcher would have started

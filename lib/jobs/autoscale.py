@@ -22,8 +22,9 @@ the trainer holds its first batch (its wait for that one is start-up, not steady
 of the fleet and while a worker starts (until the proxy has a group of its): each window measures one fleet at work.
 
 The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a worker still starting:
-hold; no window yet: hold; the first window since an up leaves the trainer under target and not min_gain busier
-than the window that led to the up: take the added workers back (`no_better`); the first window since a
+hold; an up or a workers_wait down not yet judged: hold until the window since it holds judge_steps steps (`judging`),
+then every rule reads that window; no window yet: hold; the window since an up leaves the trainer under target and
+not min_gain busier than the window that led to the up: take the added workers back (`no_better`); the window since a
 `workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`); workers
 waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one (`workers_wait`,
 after down_cooldown_s, never below a size put back within retry_s); trainer utilisation under target, the workers
@@ -80,6 +81,10 @@ class Bounds:
     min_window_steps: int = 3
     """the fewest trainer steps (versions registered) a window holds: a window shorter than a step reads 0 or 1 by where
     the step's wait falls"""
+    judge_steps: int = 10
+    """the fewest trainer steps of the window an up or a workers_wait down is judged on (no_better, needed): the fleet
+    holds from the change until then, and every rule reads that window. Three steps read anything from 0.2 to 1.0 on one
+    fleet (docs/results/fleet.md), and a change judged on one of them stays made or undone by chance"""
     min_gain: float = 0.03
     """a scale-up that leaves the trainer under target and raises its utilisation by less than this is taken back"""
     retry_s: float = 1800.0
@@ -96,6 +101,7 @@ class Bounds:
             (not 0 < self.wait_share_down <= 1, f"wait_share_down {self.wait_share_down}: in (0, 1]"),
             (self.max_step < 1, f"max_step {self.max_step}: at least 1"),
             (self.min_window_steps < 1, f"min_window_steps {self.min_window_steps}: at least 1"),
+            (self.judge_steps < self.min_window_steps, f"judge_steps {self.judge_steps}: at least min_window_steps"),
             (not 0 <= self.min_gain < 1, f"min_gain {self.min_gain}: in [0, 1)"),
             (min(self.up_cooldown_s, self.down_cooldown_s, self.min_window_s, self.retry_s) < 0,
              "cool-downs, retry_s and window: >= 0")] if bad]
@@ -175,16 +181,19 @@ def signals(prev: dict | None, now: dict, min_window_s: float, min_window_steps:
 
 @dataclass
 class Window:
-    """The /v1/stats reading the next window starts from: it moves on once a window is read, while the trainer has
-    no batch yet, when the proxy restarted, and at every change of the fleet (start_over): each window measures one
-    fleet at work."""
+    """The /v1/stats readings windows start from. `prev`, the next window's: it moves on once a window is read, while
+    the trainer has no batch yet, when the proxy restarted, and at every change of the fleet (start_over): each window
+    measures one fleet at work. `since`, the reading at the last change (or once its workers were all at work): the
+    window a change is judged on (judge), which grows until it holds judge_steps steps."""
     min_window_s: float
     min_window_steps: int = 1
+    judge_steps: int = 1
     prev: dict | None = None
+    since: dict | None = None
 
     @classmethod
     def of(cls, bounds: Bounds) -> Window:
-        return cls(bounds.min_window_s, bounds.min_window_steps)
+        return cls(bounds.min_window_s, bounds.min_window_steps, bounds.judge_steps)
 
     def read(self, stats: dict | None) -> Signals | None:
         """The signals since the reading kept (None: none yet, see signals())."""
@@ -196,10 +205,20 @@ class Window:
             self.prev = stats
         return sig
 
+    def judge(self, stats: dict | None) -> Signals | None:
+        """The signals since the last change, once they hold judge_steps steps (None: not yet; see signals())."""
+        if stats is None:
+            return None
+        if (self.since is None or self.since.get("incarnation") != stats.get("incarnation")
+                or not self.since.get("batches_leased")):
+            self.since = stats
+            return None
+        return signals(self.since, stats, self.min_window_s, self.judge_steps)
+
     def start_over(self, stats: dict | None) -> None:
-        """The next window starts at `stats` (after a change, or while a worker starts); None: kept as it is."""
+        """Both windows start at `stats` (after a change, or while a worker starts); None: kept as they are."""
         if stats is not None:
-            self.prev = stats
+            self.prev = self.since = stats
 
 
 def run_cost(fixed_per_hour: float, worker_price: float, workers: int) -> float:
@@ -223,11 +242,12 @@ def wanted(sig: Signals, target: float, fleet: int) -> int:
 
 
 def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most: int, since_change_s: float = math.inf,
-           last_change: str | None = None, memory: Memory | None = None) -> Decision:
+           last_change: str | None = None, memory: Memory | None = None, judge: Signals | None = None) -> Decision:
     """The decision for `fleet` own rollout jobs (`starting` of them not at work yet), `most` of them affordable
     (affordable()), `since_change_s` after the last up or down (`last_change`; inf, None: none yet), with what
-    `memory` (memory_of()) holds of earlier decisions; where given, its own last change and time are used. The rules:
-    the module docstring."""
+    `memory` (memory_of()) holds of earlier decisions; where given, its own last change and time are used. While a
+    change waits to be judged (memory.before), the rules read `judge`, the window since it (Window.judge), and hold
+    until it is there; else `sig`, the last window. The rules: the module docstring."""
     if memory is None:
         memory = Memory(last_change, since_change_s)
     def d(action: str, n: int, why: str, reason: str) -> Decision:
@@ -240,6 +260,11 @@ def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most:
                                                       f"budget ${bounds.budget_per_hour}/h allow {most}")
     if starting:
         return d("hold", 0, "starting", f"{starting} worker(s) still starting")
+    if memory.before is not None:   # judged on the window since the change; no signals recorded until then
+        if judge is None:
+            return Decision("hold", 0, "judging", f"judging the last {memory.before[0]} on a window of "
+                            f"{bounds.judge_steps} trainer steps since it", fleet)
+        sig = judge
     if sig is None:
         return d("hold", 0, "no_window", "no window of signals yet")
     return no_better(sig, fleet, bounds, memory) or needed(sig, fleet, bounds, memory) \
@@ -250,8 +275,8 @@ def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most:
 
 
 def no_better(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decision | None:
-    """The first window since an up that left the trainer under target and its utilisation not min_gain above the
-    window that led to it: the workers added are taken back (and their size, memory.left, not grown to again
+    """The window since an up (judge_steps) that left the trainer under target and its utilisation not min_gain above
+    the window that led to it: the workers added are taken back (and their size, memory.left, not grown to again
     within retry_s). Where rounds are long against steps, staleness bounds what may be in flight and more workers
     only wait longer for smaller grants; a slow worker's share of a batch can make the trainer wait longer still."""
     if memory.before is None or memory.before[0] != "up" or sig.trainer_util >= bounds.target_util:
@@ -264,8 +289,8 @@ def no_better(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decis
 
 
 def needed(sig: Signals, fleet: int, bounds: Bounds, memory: Memory) -> Decision | None:
-    """The first window since a workers_wait down leaves the trainer under target and more than min_gain less busy
-    than before it: the workers are put back, and workers_wait goes no lower than that size within retry_s (under
+    """The window since a workers_wait down (judge_steps) leaves the trainer under target and more than min_gain less
+    busy than before it: the workers are put back, and workers_wait goes no lower than that size within retry_s (under
     pacing workers wait for grants by design: the proxy holds them back to what staleness lets be trained)."""
     if memory.before is None or memory.before[0] != "down" or sig.trainer_util >= bounds.target_util:
         return None
@@ -446,6 +471,21 @@ def leaving_overdue(state: dict, role: str, now: float, leave_s: float) -> bool:
 # ---- the supervisor's hook ------------------------------------------------------------------------------------
 
 
+def look(window: Window, state: dict, stats: dict | None, starting: int, bounds: Bounds, most: int,
+         now: float) -> tuple[dict, Decision]:
+    """One look of a controller (the supervisor's Autoscaler, the local fleet, the fleet simulation) at the proxy's
+    `stats`, `starting` of the fleet's workers not at work yet: the decision on the window's signals (decide), and
+    the state after it (apply). The windows start over while a worker starts and at every change."""
+    if starting:
+        window.start_over(stats)
+    sig, judge = (None, None) if starting else (window.read(stats), window.judge(stats))
+    decision = replace(decide(sig, len(state["fleet"]), starting, bounds, most, memory=memory_of(state, now, bounds),
+                              judge=judge), at=now)
+    if decision.action != "hold":
+        window.start_over(stats)
+    return apply(state, decision), decision
+
+
 @dataclass
 class Autoscaler:
     """The fleet of a supervised run: decides at every look of the supervisor, writes the decision and the fleet it
@@ -486,15 +526,8 @@ class Autoscaler:
         worker starts and at every change)."""
         fleet = state["fleet"]
         waiting = starting_count(jobs, fleet, [self.worker_id(r) for r in fleet], stats)
-        if waiting:
-            self.window.start_over(stats)
-        sig = None if waiting else self.window.read(stats)
-        most = affordable(self.bounds, self.fixed_per_hour, self.worker_price)
-        decision = replace(decide(sig, len(fleet), waiting, self.bounds, most, memory=memory_of(state, now, self.bounds)),
-                           at=now)
-        if decision.action != "hold":
-            self.window.start_over(stats)
-        return apply(state, decision), decision
+        return look(self.window, state, stats, waiting, self.bounds,
+                    affordable(self.bounds, self.fixed_per_hour, self.worker_price), now)
 
     def worker_id(self, role: str) -> str:
         return worker_id(worker_spec(self.template, self.run, index(role)))

@@ -26,27 +26,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from autoscale import (STATE, Bounds, Decision, Window, affordable, apply, decide, index, initial_state, memory_of, unseen,
-                       worth_recording)
+from autoscale import STATE, Bounds, Decision, Window, affordable, index, initial_state, look, unseen, worth_recording
 from common import Bucket
 from costs import LOCAL_PRICE
 from proxy_client import ProxyClient
 
-# a run of a few minutes on a CPU machine: a window of at least 20 s of proxy time and one step (20 s holds one to
+# a run of a few minutes on a CPU machine: a window of at least 20 s of proxy time and one step, a change judged on
+# the first such window since it (20 s holds one to
 # four local steps of 5-20 s; more steps would leave a short run little time after its first decision), a new worker
 # is at work within a minute (its model loaded, its first round sent), and scaling down waits two minutes after a
 # change; at most 2 workers: each worker and the trainer use one core (one torch thread), and past two workers a
 # small machine mostly shares its cores out again
-LOCAL_BOUNDS = {"max_workers": 2, "max_step": 1, "min_window_s": 20.0, "min_window_steps": 1, "up_cooldown_s": 60.0,
-                "down_cooldown_s": 120.0}
+LOCAL_BOUNDS = {"max_workers": 2, "max_step": 1, "min_window_s": 20.0, "min_window_steps": 1, "judge_steps": 1,
+                "up_cooldown_s": 60.0, "down_cooldown_s": 120.0}
 MAX_FAILURES = 3   # worker processes that may fail in a run before the driver gives up
 
 
@@ -134,17 +133,10 @@ class LocalFleet:
     def decide(self, stats: dict | None, now: float) -> Decision:
         """This look's decision (autoscale.decide), recorded when worth it; the window starts over while a worker
         starts and at every change."""
-        fleet = self.state["fleet"]
-        waiting = starting(fleet, stats)
-        if waiting:
-            self.window.start_over(stats)
-        sig = None if waiting else self.window.read(stats)
-        decision = replace(decide(sig, len(fleet), waiting, self.bounds, affordable(self.bounds, 0.0, LOCAL_PRICE),
-                                  memory=memory_of(self.state, now, self.bounds)), at=now)
-        if decision.action != "hold":
-            self.window.start_over(stats)
-        recorded = worth_recording(self.state, decision)
-        self.state = apply(self.state, decision)
+        before = self.state
+        self.state, decision = look(self.window, self.state, stats, starting(self.state["fleet"], stats), self.bounds,
+                                    affordable(self.bounds, 0.0, LOCAL_PRICE), now)
+        recorded = worth_recording(before, decision)
         if recorded:
             self.record(decision)
         return decision
