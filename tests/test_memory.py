@@ -121,7 +121,6 @@ def test_the_check_counts_the_passes_train_py_plans(offline, capsys):
         dry_run(capsys, *args, "--train-arg=--micro-tokens=12288")
     assert "does not fit" in str(e.value) and "2 x 8 completions of 512 tokens per micro-batch" in str(e.value)
     # a sharded base plans passes of --micro-groups groups whatever their tokens (its ranks make the same calls)
-    a = memory.Arch.from_config(json.load(open(ROOT / "lib" / "jobs" / "configs" / "Qwen--Qwen2.5-1.5B-Instruct.json")))
     assert memory.pass_shape(memory.Trainer("bfloat16", checkpointing=False, shards=2), memory.Layout()) == (2, 16)
 
 

@@ -38,12 +38,11 @@ from common import Bucket
 from costs import LOCAL_PRICE
 from proxy_client import ProxyClient
 
-# a run of a few minutes on a CPU machine: a window of at least 20 s of proxy time and one step, a change judged on
-# the first such window since it (20 s holds one to
-# four local steps of 5-20 s; more steps would leave a short run little time after its first decision), a new worker
-# is at work within a minute (its model loaded, its first round sent), and scaling down waits two minutes after a
-# change; at most 2 workers: each worker and the trainer use one core (one torch thread), and past two workers a
-# small machine mostly shares its cores out again
+# a run of a few minutes on a CPU machine: a window of at least 20 s of proxy time and one step, and a change judged
+# on the first such window since it (20 s holds one to four local steps of 5-20 s; more steps would leave a short run
+# little time after its first decision), a new worker is at work within a minute (its model loaded, its first round
+# sent), and scaling down waits two minutes after a change; at most 2 workers: each worker and the trainer use one
+# core (one torch thread), and past two workers a small machine mostly shares its cores out again
 LOCAL_BOUNDS = {"max_workers": 2, "max_step": 1, "min_window_s": 20.0, "min_window_steps": 1, "judge_steps": 1,
                 "up_cooldown_s": 60.0, "down_cooldown_s": 120.0}
 MAX_FAILURES = 3   # worker processes that may fail in a run before the driver gives up
@@ -131,8 +130,7 @@ class LocalFleet:
             return None
 
     def decide(self, stats: dict | None, now: float) -> Decision:
-        """This look's decision (autoscale.decide), recorded when worth it; the window starts over while a worker
-        starts and at every change."""
+        """This look's decision (autoscale.look), recorded when worth it."""
         before = self.state
         self.state, decision = look(self.window, self.state, stats, starting(self.state["fleet"], stats), self.bounds,
                                     affordable(self.bounds, 0.0, LOCAL_PRICE), now)
