@@ -209,6 +209,13 @@ def test_workers_waiting_for_grants_scale_down_whatever_the_trainer_does():
     assert (back.action, back.n, back.why) == ("up", 1, "needed")
     state = apply(state, back)
     assert memory_of(state, 81.0, b).left == () and memory_of(state, 81.0, b).too_few == 3
+    # the put-back is judged as well: a short window at three (0.72, the workers not waiting) has the fleet hold; the
+    # window since it decides (busy 0.95), and the next up then needs a window of its own
+    short = decide(sig(0.72, 0.1, own=3), 3, 0, b, 4, memory=memory_of(state, 120.0, b))
+    assert (short.action, short.why, short.reason) == ("hold", "judging", "judging the last put-back on a window of "
+                                                       f"{b.judge_steps} trainer steps since it")
+    state = apply(state, replace(judged(sig(0.95, 0.1, own=3), 3, 0, b, 4, memory=memory_of(state, 130.0, b)), at=130.0))
+    assert state["decisions"][-1]["why"] == "steady" and memory_of(state, 131.0, b).before is None
     assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 679.0, b)).why == "steady"
     assert decide(sig(0.95, 0.69, own=3), 3, 0, b, 4, memory=memory_of(state, 681.0, b)).why == "workers_wait"
     # the shortfall counts the fleet, not the proxy's live workers (one asked to leave is live until its round is in):

@@ -22,8 +22,8 @@ the trainer holds its first batch (its wait for that one is start-up, not steady
 of the fleet and while a worker starts (until the proxy has a group of its): each window measures one fleet at work.
 
 The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a worker still starting:
-hold; an up or a workers_wait down not yet judged: hold until the window since it holds judge_steps steps (`judging`),
-then every rule reads that window; no window yet: hold; the window since an up leaves the trainer under target and
+hold; an up (a put-back too) or a workers_wait down not yet judged: hold until the window since it holds judge_steps
+steps (`judging`), then every rule reads that window; no window yet: hold; the window since an up leaves the trainer under target and
 not min_gain busier than the window that led to the up: take the added workers back (`no_better`); the window since a
 `workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`); workers
 waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one (`workers_wait`,
@@ -128,8 +128,9 @@ class Memory:
     last_change: str | None = None       # "up" or "down"; None: no change yet
     since_change_s: float = math.inf
     before: tuple[str, int, float] | None = None
-    """("up" or "down", own workers, trainer utilisation) of the window that led to the last up or workers_wait
-    down, until a window since that change is read"""
+    """("up", "needed" or "down", own workers, trainer utilisation) of the window that led to the last up, put-back
+    (`needed`) or workers_wait down, until a window since that change is read (no_better and needed compare it with
+    that window; a put-back's is only waited for: the size was judged once)"""
     left: tuple[tuple[int, float, str], ...] = ()
     """(size, the trainer's utilisation there, why) of each size left within retry_s: not grown to again; one left
     as no_better only while the trainer is about as busy as it was there (less by over min_gain: things changed;
@@ -262,7 +263,8 @@ def decide(sig: Signals | None, fleet: int, starting: int, bounds: Bounds, most:
         return d("hold", 0, "starting", f"{starting} worker(s) still starting")
     if memory.before is not None:   # judged on the window since the change; no signals recorded until then
         if judge is None:
-            return Decision("hold", 0, "judging", f"judging the last {memory.before[0]} on a window of "
+            what = "put-back" if memory.before[0] == "needed" else memory.before[0]
+            return Decision("hold", 0, "judging", f"judging the last {what} on a window of "
                             f"{bounds.judge_steps} trainer steps since it", fleet)
         sig = judge
     if sig is None:
@@ -422,8 +424,8 @@ def apply(state: dict, decision: Decision) -> dict:
             size = str(decision.fleet + decision.n)
             left.pop(size, None)
             kept[size] = at
-        elif util is not None:
-            before = {"action": "up", "size": decision.fleet, "util": util}
+        if util is not None:   # a put-back is judged as well: on the window since it, not on a short one
+            before = {"action": "needed" if decision.why == "needed" else "up", "size": decision.fleet, "util": util}
     elif decision.action == "down":
         for r in fleet[len(fleet) - decision.n:]:
             retired[r] = at
