@@ -21,15 +21,15 @@ acks its batches only with a checkpoint), starts once
 the trainer holds its first batch (its wait for that one is start-up, not steady), and starts over at every change
 of the fleet and while a worker starts (until the proxy has a group of its): each window measures one fleet at work.
 
-The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a worker still starting:
-hold; an up (a put-back too) or a workers_wait down not yet judged: hold until the window since it holds judge_steps
-steps (`judging`), then every rule reads that window; no window yet: hold; the window since an up leaves the trainer under target and
-not min_gain busier than the window that led to the up: take the added workers back (`no_better`); the window since a
-`workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`); workers
-waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one (`workers_wait`,
-after down_cooldown_s, never below a size put back within retry_s); trainer utilisation under target, the workers
-not waiting so: up, by as many as the shortfall says (at most max_step, within max_workers and the cap; after
-up_cooldown_s, or down_cooldown_s after a scale-down), never to a size left by `workers_wait` within retry_s, nor
+The rules, in order: below min_workers: up; above max_workers or the $/hour cap: down; a worker still starting: hold;
+an up (a put-back too) or a workers_wait down not yet judged: hold until the window since it holds judge_steps steps
+(`judging`), then every rule reads that window; no window yet: hold; the window since an up leaves the trainer under
+target and not min_gain busier than the window that led to the up: take the added workers back (`no_better`); the
+window since a `workers_wait` down leaves the trainer under target and min_gain less busy: put them back (`needed`);
+workers waiting for grants more than wait_share_down of their time, whatever the trainer does: down by one
+(`workers_wait`, after down_cooldown_s, never below a size put back within retry_s); trainer utilisation under target,
+the workers not waiting so: up, by as many as the shortfall says (at most max_step, within max_workers and the cap;
+after up_cooldown_s, or down_cooldown_s after a scale-down), never to a size left by `workers_wait` within retry_s, nor
 to one left by `no_better` while the trainer is about as busy as it was there (`tried`). Else hold. What the rules
 remember is in the state apply() returns (written with the fleet), read back by memory_of().
 
