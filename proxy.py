@@ -1164,9 +1164,11 @@ async def register(req: RegisterRequest, adopted: bool = False) -> dict:
             S.pending_version = 0
         if DOWNLOADS is not None and meta is not None:
             DOWNLOADS.remember(req.version, meta)
+        # applied as soon as its commit is in, before any await: the commits a live proxy applies in another order
+        # than its journal's (a quarantine's hold-out resumed first) leave a state its replay does not reach
+        dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
+        FLEET.registered(time.monotonic())
         async with S.cond:
-            dropped = S.book.register(**v, final=req.final, registered=None if adopted else time.monotonic())
-            FLEET.registered(time.monotonic())
             S.cond.notify_all()
         async with S.versions:
             S.versions.notify_all()
